@@ -1,0 +1,29 @@
+"""cp_infer: the context-parallel engine (parallel state, collectives, shard plans, Ulysses attention).
+
+It knows nothing about HTTP or any particular model; models plug in through the interfaces defined here.
+"""
+
+from .attention import local_attention, padded_heads, ulysses_attention
+from .collectives import all_reduce_max_int, all_to_all, broadcast_object, gather_sequence, warmup
+from .shapes import LatentShape, VideoGeometry
+from .shard import ShardPlan
+from .state import ParallelConfig, ParallelState, destroy_parallel, init_parallel, single_process_state
+
+__all__ = [
+    "LatentShape",
+    "ParallelConfig",
+    "ParallelState",
+    "ShardPlan",
+    "VideoGeometry",
+    "all_reduce_max_int",
+    "all_to_all",
+    "broadcast_object",
+    "destroy_parallel",
+    "gather_sequence",
+    "init_parallel",
+    "local_attention",
+    "padded_heads",
+    "single_process_state",
+    "ulysses_attention",
+    "warmup",
+]

@@ -1,0 +1,154 @@
+"""The parallel state: one frozen object that names every process group a rank uses.
+
+Invariants:
+- Built once per process by :func:`init_parallel` and passed explicitly (keyword-only) to everything that
+  communicates. There is no module-level mutable state.
+- Tensors travel over ``cp_group`` (NCCL with CUDA, gloo otherwise); request metadata and control messages
+  travel over ``cpu_group`` (always gloo), so a control message never waits behind device work.
+- With a context-parallel degree of 1 the groups are ``None`` and every collective returns its input.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ParallelConfig", "ParallelState", "init_parallel", "destroy_parallel", "single_process_state"]
+
+_DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How to build the process groups."""
+
+    cp_size: int | None = None
+    """Context-parallel degree. ``None`` means the whole world is one group."""
+    backend: str | None = None
+    """``"nccl"`` or ``"gloo"``; ``None`` picks NCCL when CUDA is available, else gloo."""
+    timeout_s: float = _DEFAULT_TIMEOUT_S
+    """Collective timeout. Short by default: a serving group should fail fast, not hang for hours."""
+    device: str | None = None
+    """``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``None`` picks ``cuda:LOCAL_RANK`` when CUDA exists, else cpu."""
+
+    def __post_init__(self) -> None:
+        if self.cp_size is not None and self.cp_size < 1:
+            raise ValueError(f"cp_size={self.cp_size} must be >= 1 (or None for the whole world)")
+        if self.backend not in (None, "nccl", "gloo"):
+            raise ValueError(f"backend={self.backend!r} is not supported; use 'nccl', 'gloo' or None (auto)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0 seconds")
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Everything a rank needs to know about the group it belongs to."""
+
+    world_size: int
+    rank: int
+    local_rank: int
+    cp_size: int
+    cp_rank: int
+    cp_ranks: tuple[int, ...]
+    """Global ranks of this rank's context-parallel group, in group-rank order."""
+    cp_group: dist.ProcessGroup | None
+    """Device group for tensor collectives; ``None`` when ``cp_size == 1``."""
+    cpu_group: dist.ProcessGroup | None
+    """Gloo group over the whole world for control messages; ``None`` when ``world_size == 1``."""
+    device: torch.device
+    backend: str
+    timeout_s: float
+
+    @property
+    def is_leader(self) -> bool:
+        """True on global rank 0, the rank that talks to clients."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _pick_device(config: ParallelConfig, local_rank: int) -> torch.device:
+    if config.device is not None:
+        device = torch.device(config.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", local_rank)
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def single_process_state(device: str | torch.device = "cpu") -> ParallelState:
+    """A state for one process with no process group at all (every collective is the identity)."""
+    return ParallelState(
+        world_size=1, rank=0, local_rank=0, cp_size=1, cp_rank=0, cp_ranks=(0,), cp_group=None,
+        cpu_group=None, device=torch.device(device), backend="none", timeout_s=_DEFAULT_TIMEOUT_S,
+    )
+
+
+def init_parallel(
+    config: ParallelConfig | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    init_method: str | None = None,
+) -> ParallelState:
+    """Build the process groups from torchrun's environment or explicit arguments.
+
+    ``rank``/``world_size`` default to ``RANK``/``WORLD_SIZE`` (torchrun sets them); a world of one with no
+    process group initialised returns :func:`single_process_state`. The world splits into
+    ``world_size // cp_size`` consecutive context-parallel groups.
+    """
+    config = config or ParallelConfig()
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
+    cp_size = world_size if config.cp_size is None else config.cp_size
+    if world_size % cp_size != 0:
+        valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"cp_size={cp_size} does not divide world_size={world_size}; valid degrees: {valid}")
+    device = _pick_device(config, local_rank)
+    if world_size == 1 and not dist.is_initialized():
+        return single_process_state(device)
+
+    backend = config.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"backend='nccl' needs a CUDA device, got device={device}; use backend='gloo'")
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # NOTE(backend): one default group serving both CPU (gloo) and device tensors (nccl), so that
+        # control messages never need the device backend.
+        pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+        dist.init_process_group(
+            backend=pg_backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
+            timeout=timeout, device_id=device if backend == "nccl" else None,
+        )
+    # Every rank must create every group, in the same order, even the ones it does not belong to.
+    cpu_group = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
+    cp_group = None
+    cp_ranks: tuple[int, ...] = (rank,)
+    for start in range(0, world_size, cp_size):
+        ranks = list(range(start, start + cp_size))
+        group = dist.new_group(ranks, backend=backend, timeout=timeout) if cp_size > 1 else None
+        if rank in ranks:
+            cp_group, cp_ranks = group, tuple(ranks)
+    return ParallelState(
+        world_size=world_size, rank=rank, local_rank=local_rank, cp_size=cp_size,
+        cp_rank=cp_ranks.index(rank), cp_ranks=cp_ranks, cp_group=cp_group, cpu_group=cpu_group,
+        device=device, backend=backend, timeout_s=config.timeout_s,
+    )
+
+
+def destroy_parallel(state: ParallelState) -> None:
+    """Tear down the process groups (idempotent; a single-process state has none)."""
+    if state.distributed and dist.is_initialized():
+        dist.destroy_process_group()

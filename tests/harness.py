@@ -1,0 +1,115 @@
+"""A spawn harness for multi-rank tests: N real processes on a free port, gloo on CPU.
+
+A ``WorkerGroup`` is started once (per test module) and then runs any number of picklable top-level
+functions ``fn(state, *args)`` on every rank. Every rank's traceback comes back to the test on failure,
+and no call can hang: past its timeout the whole group is killed and the test fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["WorkerGroup", "free_port", "RankError"]
+
+
+class RankError(AssertionError):
+    """One or more ranks raised; the message holds every rank's traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, inbox, outbox, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        from cp_infer import ParallelConfig, init_parallel
+
+        state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=60),
+                              rank=rank, world_size=world, local_rank=rank)
+        outbox.put((rank, "ready", None))
+    except BaseException:
+        outbox.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            outbox.put((rank, "ok", fn(state, *args)))
+        except BaseException:
+            outbox.put((rank, "error", traceback.format_exc()))
+
+
+class WorkerGroup:
+    def __init__(self, world: int, *, threads: int = 1, start_timeout: float = 120.0):
+        self.world = world
+        ctx = mp.get_context("spawn")
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(world)]
+        port = free_port()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world, port, self._inboxes[r], self._outbox, threads),
+                        daemon=True)
+            for r in range(world)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect("startup", start_timeout)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
+        """Run ``fn(state, *args)`` on every rank; return the results in rank order."""
+        for box in self._inboxes:
+            box.put((fn, args))
+        return self._collect(getattr(fn, "__name__", str(fn)), timeout)
+
+    def _collect(self, what: str, timeout: float) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < self.world:
+            try:
+                rank, kind, payload = self._outbox.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if time.monotonic() > deadline or (dead and not errors):
+                    self.close()
+                    detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                    raise RankError(f"{what}: no answer within the time limit or ranks {dead} died; "
+                                    f"finished ranks {sorted(results)}\n{detail}") from None
+                continue
+            if kind == "error":
+                errors[rank] = payload
+                # The other ranks may now wait forever in a collective: give them a short grace period.
+                deadline = min(deadline, time.monotonic() + 10)
+            else:
+                results[rank] = payload
+        if errors:
+            self.close()
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise RankError(f"{what} failed on ranks {sorted(errors)}:\n{detail}")
+        return [results[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for box in self._inboxes:
+            with contextlib.suppress(ValueError, OSError):
+                box.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
