@@ -1,0 +1,162 @@
+"""The sharded sampler: the denoising loop every rank of a context-parallel group runs together.
+
+Invariants:
+- Every rank draws the same initial noise (the model prepares it from the request's seed on the CPU) and
+  keeps only its shard of the latent sequence for the whole loop; the scheduler step is elementwise, so it
+  runs on the shard. One gather at the end; padding rows are zeroed after every step and trimmed there.
+- At every step boundary all ranks agree on one status (ok / cancel / error) with one collective that is
+  never skipped, before any tensor collective of that step. So an exception or a cancel on any rank ends
+  the job on every rank at the same step: no rank is left waiting inside an all-to-all.
+- Models plug in through :class:`DenoiseModel`; this module knows no model and no HTTP.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .collectives import all_reduce_max_int, gather_sequence
+from .request import GenerationLimits, GenerationRequest, check_request
+from .shapes import LatentShape, VideoGeometry
+from .shard import ShardPlan
+from .state import ParallelState
+
+__all__ = [
+    "DenoiseModel",
+    "Prepared",
+    "SampleControl",
+    "StepStatus",
+    "JobCancelled",
+    "JobFailed",
+    "sample",
+]
+
+
+class StepStatus(enum.IntEnum):
+    """Ordered by severity: the group takes the maximum over ranks."""
+
+    OK = 0
+    CANCEL = 1
+    ERROR = 2
+
+
+class JobCancelled(Exception):
+    """The job was cancelled; every rank raises this at the same step."""
+
+
+class JobFailed(RuntimeError):
+    """A rank failed; every rank raises this at the same step, with every failing rank's message."""
+
+
+@dataclass
+class Prepared:
+    """What a model prepares for one request (identical on every rank)."""
+
+    latents: torch.Tensor
+    """Packed initial noise ``[B, S, C]`` over the whole sequence (float32)."""
+    timesteps: Sequence[torch.Tensor]
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Model-specific state (text embeddings, generator, latent shape...)."""
+
+
+class DenoiseModel(Protocol):
+    """What the sampler needs from a model adapter."""
+
+    geometry: VideoGeometry
+
+    def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared: ...
+
+    def predict(self, latents_local: torch.Tensor, t: torch.Tensor, prepared: Prepared, plan: ShardPlan,
+                ) -> torch.Tensor:
+        """The guided model output for this rank's shard (collectives inside, same on every rank)."""
+
+    def step(self, noise_pred_local: torch.Tensor, t: torch.Tensor, latents_local: torch.Tensor,
+             prepared: Prepared) -> torch.Tensor: ...
+
+    def decode(self, latents: torch.Tensor, prepared: Prepared) -> np.ndarray:
+        """Full packed latents ``[B, S, C]`` -> uint8 frames ``[F, H, W, 3]`` (first video of the batch)."""
+
+
+@dataclass
+class SampleControl:
+    """Hooks the caller (CLI, worker loop) gives the sampler. All are optional."""
+
+    poll: Callable[[int], StepStatus] | None = None
+    """Called on every rank before step ``i`` (and once more, with ``i == total``, before the gather); may
+    return CANCEL, or raise: an exception counts as ERROR with its message."""
+    on_step: Callable[[int, int, float], None] | None = None
+    """``(steps_done, total, seconds_of_this_step)`` after every step, on every rank."""
+    on_phase: Callable[[str], None] | None = None
+    """Phase changes: ``"denoise"``, ``"decode"``, ``"done"``."""
+
+
+def _agree(status: StepStatus, message: str, *, state: ParallelState) -> None:
+    """One collective that every rank always calls; raises on every rank if any rank is not OK."""
+    agreed = StepStatus(all_reduce_max_int(int(status), state=state))
+    if agreed == StepStatus.OK:
+        return
+    if agreed == StepStatus.CANCEL:
+        raise JobCancelled("cancelled")
+    messages: list[Any] = [None] * state.world_size
+    if state.cpu_group is None:
+        messages = [message]
+    else:
+        dist.all_gather_object(messages, (state.rank, status, message), group=state.cpu_group)
+        messages = [f"rank {r}: {m}" for r, s, m in messages if s == StepStatus.ERROR]
+    raise JobFailed("; ".join(messages))
+
+
+def _poll(control: SampleControl, i: int) -> tuple[StepStatus, str]:
+    if control.poll is None:
+        return StepStatus.OK, ""
+    try:
+        return StepStatus(control.poll(i)), ""
+    except Exception as exc:  # noqa: BLE001 -- any failure must become an agreed status, not a desync
+        return StepStatus.ERROR, f"{type(exc).__name__}: {exc}"
+
+
+@torch.inference_mode()
+def sample(
+    model: DenoiseModel,
+    request: GenerationRequest,
+    *,
+    state: ParallelState,
+    limits: GenerationLimits | None = None,
+    control: SampleControl | None = None,
+) -> np.ndarray | None:
+    """Generate one video. Returns uint8 frames ``[F, H, W, 3]`` on group rank 0, ``None`` on the others."""
+    control = control or SampleControl()
+    shape = check_request(request, geometry=model.geometry, limits=limits or GenerationLimits())
+    prepared = model.prepare(request, shape)
+    plan = ShardPlan(orig_len=prepared.latents.shape[1], world=state.cp_size)
+    latents = plan.shard(prepared.latents, state.cp_rank).to(state.device)
+    valid = plan.valid_len(state.cp_rank)
+    total = len(prepared.timesteps)
+    if control.on_phase:
+        control.on_phase("denoise")
+    for i, t in enumerate(prepared.timesteps):
+        _agree(*_poll(control, i), state=state)
+        started = time.perf_counter()
+        noise_pred = model.predict(latents, t, prepared, plan)
+        latents = model.step(noise_pred, t, latents, prepared)
+        # Padding rows carry no meaning; keep them at zero so they can never grow without bound.
+        latents[:, valid:] = 0
+        if control.on_step:
+            control.on_step(i + 1, total, time.perf_counter() - started)
+    _agree(*_poll(control, total), state=state)
+    full = gather_sequence(latents, plan=plan, group=state.cp_group)
+    if state.cp_rank != 0:
+        return None
+    if control.on_phase:
+        control.on_phase("decode")
+    frames = model.decode(full, prepared)
+    if control.on_phase:
+        control.on_phase("done")
+    return frames

@@ -1,0 +1,194 @@
+"""LTX-Video on the context-parallel engine.
+
+The model maths is diffusers' (``LTXVideoTransformer3DModel``, ``AutoencoderKLLTXVideo``, the scheduler and
+``LTXPipeline``'s own prompt encoding, latent packing and post-processing). Parallelism is applied from
+outside by :func:`parallelize_ltx_transformer`:
+- every self-attention (``attn1``) gets a processor that runs the projections, QK-norm and RoPE on the local
+  shard and the attention itself through :func:`cp_infer.ulysses_attention`;
+- the RoPE module's (cos, sin) over the whole grid are cut to this rank's shard by a forward hook, with the
+  same :class:`ShardPlan` as the latents;
+- cross-attention (``attn2``) is untouched: its queries are local and the text keys are replicated, so it
+  needs no communication. Everything else in a block is per token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from diffusers import LTXPipeline
+from diffusers.models.transformers.transformer_ltx import LTXAttention, apply_rotary_emb
+from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
+
+from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
+from cp_infer.request import GenerationRequest
+from cp_infer.sampler import Prepared
+
+__all__ = ["LTXVideoModel", "parallelize_ltx_transformer"]
+
+
+@dataclass
+class _ShardContext:
+    """The plan of the forward pass in flight. Owned by one model; set only inside ``LTXVideoModel.sharded``."""
+
+    state: ParallelState
+    plan: ShardPlan | None = None
+
+
+class _UlyssesSelfAttnProcessor:
+    """LTX self-attention with the attention itself sequence-parallel (see module docstring)."""
+
+    def __init__(self, ctx: _ShardContext):
+        self.ctx = ctx
+
+    def __call__(self, attn: LTXAttention, hidden_states: torch.Tensor, encoder_hidden_states=None,
+                 attention_mask=None, image_rotary_emb=None) -> torch.Tensor:
+        plan = self.ctx.plan
+        if plan is None:
+            raise RuntimeError("the parallel LTX transformer was called outside LTXVideoModel.sharded()")
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("the Ulysses processor serves self-attention only (no encoder states, no mask)")
+        query = attn.norm_q(attn.to_q(hidden_states))
+        key = attn.norm_k(attn.to_k(hidden_states))
+        value = attn.to_v(hidden_states)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb)
+            key = apply_rotary_emb(key, image_rotary_emb)
+        # B, S_LOCAL, H*D -> B, S_LOCAL, H, D
+        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
+        out = ulysses_attention(query, key, value, plan=plan, group=self.ctx.state.cp_group)
+        out = out.flatten(2, 3).to(query.dtype)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def parallelize_ltx_transformer(transformer: torch.nn.Module, ctx: _ShardContext) -> None:
+    """Apply sequence parallelism to a diffusers ``LTXVideoTransformer3DModel`` in place."""
+    for block in transformer.transformer_blocks:
+        block.attn1.set_processor(_UlyssesSelfAttnProcessor(ctx))
+
+    def shard_rope(_module, _args, output):
+        plan = ctx.plan
+        if plan is None:
+            return output
+        # B, S, D -> B, S_LOCAL, D (same plan as the latents, so token i keeps its position)
+        return tuple(plan.shard(x, ctx.state.cp_rank, dim=1) for x in output)
+
+    transformer.rope.register_forward_hook(shard_rope)
+
+
+class LTXVideoModel:
+    """An LTX-Video pipeline's components, parallelised, behind the sampler's ``DenoiseModel`` interface."""
+
+    family = "ltx-video"
+
+    def __init__(self, components, *, state: ParallelState):
+        self.state = state
+        self.components = components
+        # NOTE(pipeline): the pipeline object is used only for diffusers' own prompt encoding, noise, packing
+        # and post-processing, so that a 1-rank run is the reference implementation step for step.
+        self.pipe = LTXPipeline(
+            scheduler=components.scheduler, vae=components.vae, text_encoder=components.text_encoder,
+            tokenizer=components.tokenizer, transformer=components.transformer,
+        )
+        if self.scheduler.config.get("stochastic_sampling", False):
+            raise ValueError("stochastic_sampling schedulers draw per-step noise that would differ per shard; "
+                             "set stochastic_sampling=false in scheduler/scheduler_config.json")
+        cfg = components.transformer.config
+        self.geometry = VideoGeometry(
+            temporal_compression=self.pipe.vae_temporal_compression_ratio,
+            spatial_compression=self.pipe.vae_spatial_compression_ratio,
+            patch_size=cfg.patch_size, patch_size_t=cfg.patch_size_t,
+        )
+        self._ctx = _ShardContext(state=state)
+        parallelize_ltx_transformer(components.transformer, self._ctx)
+
+    @property
+    def transformer(self):
+        return self.components.transformer
+
+    @property
+    def scheduler(self):
+        return self.components.scheduler
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @contextlib.contextmanager
+    def sharded(self, plan: ShardPlan) -> Iterator[None]:
+        self._ctx.plan = plan
+        try:
+            yield
+        finally:
+            self._ctx.plan = None
+
+    def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared:
+        pipe, device = self.pipe, self.device
+        cfg_on = request.guidance_scale > 1.0
+        embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
+            prompt=request.prompt, negative_prompt=request.negative_prompt, do_classifier_free_guidance=cfg_on,
+            max_sequence_length=request.max_sequence_length, device=device,
+        )
+        if cfg_on:
+            embeds, mask = torch.cat([neg_embeds, embeds]), torch.cat([neg_mask, mask])
+        # NOTE(noise): drawn on the CPU from the request's seed so that every rank, and every device
+        # type, starts from the same latents.
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        latents = pipe.prepare_latents(
+            1, self.transformer.config.in_channels, request.height, request.width, request.num_frames,
+            torch.float32, torch.device("cpu"), generator,
+        ).to(device)
+        sigmas = np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps)
+        cfg = self.scheduler.config
+        mu = calculate_shift(shape.tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                             cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+        timesteps, _ = retrieve_timesteps(self.scheduler, request.num_inference_steps, device, sigmas=sigmas, mu=mu)
+        t_ratio = self.geometry.temporal_compression
+        s_ratio = self.geometry.spatial_compression
+        return Prepared(latents=latents, timesteps=list(timesteps), extras=dict(
+            embeds=embeds, mask=mask, cfg_on=cfg_on, guidance=request.guidance_scale, generator=generator,
+            shape=shape, rope_scale=(t_ratio / request.fps, s_ratio, s_ratio), request=request,
+        ))
+
+    def predict(self, latents_local: torch.Tensor, t: torch.Tensor, prepared: Prepared, plan: ShardPlan,
+                ) -> torch.Tensor:
+        x = prepared.extras
+        model_in = torch.cat([latents_local] * 2) if x["cfg_on"] else latents_local
+        model_in = model_in.to(x["embeds"].dtype)
+        shape: LatentShape = x["shape"]
+        with self.sharded(plan):
+            noise_pred = self.transformer(
+                hidden_states=model_in, encoder_hidden_states=x["embeds"], timestep=t.expand(model_in.shape[0]),
+                encoder_attention_mask=x["mask"], num_frames=shape.frames, height=shape.height, width=shape.width,
+                rope_interpolation_scale=x["rope_scale"], return_dict=False,
+            )[0].float()
+        if x["cfg_on"]:
+            uncond, cond = noise_pred.chunk(2)
+            noise_pred = uncond + x["guidance"] * (cond - uncond)
+        return noise_pred
+
+    def step(self, noise_pred_local, t, latents_local, prepared: Prepared) -> torch.Tensor:
+        return self.scheduler.step(noise_pred_local, t, latents_local, return_dict=False)[0]
+
+    def decode(self, latents: torch.Tensor, prepared: Prepared) -> np.ndarray:
+        pipe, vae = self.pipe, self.components.vae
+        x = prepared.extras
+        shape: LatentShape = x["shape"]
+        request: GenerationRequest = x["request"]
+        cfg = self.transformer.config
+        latents = pipe._unpack_latents(latents, shape.frames, shape.height, shape.width, cfg.patch_size,
+                                       cfg.patch_size_t)
+        latents = pipe._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        latents = latents.to(x["embeds"].dtype)
+        timestep = None
+        if vae.config.timestep_conditioning:
+            noise = torch.randn(latents.shape, generator=x["generator"], dtype=latents.dtype).to(latents.device)
+            scale = request.decode_timestep if request.decode_noise_scale is None else request.decode_noise_scale
+            timestep = torch.tensor([request.decode_timestep], device=latents.device, dtype=latents.dtype)
+            latents = (1 - scale) * latents + scale * noise
+        video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
+        frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
+        return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)

@@ -1,0 +1,93 @@
+"""LTX-Video sampled with the Ulysses engine: 1 rank equals diffusers' own LTXPipeline, N ranks equal 1 rank.
+
+Shapes are chosen so the latent token count does not divide the number of ranks (uneven shards and padding).
+
+Tolerances: at 1 rank our loop runs diffusers' own modules in the same order, so the frames are bit-identical
+to ``LTXPipeline``. With N ranks the maths is the same but matmuls over fewer rows and SDPA over permuted
+layouts may sum in another order: fp32 differences of ~1e-6 that can flip a rounding to uint8, so frames agree
+within 1 level (of 255) and on average within 0.01 levels.
+"""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from cp_infer.request import GenerationRequest
+from cp_infer.sampler import sample
+
+from ..harness import WorkerGroup
+
+# (frames, height, width) -> latent tokens: 3*2*3=18, 2*3*5=30, 4*1*7=28, 1*1*1=1
+SHAPES = [(17, 64, 96), (9, 96, 160), (25, 32, 224), (1, 32, 32)]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    from models.default import ensure_default_model
+
+    path = tmp_path_factory.mktemp("cache")
+    ensure_default_model(path)
+    return str(path)
+
+
+def _requests(seed):
+    return [GenerationRequest(prompt="a red fox runs through fresh snow", negative_prompt="blurry, low quality",
+                              num_frames=f, height=h, width=w, num_inference_steps=3, guidance_scale=3.0,
+                              seed=seed + i, fps=24) for i, (f, h, w) in enumerate(SHAPES)]
+
+
+def _load(state, cache_dir, dtype=torch.float32):
+    from models.default import ensure_default_model
+    from models.loading import load_ltx_video
+    from models.ltx_video import LTXVideoModel
+
+    return LTXVideoModel(load_ltx_video(ensure_default_model(cache_dir), dtype=dtype), state=state)
+
+
+def _sample_all(state, cache_dir, seed):
+    model = _load(state, cache_dir)
+    return [sample(model, r, state=state) for r in _requests(seed)]
+
+
+def test_one_rank_equals_diffusers_pipeline(cache_dir):
+    from diffusers import LTXPipeline
+
+    from cp_infer import single_process_state
+    from models.default import ensure_default_model
+    from models.loading import load_ltx_video
+
+    seed = random.randrange(2**31)
+    ours = _sample_all(single_process_state(), cache_dir, seed)
+    c = load_ltx_video(ensure_default_model(cache_dir))
+    pipe = LTXPipeline(scheduler=c.scheduler, vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer,
+                       transformer=c.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    for r, frames in zip(_requests(seed), ours, strict=True):
+        ref = pipe(prompt=r.prompt, negative_prompt=r.negative_prompt, num_frames=r.num_frames, height=r.height,
+                   width=r.width, num_inference_steps=r.num_inference_steps, guidance_scale=r.guidance_scale,
+                   frame_rate=r.fps, generator=torch.Generator("cpu").manual_seed(r.seed), output_type="np").frames[0]
+        ref8 = (np.clip(ref, 0, 1) * 255).round().astype(np.uint8)
+        assert frames.shape == (r.num_frames, r.height, r.width, 3)
+        assert frames.std() > 5, "degenerate video: the comparison would prove nothing"
+        np.testing.assert_array_equal(frames, ref8, err_msg=f"seed={seed} shape={frames.shape}")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_n_ranks_equal_one_rank(cache_dir, world):
+    from cp_infer import single_process_state
+
+    seed = random.randrange(2**31)
+    expected = _sample_all(single_process_state(), cache_dir, seed)
+    group = WorkerGroup(world)
+    try:
+        results = group.run(_sample_all, cache_dir, seed, timeout=600)
+    finally:
+        group.close()
+    assert all(r is None for rank in results[1:] for r in rank), "only group rank 0 returns frames"
+    for exp, got in zip(expected, results[0], strict=True):
+        assert got.shape == exp.shape
+        diff = np.abs(got.astype(np.int16) - exp.astype(np.int16))
+        assert diff.max() <= 1 and diff.mean() < 0.01, f"world={world} seed={seed} shape={exp.shape}: " \
+            f"max {diff.max()} mean {diff.mean()}"
