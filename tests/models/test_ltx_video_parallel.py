@@ -74,12 +74,17 @@ def test_one_rank_equals_diffusers_pipeline(cache_dir):
         np.testing.assert_array_equal(frames, ref8, err_msg=f"seed={seed} shape={frames.shape}")
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_n_ranks_equal_one_rank(cache_dir, world):
+@pytest.fixture(scope="module")
+def one_rank(cache_dir):
     from cp_infer import single_process_state
 
     seed = random.randrange(2**31)
-    expected = _sample_all(single_process_state(), cache_dir, seed)
+    return seed, _sample_all(single_process_state(), cache_dir, seed)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_n_ranks_equal_one_rank(cache_dir, one_rank, world):
+    seed, expected = one_rank
     group = WorkerGroup(world)
     try:
         results = group.run(_sample_all, cache_dir, seed, timeout=600)
