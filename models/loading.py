@@ -1,0 +1,216 @@
+"""Load a diffusers-format model folder into its components, with errors that say what is wrong.
+
+Invariants:
+- Local only: every `from_pretrained` gets `local_files_only=True`, so a bad path never turns into a hub
+  download attempt.
+- Every failure a user can cause (wrong path, wrong folder, missing component, broken weights) is a
+  `ModelLoadError`, a `ValueError` whose message names the path or subfolder and the fix.
+- Loaded models are in eval mode, on `device`, in `dtype` (the VAE included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKLLTXVideo,
+    FlowMatchEulerDiscreteScheduler,
+    LTXVideoTransformer3DModel,
+)
+from transformers import T5EncoderModel, T5Tokenizer
+
+from models.default import DEFAULT_MODEL_NAME, ensure_default_model
+
+__all__ = [
+    "LTXVideoComponents",
+    "ModelLoadError",
+    "detect_family",
+    "load_ltx_video",
+    "parse_dtype",
+    "resolve_model",
+]
+
+# model_index.json `_class_name` -> family. The LTX-Video image-to-video and condition pipelines ship the
+# same five components as LTXPipeline, so their folders load the same way.
+_PIPELINE_FAMILIES = {
+    "LTXPipeline": "ltx-video",
+    "LTXImageToVideoPipeline": "ltx-video",
+    "LTXConditionPipeline": "ltx-video",
+    "LTX2Pipeline": "ltx2",
+    "LTX2ImageToVideoPipeline": "ltx2",
+}
+# transformer/config.json `_class_name` -> family, for folders without a model_index.json.
+_TRANSFORMER_FAMILIES = {
+    "LTXVideoTransformer3DModel": "ltx-video",
+    "LTX2VideoTransformer3DModel": "ltx2",
+}
+_LTX_VIDEO_SUBFOLDERS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
+# Either one carries the vocabulary: tokenizer.json (tokenizers) or spiece.model (SentencePiece).
+_TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+class ModelLoadError(ValueError):
+    """A model folder that cannot be loaded; the message names the path or subfolder and the fix."""
+
+
+@dataclass(frozen=True)
+class LTXVideoComponents:
+    """The five LTXPipeline components of one loaded LTX-Video folder."""
+
+    transformer: LTXVideoTransformer3DModel
+    """Denoiser, eval mode, in `dtype` on `device`."""
+    vae: AutoencoderKLLTXVideo
+    """Video VAE (32x spatial, 8x temporal compression), eval mode, `dtype` (see NOTE(vae-dtype))."""
+    scheduler: FlowMatchEulerDiscreteScheduler
+    """Stateful sampler schedule; copy it per request rather than sharing one across requests."""
+    text_encoder: T5EncoderModel
+    """T5 encoder, eval mode, in `dtype` on `device`."""
+    tokenizer: T5Tokenizer
+    """Tokenizers-backed T5 tokenizer (in transformers 5 `T5TokenizerFast` is the same class)."""
+    path: Path
+    """The folder the components were loaded from."""
+    dtype: torch.dtype
+    """Parameter dtype of the three models."""
+    device: torch.device
+    """Device of the three models."""
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    """Map "fp32" / "bf16" / "fp16" (or their long names, or the torch dtype itself) to a torch dtype."""
+    if isinstance(value, torch.dtype):
+        if value in _DTYPES.values():
+            return value
+    elif isinstance(value, str) and value.strip().lower() in _DTYPES:
+        return _DTYPES[value.strip().lower()]
+    raise ValueError(f"dtype={value!r} is not supported; use one of 'fp32', 'bf16', 'fp16'")
+
+
+def resolve_model(path_or_none: str | os.PathLike | None) -> Path:
+    """Return the model folder to load: the embedded default for None or "tiny-ltx-video", else `path`."""
+    if path_or_none is None or str(path_or_none) == DEFAULT_MODEL_NAME:
+        return ensure_default_model()
+    return _require_dir(path_or_none)
+
+
+def _require_dir(path: str | os.PathLike) -> Path:
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise ModelLoadError(
+            f"model path {str(root)!r} does not exist; pass a diffusers-format model folder, or "
+            f"{DEFAULT_MODEL_NAME!r} for the embedded default model"
+        )
+    if not root.is_dir():
+        raise ModelLoadError(
+            f"model path {str(root)!r} is a file, not a directory; pass the diffusers-format folder that "
+            "holds model_index.json (single-file checkpoints are not supported)"
+        )
+    return root.resolve()
+
+
+def _read_class_name(config_file: Path) -> str:
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{config_file} is not readable JSON ({exc}); re-download the model") from exc
+    if not isinstance(config, dict) or not isinstance(config.get("_class_name"), str):
+        raise ModelLoadError(f"{config_file} has no '_class_name' string; re-download the model")
+    return config["_class_name"]
+
+
+def detect_family(path: str | os.PathLike) -> str:
+    """Return "ltx-video" or "ltx2" for a diffusers-format folder, from model_index.json or the transformer."""
+    root = _require_dir(path)
+    index_file = root / "model_index.json"
+    transformer_config = root / "transformer" / "config.json"
+    if index_file.is_file():
+        class_name, known, what = _read_class_name(index_file), _PIPELINE_FAMILIES, "pipeline"
+    elif transformer_config.is_file():
+        class_name, known, what = _read_class_name(transformer_config), _TRANSFORMER_FAMILIES, "transformer"
+    else:
+        raise ModelLoadError(
+            f"{str(root)!r} is not a diffusers-format folder; expected model_index.json with subfolders "
+            f"{', '.join(s + '/' for s in _LTX_VIDEO_SUBFOLDERS)}"
+        )
+    if class_name not in known:
+        raise ModelLoadError(
+            f"{what} class {class_name!r} in {str(root)!r} is not supported; supported: {', '.join(known)}"
+        )
+    return known[class_name]
+
+
+def _load(root: Path, subfolder: str, loader: Any, **kwargs: Any) -> Any:
+    try:
+        return loader(root, subfolder=subfolder, local_files_only=True, **kwargs)
+    # The loaders raise a zoo of types for one cause (OSError, SafetensorError, ValueError,
+    # json errors, RuntimeError on shape mismatch); each means "this subfolder is unusable".
+    except Exception as exc:
+        raise ModelLoadError(
+            f"could not load {subfolder}/ from {str(root)!r}: {type(exc).__name__}: {exc}; the files are "
+            "corrupt or incomplete, re-download the model"
+        ) from exc
+
+
+def load_ltx_video(
+    path: str | os.PathLike, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LTXVideoComponents:
+    """Load an LTX-Video diffusers folder (e.g. Lightricks/LTX-Video, or `ensure_default_model()`)."""
+    dtype = parse_dtype(dtype)
+    device = torch.device(device)
+    root = _require_dir(path)
+    family = detect_family(root)
+    if family != "ltx-video":
+        raise ModelLoadError(
+            f"{str(root)!r} is an {family} model, which is not supported yet; pass an LTX-Video folder"
+        )
+    missing = [name for name in _LTX_VIDEO_SUBFOLDERS if not (root / name).is_dir()]
+    if missing:
+        raise ModelLoadError(
+            f"{str(root)!r} is missing the subfolder(s) {', '.join(m + '/' for m in missing)}; an LTX-Video "
+            f"folder needs {', '.join(s + '/' for s in _LTX_VIDEO_SUBFOLDERS)}; re-download the model"
+        )
+
+    # low_cpu_mem_usage=False: the default wants `accelerate`, and without it diffusers warns on every load.
+    # NOTE(vae-dtype): on this path diffusers leaves the VAE decoder's 0-d `timestep_scale_multiplier`
+    # (created explicitly float32) in float32, as the stock LTXPipeline.from_pretrained does; a 0-d
+    # operand does not promote, so the decode still runs and returns in `dtype`.
+    diffusers_kwargs = dict(dtype=dtype, low_cpu_mem_usage=False)
+    transformer = _load(root, "transformer", LTXVideoTransformer3DModel.from_pretrained, **diffusers_kwargs)
+    vae = _load(root, "vae", AutoencoderKLLTXVideo.from_pretrained, **diffusers_kwargs)
+    scheduler = _load(root, "scheduler", FlowMatchEulerDiscreteScheduler.from_pretrained)
+    text_encoder = _load(root, "text_encoder", T5EncoderModel.from_pretrained, dtype=dtype)
+    # NOTE(empty-tokenizer): transformers 5 builds a 104-token placeholder T5 tokenizer from a folder with
+    # no vocabulary file instead of raising, which would turn every prompt into <unk>s; refuse it here.
+    if not any((root / "tokenizer" / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"could not load tokenizer/ from {str(root)!r}: it holds none of {', '.join(_TOKENIZER_FILES)}; "
+            "the files are incomplete, re-download the model"
+        )
+    tokenizer = _load(root, "tokenizer", T5Tokenizer.from_pretrained)
+    for model in (transformer, vae, text_encoder):
+        # Device only: the dtype was set at load time, and a dtype cast here would bypass diffusers'
+        # keep-in-fp32 module list (and warn about it).
+        model.to(device).eval()
+    return LTXVideoComponents(
+        transformer=transformer,
+        vae=vae,
+        scheduler=scheduler,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        path=root,
+        dtype=dtype,
+        device=device,
+    )
