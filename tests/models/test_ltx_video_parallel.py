@@ -5,7 +5,7 @@ Shapes are chosen so the latent token count does not divide the number of ranks 
 Tolerances: at 1 rank our loop runs diffusers' own modules in the same order, so the frames are bit-identical
 to ``LTXPipeline``. With N ranks the maths is the same but matmuls over fewer rows and SDPA over permuted
 layouts may sum in another order: fp32 differences of ~1e-6 that can flip a rounding to uint8, so frames agree
-within 1 level (of 255) and on average within 0.01 levels.
+within 1 level (of 255) and on average within 0.01 levels (bf16: see ``_tolerance``).
 """
 
 import random
@@ -21,6 +21,22 @@ from ..harness import WorkerGroup
 
 # (frames, height, width) -> latent tokens: 3*2*3=18, 2*3*5=30, 4*1*7=28, 1*1*1=1
 SHAPES = [(17, 64, 96), (9, 96, 160), (25, 32, 224), (1, 32, 32)]
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _tolerance(dtype, exp, exp_fp32):
+    """Allowed (max, mean) difference in uint8 levels between N ranks and 1 rank.
+
+    fp32: 1 level, 0.01 on average (see the module docstring). bf16 rounds every matmul output to 8 mantissa
+    bits, so a different summation order moves values by a bf16 ulp: on average the N-rank error may be as large
+    as bf16's own error against fp32 for the same video (measured here: mean 0.5-0.7 levels), not larger. The
+    worst pixel is the sum of two independent bf16 roundings, so its bound is twice bf16's own worst pixel (max
+    4-8 levels here; N=3 was seen at 11). The fp32 check above is the one that proves the algorithm exact.
+    """
+    if dtype == torch.float32:
+        return 1, 0.01
+    own = np.abs(exp.astype(np.int16) - exp_fp32.astype(np.int16))
+    return 2 * int(own.max()) + 1, float(own.mean()) + 0.05
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +62,8 @@ def _load(state, cache_dir, dtype=torch.float32):
     return LTXVideoModel(load_ltx_video(ensure_default_model(cache_dir), dtype=dtype), state=state)
 
 
-def _sample_all(state, cache_dir, seed):
-    model = _load(state, cache_dir)
+def _sample_all(state, cache_dir, seed, dtype=torch.float32):
+    model = _load(state, cache_dir, dtype=dtype)
     return [sample(model, r, state=state) for r in _requests(seed)]
 
 
@@ -79,7 +95,7 @@ def one_rank(cache_dir):
     from cp_infer import single_process_state
 
     seed = random.randrange(2**31)
-    return seed, _sample_all(single_process_state(), cache_dir, seed)
+    return seed, {dtype: _sample_all(single_process_state(), cache_dir, seed, dtype) for dtype in DTYPES}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -87,12 +103,14 @@ def test_n_ranks_equal_one_rank(cache_dir, one_rank, world):
     seed, expected = one_rank
     group = WorkerGroup(world)
     try:
-        results = group.run(_sample_all, cache_dir, seed, timeout=600)
+        results = {dtype: group.run(_sample_all, cache_dir, seed, dtype, timeout=600) for dtype in DTYPES}
     finally:
         group.close()
-    assert all(r is None for rank in results[1:] for r in rank), "only group rank 0 returns frames"
-    for exp, got in zip(expected, results[0], strict=True):
-        assert got.shape == exp.shape
-        diff = np.abs(got.astype(np.int16) - exp.astype(np.int16))
-        assert diff.max() <= 1 and diff.mean() < 0.01, f"world={world} seed={seed} shape={exp.shape}: " \
-            f"max {diff.max()} mean {diff.mean()}"
+    for dtype in DTYPES:
+        assert all(r is None for rank in results[dtype][1:] for r in rank), "only group rank 0 returns frames"
+        for exp, exp_fp32, got in zip(expected[dtype], expected[torch.float32], results[dtype][0], strict=True):
+            assert got.shape == exp.shape
+            max_levels, mean_levels = _tolerance(dtype, exp, exp_fp32)
+            diff = np.abs(got.astype(np.int16) - exp.astype(np.int16))
+            assert diff.max() <= max_levels and diff.mean() < mean_levels, \
+                f"world={world} {dtype} seed={seed} shape={exp.shape}: max {diff.max()} mean {diff.mean()}"
