@@ -189,6 +189,11 @@ class LTXVideoModel:
             scale = request.decode_timestep if request.decode_noise_scale is None else request.decode_noise_scale
             timestep = torch.tensor([request.decode_timestep], device=latents.device, dtype=latents.dtype)
             latents = (1 - scale) * latents + scale * noise
-        video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
+        # NOTE(decode-noise): real LTX-Video 0.9.1 decoders inject noise from the global RNG (the pipeline passes
+        # no generator); seed it from the request, inside a forked RNG, so a video is reproducible.
+        devices = [latents.device] if latents.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(request.seed)
+            video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
         frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
         return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)

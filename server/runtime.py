@@ -5,24 +5,41 @@ Invariants:
   same sequence of commands; only the leader (global rank 0) decides what the next command is, and it is
   broadcast over the gloo CPU group as a server-built ``Command`` (never client bytes: broadcast is pickle).
 - ``Command("idle")`` is a heartbeat: the leader sends one at least every ``heartbeat_s`` while it waits for
-  work, so workers never sit in a broadcast longer than the collective timeout.
+  work, so workers never sit in a broadcast longer than the collective timeout. ``Command("ping")`` is a
+  heartbeat that every rank answers with one all-reduce, so the leader learns that the whole group is alive.
+- Fault injection (tests only) is read from ``$CP_INFER_TEST_FAULT`` by :func:`worker_loop` and by the server's
+  leader, and acts only through a :class:`SampleControl` hook, so it follows the same agreed-status path as a
+  real failure. Unset, it costs nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from cp_infer import ParallelConfig, ParallelState, broadcast_object, init_parallel, warmup
+from cp_infer import ParallelConfig, ParallelState, all_reduce_max_int, broadcast_object, init_parallel, warmup
 from cp_infer.request import GenerationLimits, GenerationRequest
-from cp_infer.sampler import SampleControl, sample
+from cp_infer.sampler import SampleControl, StepStatus, sample
 from models.loading import load_ltx_video, parse_dtype, resolve_model
 from models.ltx_video import LTXVideoModel
 
-__all__ = ["RuntimeConfig", "Runtime", "Command", "start_runtime", "worker_loop"]
+__all__ = [
+    "FAULT_ENV",
+    "Command",
+    "FaultRule",
+    "Runtime",
+    "RuntimeConfig",
+    "parse_faults",
+    "start_runtime",
+    "with_faults",
+    "worker_loop",
+]
 
 log = logging.getLogger("cp_infer.runtime")
 
@@ -50,7 +67,7 @@ class Command:
     """What the leader tells every rank to do next."""
 
     kind: str
-    """``generate``, ``idle`` (heartbeat) or ``stop``."""
+    """``generate``, ``idle`` (heartbeat), ``ping`` (heartbeat answered by one all-reduce) or ``stop``."""
     request: GenerationRequest | None = None
     job_id: str | None = None
 
@@ -78,17 +95,103 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
     return Runtime(config=config, state=state, model=model)
 
 
+FAULT_ENV = "CP_INFER_TEST_FAULT"
+
+
+@dataclass(frozen=True)
+class FaultRule:
+    """One injected fault, e.g. ``rank=1,step=2,kind=raise,prompt=boom`` (tests only).
+
+    ``kind``: ``raise`` (an exception in the step poll, or in the decode phase with ``step=decode``), ``kill``
+    (SIGKILL to this process), ``exit`` (``os._exit(3)``) or ``sleep`` (``seconds`` per matching step).
+    ``rank`` and ``step`` may be ``*``; ``prompt`` is a substring the job's prompt must contain.
+    """
+
+    kind: str
+    rank: int | None = None
+    step: int | str | None = None
+    """A step index, ``"decode"`` (rank 0 only: the phase after the gather) or ``None`` for every step."""
+    prompt: str = ""
+    seconds: float = 0.0
+
+    def matches(self, rank: int, prompt: str) -> bool:
+        return (self.rank is None or self.rank == rank) and self.prompt in prompt
+
+    def fire(self, where: str) -> None:
+        if self.kind == "sleep":
+            time.sleep(self.seconds)
+            return
+        log.warning("injecting fault %s at %s (pid %d)", self, where, os.getpid())
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault at {where}")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+
+
+def parse_faults(text: str | None) -> tuple[FaultRule, ...]:
+    """``"rank=1,step=2,kind=raise;rank=0,step=decode,kind=raise,prompt=x"`` -> rules (empty text: none)."""
+    rules = []
+    for part in (text or "").split(";"):
+        if not part.strip():
+            continue
+        fields = dict(item.split("=", 1) for item in part.split(",") if item.strip())
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        unknown = set(fields) - {"kind", "rank", "step", "prompt", "seconds"}
+        if unknown or fields.get("kind") not in ("raise", "kill", "exit", "sleep"):
+            raise ValueError(f"{FAULT_ENV}: cannot parse {part!r}; expected e.g. 'rank=1,step=2,kind=raise'")
+        rank = fields.get("rank", "*")
+        step = fields.get("step", "*")
+        rules.append(FaultRule(
+            kind=fields["kind"], rank=None if rank == "*" else int(rank),
+            step=None if step == "*" else (step if step == "decode" else int(step)),
+            prompt=fields.get("prompt", ""), seconds=float(fields.get("seconds", 0.0))))
+    return tuple(rules)
+
+
+def with_faults(control: SampleControl | None, request: GenerationRequest, *, rank: int,
+                rules: tuple[FaultRule, ...]) -> SampleControl | None:
+    """``control`` with the matching fault rules wrapped around its ``poll`` and ``on_phase`` hooks."""
+    active = [r for r in rules if r.matches(rank, request.prompt)]
+    if not active:
+        return control
+    control = control or SampleControl()
+    base_poll, base_phase = control.poll, control.on_phase
+
+    def poll(i: int):
+        for rule in active:
+            if rule.step is None or rule.step == i:
+                rule.fire(f"step {i} on rank {rank}")
+        return base_poll(i) if base_poll else StepStatus.OK
+
+    def on_phase(phase: str) -> None:
+        if base_phase:
+            base_phase(phase)
+        for rule in active:
+            if phase == "decode" and rule.step == "decode":
+                rule.fire(f"decode on rank {rank}")
+
+    return replace(control, poll=poll, on_phase=on_phase)
+
+
 def worker_loop(runtime: Runtime, *, control_for: Callable[[Command], SampleControl | None] | None = None) -> None:
     """Non-leader ranks: follow the leader's commands until ``stop``. Failures of a job end that job only."""
     from cp_infer.sampler import JobCancelled, JobFailed
 
+    faults = parse_faults(os.environ.get(FAULT_ENV))
     while True:
         command: Command = broadcast_object(None, state=runtime.state)
         if command.kind == "stop":
             return
+        if command.kind == "ping":
+            all_reduce_max_int(0, state=runtime.state)
+            continue
         if command.kind != "generate":
             continue
         control = control_for(command) if control_for else None
+        control = with_faults(control, command.request, rank=runtime.state.rank, rules=faults)
         try:
             runtime.generate(command.request, control)
         except (JobCancelled, JobFailed) as exc:
