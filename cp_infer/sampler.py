@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_max_int, gather_sequence
+from .decode import TemporalSplit, decode_parallel
 from .request import GenerationLimits, GenerationRequest, check_request
 from .shapes import LatentShape, VideoGeometry
 from .shard import ShardPlan
@@ -80,8 +81,11 @@ class DenoiseModel(Protocol):
     def step(self, noise_pred_local: torch.Tensor, t: torch.Tensor, latents_local: torch.Tensor,
              prepared: Prepared) -> torch.Tensor: ...
 
-    def decode(self, latents: torch.Tensor, prepared: Prepared) -> np.ndarray:
-        """Full packed latents ``[B, S, C]`` -> uint8 frames ``[F, H, W, 3]`` (first video of the batch)."""
+    def decoder(self, latents: torch.Tensor, prepared: Prepared,
+                ) -> tuple[TemporalSplit, tuple[int, ...], Callable[[int, int], np.ndarray]]:
+        """For full packed latents ``[B, S, C]`` (same on every rank): the temporal split, the shape of one
+        frame (``(H, W, 3)``) and a function decoding latent frames ``[a, b)`` on this rank (with halo exchange
+        between ranks) to uint8 frames ``[F, H, W, 3]`` (see ``cp_infer.decode``)."""
 
 
 @dataclass
@@ -95,6 +99,11 @@ class SampleControl:
     """``(steps_done, total, seconds_of_this_step)`` after every step, on every rank."""
     on_phase: Callable[[str], None] | None = None
     """Phase changes: ``"denoise"``, ``"decode"``, ``"done"``."""
+    on_frames: Callable[[np.ndarray, int, int], None] | None = None
+    """``(frames, first_frame_index, total_frames)`` on group rank 0 for each decoded chunk, in temporal order
+    (a streaming encoder writes them as they come)."""
+    collect: bool = True
+    """Also return the whole video; a streaming caller sets False so no rank ever holds every frame."""
 
 
 def _agree(status: StepStatus, message: str, *, state: ParallelState) -> None:
@@ -152,11 +161,18 @@ def sample(
             control.on_step(i + 1, total, time.perf_counter() - started)
     _agree(*_poll(control, total), state=state)
     full = gather_sequence(latents, plan=plan, group=state.cp_group)
-    if state.cp_rank != 0:
-        return None
     if control.on_phase:
         control.on_phase("decode")
-    frames = model.decode(full, prepared)
+    split, frame_shape, decode_range = model.decoder(full, prepared)
+    pieces, done = [], 0
+    for frames in decode_parallel(split, decode_range, frame_shape=frame_shape, state=state):
+        if control.on_frames:
+            control.on_frames(frames, done, split.video_frames)
+        done += frames.shape[0]
+        if control.collect:
+            pieces.append(frames)
     if control.on_phase:
         control.on_phase("done")
-    return frames
+    if state.cp_rank != 0:
+        return None
+    return np.concatenate(pieces) if control.collect else None

@@ -24,8 +24,11 @@ from diffusers.models.transformers.transformer_ltx import LTXAttention, apply_ro
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
 
 from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
+from cp_infer.decode import TemporalSplit
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Prepared
+
+from .ltx_vae_parallel import DecodeContext, parallelize_ltx_decoder
 
 __all__ = ["LTXVideoModel", "parallelize_ltx_transformer"]
 
@@ -102,8 +105,12 @@ class LTXVideoModel:
             spatial_compression=self.pipe.vae_spatial_compression_ratio,
             patch_size=cfg.patch_size, patch_size_t=cfg.patch_size_t,
         )
+        # Spatial tiles for large frames (diffusers' own tiling, only above 512 px): bounds decode memory.
+        components.vae.enable_tiling()
         self._ctx = _ShardContext(state=state)
         parallelize_ltx_transformer(components.transformer, self._ctx)
+        self._decode_ctx = DecodeContext(state=state)
+        parallelize_ltx_decoder(components.vae, self._decode_ctx)
 
     @property
     def transformer(self):
@@ -173,7 +180,8 @@ class LTXVideoModel:
     def step(self, noise_pred_local, t, latents_local, prepared: Prepared) -> torch.Tensor:
         return self.scheduler.step(noise_pred_local, t, latents_local, return_dict=False)[0]
 
-    def decode(self, latents: torch.Tensor, prepared: Prepared) -> np.ndarray:
+    def decoder(self, latents: torch.Tensor, prepared: Prepared):
+        """Unpack, denormalise and (timestep-conditioned VAEs) noise the latents once; decode this rank's range."""
         pipe, vae = self.pipe, self.components.vae
         x = prepared.extras
         shape: LatentShape = x["shape"]
@@ -185,15 +193,31 @@ class LTXVideoModel:
         latents = latents.to(x["embeds"].dtype)
         timestep = None
         if vae.config.timestep_conditioning:
+            # Drawn on every rank from the same generator state, so every rank noises the same way.
             noise = torch.randn(latents.shape, generator=x["generator"], dtype=latents.dtype).to(latents.device)
             scale = request.decode_timestep if request.decode_noise_scale is None else request.decode_noise_scale
             timestep = torch.tensor([request.decode_timestep], device=latents.device, dtype=latents.dtype)
             latents = (1 - scale) * latents + scale * noise
-        # NOTE(decode-noise): real LTX-Video 0.9.1 decoders inject noise from the global RNG (the pipeline passes
-        # no generator); seed it from the request, inside a forked RNG, so a video is reproducible.
-        devices = [latents.device] if latents.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(request.seed)
-            video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
-        frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
-        return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+        latents = latents.to(vae.dtype)
+        split = TemporalSplit(latent_frames=latents.shape[2], world=self.state.cp_size,
+                              temporal_compression=self.geometry.temporal_compression)
+
+        def decode_range(a: int, b: int) -> np.ndarray:
+            # NOTE(decode-noise): real LTX-Video 0.9.1 decoders inject noise from the global RNG (the pipeline
+            # passes no generator); seed it from the request, inside a forked RNG, so a video is reproducible.
+            devices = [latents.device] if latents.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), self.decode_split(split):
+                torch.manual_seed(request.seed + self.state.cp_rank)
+                video = vae.decode(latents[:, :, a:b], timestep, return_dict=False)[0]
+            frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
+            return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+
+        return split, (request.height, request.width, 3), decode_range
+
+    @contextlib.contextmanager
+    def decode_split(self, split: TemporalSplit) -> Iterator[None]:
+        self._decode_ctx.split = split
+        try:
+            yield
+        finally:
+            self._decode_ctx.split = None
