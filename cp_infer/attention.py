@@ -84,20 +84,27 @@ def ulysses_attention(
 
     h_pad = padded_heads(heads, n)
     h_local = h_pad // n
-    send = q.new_empty((n, 3, batch, s_local, h_local, head_dim))
+    # NOTE(layout): q, k and v are interleaved per token ([..., S_LOCAL, 3, H_LOCAL, D]) so that after the
+    # exchange each of them is a strided *view* of the receive buffer (no unpack copy at B=1), and SDPA, which
+    # accepts strided inputs on every backend, returns its output in the query's [B, S, H, D] memory order,
+    # which makes the output pack free at B=1 too.
+    send = q.new_empty((n, batch, s_local, 3, h_local, head_dim))
     for i, t in enumerate((q, k, v)):
         if h_pad != heads:
             t = F.pad(t, (0, 0, 0, h_pad - heads))
         # B, S_LOCAL, H, D -> N, B, S_LOCAL, H_LOCAL, D (chunk j = the heads rank j attends)
-        send[:, i].copy_(t.view(batch, s_local, n, h_local, head_dim).permute(2, 0, 1, 3, 4))
+        send[:, :, :, i].copy_(t.view(batch, s_local, n, h_local, head_dim).permute(2, 0, 1, 3, 4))
     recv = all_to_all(send, group=group)
-    # N, 3, B, S_LOCAL, H_LOCAL, D (chunk j = rank j's tokens) -> 3, B, H_LOCAL, S_PAD, D
-    qkv = recv.permute(1, 2, 4, 0, 3, 5).reshape(3, batch, h_local, n * s_local, head_dim)
-    q_h, k_h, v_h = qkv[0], qkv[1, :, :, : plan.orig_len], qkv[2, :, :, : plan.orig_len]
+    # N, B, S_LOCAL, 3, H_LOCAL, D (chunk j = rank j's tokens) -> B, S_PAD, 3, H_LOCAL, D
+    qkv = recv.transpose(0, 1).reshape(batch, n * s_local, 3, h_local, head_dim)
+    # B, S, H_LOCAL, D -> B, H_LOCAL, S, D (views); keys and values cut to the real tokens
+    q_h = qkv[:, :, 0].transpose(1, 2)
+    k_h = qkv[:, : plan.orig_len, 1].transpose(1, 2)
+    v_h = qkv[:, : plan.orig_len, 2].transpose(1, 2)
     out = F.scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask, scale=scale)
 
     # B, H_LOCAL, S_PAD, D -> N, B, S_LOCAL, H_LOCAL, D (chunk j = rank j's tokens)
-    send_out = out.view(batch, h_local, n, s_local, head_dim).permute(2, 0, 3, 1, 4).contiguous()
+    send_out = out.transpose(1, 2).reshape(batch, n, s_local, h_local, head_dim).transpose(0, 1).contiguous()
     recv_out = all_to_all(send_out, group=group)
     # N, B, S_LOCAL, H_LOCAL, D (chunk j = heads of rank j) -> B, S_LOCAL, H, D
     out = recv_out.permute(1, 2, 0, 3, 4).reshape(batch, s_local, h_pad, head_dim)
