@@ -102,7 +102,7 @@ FAULT_ENV = "CP_INFER_TEST_FAULT"
 class FaultRule:
     """One injected fault, e.g. ``rank=1,step=2,kind=raise,prompt=boom`` (tests only).
 
-    ``kind``: ``raise`` (an exception in the step poll, or in the decode phase with ``step=decode``), ``kill``
+    ``kind``: ``raise`` (an exception in the step poll, or in the decoded-frames hook with ``step=decode``), ``kill``
     (SIGKILL to this process), ``exit`` (``os._exit(3)``) or ``sleep`` (``seconds`` per matching step).
     ``rank`` and ``step`` may be ``*``; ``prompt`` is a substring the job's prompt must contain.
     """
@@ -153,12 +153,16 @@ def parse_faults(text: str | None) -> tuple[FaultRule, ...]:
 
 def with_faults(control: SampleControl | None, request: GenerationRequest, *, rank: int,
                 rules: tuple[FaultRule, ...]) -> SampleControl | None:
-    """``control`` with the matching fault rules wrapped around its ``poll`` and ``on_phase`` hooks."""
+    """``control`` with the matching fault rules wrapped around its ``poll`` and ``on_frames`` hooks.
+
+    Step rules fire in ``poll`` (so the sampler turns a raise into an agreed error); ``step=decode`` rules fire
+    in ``on_frames``, which only the rank that assembles the video (group rank 0) receives.
+    """
     active = [r for r in rules if r.matches(rank, request.prompt)]
     if not active:
         return control
     control = control or SampleControl()
-    base_poll, base_phase = control.poll, control.on_phase
+    base_poll, base_frames = control.poll, control.on_frames
 
     def poll(i: int):
         for rule in active:
@@ -166,14 +170,14 @@ def with_faults(control: SampleControl | None, request: GenerationRequest, *, ra
                 rule.fire(f"step {i} on rank {rank}")
         return base_poll(i) if base_poll else StepStatus.OK
 
-    def on_phase(phase: str) -> None:
-        if base_phase:
-            base_phase(phase)
+    def on_frames(frames, first: int, total: int) -> None:
+        if base_frames:
+            base_frames(frames, first, total)
         for rule in active:
-            if phase == "decode" and rule.step == "decode":
+            if rule.step == "decode":
                 rule.fire(f"decode on rank {rank}")
 
-    return replace(control, poll=poll, on_phase=on_phase)
+    return replace(control, poll=poll, on_frames=on_frames)
 
 
 def worker_loop(runtime: Runtime, *, control_for: Callable[[Command], SampleControl | None] | None = None) -> None:

@@ -1,0 +1,202 @@
+"""The HTTP front end (rank 0): ``create_app(config, engine)`` builds the FastAPI app around a group leader.
+
+Invariants:
+- The app never touches the process group: it reads and writes the engine's job store, and the engine's
+  leader thread alone talks to the other ranks. ``lifespan`` starts and stops that thread.
+- With an API key, one ASGI middleware in front of every route (FastAPI's own docs routes included) checks
+  the bearer token with ``hmac.compare_digest``; only ``/health`` is exempt. Bodies over the cap are refused
+  with 413, from their Content-Length before they are read, and while streaming otherwise.
+- Every error is a 4xx/5xx JSON ``{"error": {"code", "message", "param"}}``; nothing fails with 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.schemas import ApiError
+
+__all__ = ["AppConfig", "create_app"]
+
+_PUBLIC_PATHS = frozenset({"/health"})
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    api_key: str | None = None
+    """Bearer token every route but ``/health`` requires; ``None``: no authentication."""
+    max_body_bytes: int = 64 * 1024
+    """Largest request body; larger ones get 413."""
+    cors_origins: tuple[str, ...] = ()
+    """Origins allowed by CORS; empty: no CORS headers at all."""
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and len(self.api_key) < 8:
+            raise ValueError("api_key is shorter than 8 characters; use a long random token")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1024")
+
+
+def _error_response(status: int, code: str, message: str, param: str | None = None,
+                    headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(ApiError(status, code, message, param).body(), status_code=status, headers=headers)
+
+
+class _GuardMiddleware:
+    """Authentication and the body-size cap, as plain ASGI so that no route (or 404) can bypass them."""
+
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope["path"] not in _PUBLIC_PATHS:
+            auth = headers.get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                response = _error_response(401, "invalid_api_key", "missing or wrong API key; send the header "
+                                           "'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        if scope["type"] == "http":
+            length = headers.get(b"content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+                response = _error_response(413, "request_too_large", f"the body is {length.decode(errors='replace')}"
+                                           f" bytes; the limit is {self.max_body_bytes} bytes")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        app.state.rejected[exc.status] = app.state.rejected.get(exc.status, 0) + 1
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return _error_response(exc.status_code, codes.get(exc.status_code, "http_error"), detail,
+                               headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        param = str(err["loc"][-1]) if err.get("loc") else None
+        app.state.rejected[400] = app.state.rejected.get(400, 0) + 1
+        return _error_response(400, "invalid_value", f"{param}: {err['msg']}", param)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(500, "internal_error", f"{type(exc).__name__}: the server failed; see its log")
+
+
+def _health_router(engine) -> APIRouter:
+    router = APIRouter(tags=["health"])
+
+    @router.get("/health")
+    async def health() -> dict:
+        """The process lives (no authentication)."""
+        return {"status": "ok"}
+
+    @router.get("/ready")
+    async def ready() -> JSONResponse:
+        """The worker group is up and answered the last heartbeat collective (or is running a job)."""
+        ok, reason = engine.ready()
+        body = {"status": "ready" if ok else "not_ready", "reason": reason, "world_size": engine.world_size,
+                "heartbeat_rtt_ms": None if engine.last_ping_rtt_s is None else round(engine.last_ping_rtt_s * 1e3, 3)}
+        if ok:
+            return JSONResponse(body)
+        return JSONResponse({**ApiError(503, "not_ready", reason).body(), **body}, status_code=503,
+                            headers={"Retry-After": "5"})
+
+    @router.get("/metrics", response_class=PlainTextResponse)
+    async def metrics(request: Request) -> PlainTextResponse:
+        """Prometheus text format."""
+        return PlainTextResponse(_metrics_text(engine, request.app.state.rejected),
+                                 media_type="text/plain; version=0.0.4")
+
+    return router
+
+
+def _metrics_text(engine, rejected: dict[int, int]) -> str:
+    store = engine.store
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[str]) -> None:
+        lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
+
+    metric("cp_infer_queue_depth", "gauge", "Jobs waiting to run.", [f"cp_infer_queue_depth {store.queue_depth()}"])
+    metric("cp_infer_jobs", "gauge", "Jobs in the store by state.",
+           [f'cp_infer_jobs{{state="{s}"}} {n}' for s, n in store.counts().items()])
+    metric("cp_infer_jobs_finished_total", "counter", "Jobs this leader ended, by final state.",
+           [f'cp_infer_jobs_finished_total{{state="{s}"}} {n}' for s, n in engine.jobs_done.items()])
+    metric("cp_infer_requests_broadcast_total", "counter", "Validated requests the leader broadcast to the group.",
+           [f"cp_infer_requests_broadcast_total {engine.broadcasts}"])
+    metric("cp_infer_requests_rejected_total", "counter", "Requests refused by the front end, by status code.",
+           [f'cp_infer_requests_rejected_total{{code="{c}"}} {n}' for c, n in sorted(rejected.items())])
+    metric("cp_infer_step_seconds", "histogram", "Denoising step latency on rank 0.",
+           engine.step_seconds.lines("cp_infer_step_seconds"))
+    metric("cp_infer_generation_seconds", "histogram", "Time from broadcast to a written video.",
+           engine.generation_seconds.lines("cp_infer_generation_seconds"))
+    ok, _ = engine.ready()
+    metric("cp_infer_group_ready", "gauge", "1 when the worker group answers.", [f"cp_infer_group_ready {int(ok)}"])
+    metric("cp_infer_group_world_size", "gauge", "Ranks in the group.",
+           [f"cp_infer_group_world_size {engine.world_size or 0}"])
+    metric("cp_infer_group_restarts", "gauge", "torchrun restarts of the group so far.",
+           [f"cp_infer_group_restarts {engine.restart_count}"])
+    rtt = engine.last_ping_rtt_s
+    metric("cp_infer_heartbeat_rtt_seconds", "gauge", "Round trip of the last heartbeat collective.",
+           [f"cp_infer_heartbeat_rtt_seconds {rtt if rtt is not None else 'NaN'}"])
+    return "\n".join(lines) + "\n"
+
+
+def create_app(config: AppConfig, engine) -> FastAPI:
+    """The FastAPI app over ``engine`` (a :class:`server.leader.GroupLeader`, or anything with its interface)."""
+    from server.videos import videos_router
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        recovered = engine.store.recover()
+        if recovered:
+            app.state.recovered = recovered
+        engine.start()
+        try:
+            yield
+        finally:
+            app.state.shutting_down = True
+            await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="cp-infer", version="0.1.0", lifespan=lifespan)
+    app.state.rejected = {}
+    app.state.shutting_down = False
+    app.state.recovered = []
+    _install_error_handlers(app)
+    app.include_router(_health_router(engine))
+    app.include_router(videos_router(engine, max_body_bytes=config.max_body_bytes))
+    app.add_middleware(_GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    if config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        # Outside the guard: a browser's preflight carries no token; the real request still needs one.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    return app

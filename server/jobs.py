@@ -1,0 +1,313 @@
+"""The job store: jobs in an embedded SQLite database, outputs in files named by the server-made job id.
+
+Invariants:
+- Job ids are made here (``video_`` + 32 hex digits) and are the only names of output files, so a path never
+  contains client text; :func:`valid_job_id` gates every id that arrives in a URL.
+- FIFO: the leader claims the oldest queued job (by insertion order); a claim and a cancel of a queued job
+  are serialised by one lock, so a job is either claimed or deleted, never both.
+- The database survives restarts of the worker group: :meth:`JobStore.recover` (run once by each new leader)
+  marks jobs that were ``in_progress`` as failed; queued jobs stay queued and run.
+- Every change of a job's visible state appends a snapshot to an in-memory event log (per job, bounded), which
+  the SSE endpoint tails, so no progress change is missed however slowly a client reads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from cp_infer.request import GenerationRequest
+
+__all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
+
+TERMINAL = ("completed", "failed", "cancelled")
+_ID_RE = re.compile(r"^video_[0-9a-f]{32}$")
+_MAX_LOGGED_JOBS = 256
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    status TEXT NOT NULL,
+    progress INTEGER NOT NULL DEFAULT 0,
+    created_at INTEGER NOT NULL,
+    completed_at INTEGER,
+    model TEXT NOT NULL,
+    request TEXT NOT NULL,
+    error_code TEXT,
+    error_message TEXT,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    deleting INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq);
+"""
+
+
+def valid_job_id(job_id: str) -> bool:
+    return bool(_ID_RE.match(job_id))
+
+
+class QueueFull(Exception):
+    def __init__(self, depth: int):
+        super().__init__(f"the queue holds {depth} jobs, its limit")
+        self.depth = depth
+
+
+@dataclass(frozen=True)
+class Job:
+    seq: int
+    id: str
+    status: str
+    progress: int
+    created_at: int
+    completed_at: int | None
+    model: str
+    request: GenerationRequest
+    error_code: str | None = None
+    error_message: str | None = None
+    deleting: bool = False
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+    def public(self) -> dict[str, Any]:
+        """The API's job object (see ``schemas.VideoJob``)."""
+        r = self.request
+        error = None if self.error_code is None else {"code": self.error_code, "message": self.error_message or ""}
+        return {
+            "id": self.id, "object": "video", "status": self.status, "progress": self.progress,
+            "created_at": self.created_at, "completed_at": self.completed_at, "model": self.model,
+            "seconds": f"{r.num_frames / r.fps:.3g}", "size": f"{r.width}x{r.height}", "prompt": r.prompt,
+            "error": error, "negative_prompt": r.negative_prompt, "num_frames": r.num_frames, "width": r.width,
+            "height": r.height, "fps": r.fps, "num_inference_steps": r.num_inference_steps,
+            "guidance_scale": r.guidance_scale, "seed": r.seed,
+        }
+
+
+def _row_to_job(row: sqlite3.Row) -> Job:
+    return Job(
+        seq=row["seq"], id=row["id"], status=row["status"], progress=row["progress"], created_at=row["created_at"],
+        completed_at=row["completed_at"], model=row["model"], request=GenerationRequest(**json.loads(row["request"])),
+        error_code=row["error_code"], error_message=row["error_message"], deleting=bool(row["deleting"]),
+    )
+
+
+class JobStore:
+    """Thread-safe: the HTTP event loop and the leader thread share one connection behind one lock."""
+
+    def __init__(self, data_dir: str | Path, *, max_queue: int):
+        if max_queue < 1:
+            raise ValueError(f"max_queue={max_queue} must be >= 1")
+        self.data_dir = Path(data_dir)
+        self.videos_dir = self.data_dir / "videos"
+        self.videos_dir.mkdir(parents=True, exist_ok=True)
+        self.max_queue = max_queue
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._db = sqlite3.connect(self.data_dir / "jobs.sqlite3", check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._event_seq = 0
+        self._events: OrderedDict[str, list[tuple[int, dict[str, Any]]]] = OrderedDict()
+
+    # -- files -------------------------------------------------------------------------------------------------
+    def path(self, job_id: str, suffix: str) -> Path:
+        assert valid_job_id(job_id), job_id
+        return self.videos_dir / f"{job_id}{suffix}"
+
+    def _remove_files(self, job_id: str) -> None:
+        for file in self.videos_dir.glob(f"{job_id}.*"):
+            file.unlink(missing_ok=True)
+
+    # -- queries -----------------------------------------------------------------------------------------------
+    def _get(self, job_id: str) -> Job | None:
+        row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else _row_to_job(row)
+
+    def get(self, job_id: str) -> Job | None:
+        """A visible job (one being deleted is not)."""
+        with self._lock:
+            job = self._get(job_id)
+        return None if job is None or job.deleting else job
+
+    def snapshot_any(self, job_id: str) -> Job | None:
+        """The job's row, even while it is being deleted; ``None`` once it is gone."""
+        with self._lock:
+            return self._get(job_id)
+
+    def list(self, *, limit: int, after: str | None, order: str) -> tuple[list[Job], bool]:
+        """A page of visible jobs in insertion order (``asc``) or newest first (``desc``), after a cursor id."""
+        op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        with self._lock:
+            where, args = "deleting = 0", []
+            if after is not None:
+                cursor = self._get(after)
+                if cursor is None:
+                    raise KeyError(after)
+                where += f" AND seq {op} ?"
+                args.append(cursor.seq)
+            rows = self._db.execute(f"SELECT * FROM jobs WHERE {where} ORDER BY seq {direction} LIMIT ?",
+                                    (*args, limit + 1)).fetchall()
+        jobs = [_row_to_job(r) for r in rows]
+        return jobs[:limit], len(jobs) > limit
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT status, COUNT(*) AS n FROM jobs WHERE deleting = 0 GROUP BY status")
+            counts = {status: 0 for status in ("queued", "in_progress", *TERMINAL)}
+            counts.update({r["status"]: r["n"] for r in rows})
+        return counts
+
+    def queue_depth(self) -> int:
+        with self._lock:
+            return self._queued()
+
+    def _queued(self) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued'").fetchone()[0]
+
+    # -- events ------------------------------------------------------------------------------------------------
+    def _log(self, job: Job) -> None:
+        self._event_seq += 1
+        log = self._events.setdefault(job.id, [])
+        self._events.move_to_end(job.id)
+        log.append((self._event_seq, job.public()))
+        while len(self._events) > _MAX_LOGGED_JOBS:
+            self._events.popitem(last=False)
+
+    def events_since(self, job_id: str, seq: int) -> list[tuple[int, dict[str, Any]]]:
+        with self._lock:
+            return [e for e in self._events.get(job_id, ()) if e[0] > seq]
+
+    def snapshot(self, job_id: str) -> tuple[int, Job | None]:
+        """The job now and the event sequence number it corresponds to (tail :meth:`events_since` from it)."""
+        with self._lock:
+            job = self._get(job_id)
+            return self._event_seq, (None if job is None or job.deleting else job)
+
+    # -- the HTTP side -----------------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, *, model: str) -> Job:
+        """Queue a validated request; raises :class:`QueueFull` past ``max_queue`` queued jobs."""
+        job_id = f"video_{secrets.token_hex(16)}"
+        with self._lock:
+            depth = self._queued()
+            if depth >= self.max_queue:
+                raise QueueFull(depth)
+            self._db.execute(
+                "INSERT INTO jobs (id, status, created_at, model, request) VALUES (?, 'queued', ?, ?, ?)",
+                (job_id, int(time.time()), model, json.dumps(asdict(request))))
+            job = self._get(job_id)
+            self._log(job)
+            self._work.notify_all()
+        return job
+
+    def delete(self, job_id: str) -> tuple[Job | None, bool]:
+        """Delete a job. Returns ``(job, running)``: a running job is only marked (hidden, cancel requested);
+        the leader removes it once every rank has stopped it. ``job`` is ``None`` if there is no such job."""
+        with self._lock:
+            job = self._get(job_id)
+            if job is None or job.deleting:
+                return None, False
+            if job.status == "in_progress":
+                self._db.execute("UPDATE jobs SET deleting = 1 WHERE id = ?", (job_id,))
+                return job, True
+            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            final = replace(job, status="cancelled" if job.status == "queued" else job.status)
+            self._log(final)
+            self._remove_files(job_id)
+        return job, False
+
+    def cancel(self, job_id: str) -> Job | None:
+        """Cancel a queued job now, or ask the leader to stop a running one at the next step boundary."""
+        with self._lock:
+            job = self._get(job_id)
+            if job is None or job.deleting:
+                return None
+            if job.status == "queued":
+                self._finish_locked(job_id, "cancelled", "cancelled", "cancelled before it started")
+            elif job.status == "in_progress":
+                self._db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job_id,))
+            return self._get(job_id)
+
+    # -- the leader side ---------------------------------------------------------------------------------------
+    def recover(self) -> list[str]:
+        """Run once by a new leader: jobs a previous group was running are failed; returns their ids."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, deleting FROM jobs WHERE status = 'in_progress'").fetchall()
+            for row in rows:
+                if row["deleting"]:
+                    self._db.execute("DELETE FROM jobs WHERE id = ?", (row["id"],))
+                    self._remove_files(row["id"])
+                else:
+                    self._finish_locked(row["id"], "failed", "worker_group_restarted",
+                                        "the worker group failed and restarted while this job ran; submit it again")
+        return [r["id"] for r in rows]
+
+    def wake(self) -> None:
+        with self._lock:
+            self._work.notify_all()
+
+    def claim_next(self, timeout: float) -> Job | None:
+        """The oldest queued job, marked ``in_progress``; waits up to ``timeout`` s for one."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                row = self._db.execute(
+                    "SELECT * FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1").fetchone()
+                if row is not None:
+                    self._db.execute("UPDATE jobs SET status = 'in_progress', progress = 0 WHERE id = ?",
+                                     (row["id"],))
+                    job = self._get(row["id"])
+                    self._log(job)
+                    return job
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._work.wait(left):
+                    return None
+
+    def cancel_requested(self, job_id: str) -> bool:
+        with self._lock:
+            row = self._db.execute("SELECT deleting, cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return row is None or bool(row["deleting"]) or bool(row["cancel_requested"])
+
+    def set_progress(self, job_id: str, progress: int) -> None:
+        with self._lock:
+            cur = self._db.execute("UPDATE jobs SET progress = ? WHERE id = ? AND progress < ? AND status = "
+                                   "'in_progress'", (progress, job_id, progress))
+            if cur.rowcount:
+                self._log(self._get(job_id))
+
+    def finish(self, job_id: str, status: str, code: str | None = None, message: str | None = None) -> Job | None:
+        """End a job (``completed``/``failed``/``cancelled``); a job being deleted is removed instead."""
+        with self._lock:
+            return self._finish_locked(job_id, status, code, message)
+
+    def _finish_locked(self, job_id: str, status: str, code: str | None, message: str | None) -> Job | None:
+        assert status in TERMINAL, status
+        job = self._get(job_id)
+        if job is None:
+            return None
+        progress = 100 if status == "completed" else job.progress
+        self._db.execute("UPDATE jobs SET status = ?, progress = ?, completed_at = ?, error_code = ?, "
+                         "error_message = ? WHERE id = ?",
+                         (status, progress, int(time.time()), code, message, job_id))
+        job = self._get(job_id)
+        self._log(job)
+        if job.deleting:
+            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            self._remove_files(job_id)
+        return job
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+

@@ -1,0 +1,389 @@
+"""The group leader: rank 0's one thread that issues every collective, running queued jobs on the whole group.
+
+Invariants:
+- Every collective of rank 0 (the model load's, heartbeats, each job's) is issued from the leader thread; the
+  HTTP thread only reads and writes the job store, never the process group. Encoding the MP4 (rank 0's alone)
+  runs on one encoder thread, so the leader is back to heartbeats and the next job while it runs.
+- While waiting for work the leader sends ``Command("ping")`` every ``heartbeat_s``; each rank answers with
+  one all-reduce, so the round trip proves the whole group is alive (``/ready``) and no worker sits in a
+  broadcast longer than the collective timeout.
+- A job's request is re-checked here against the same limits and geometry every rank uses, then broadcast;
+  only these server-built requests are ever broadcast (``broadcasts`` counts them, ``/metrics`` shows it).
+- Cancel: the leader's step ``poll`` returns CANCEL once the job is cancelled or deleted; the sampler's
+  all-reduce (max) makes every rank stop at that same step. An exception on any rank (or in any rank's poll)
+  fails the job on every rank at the same step and the group goes on to the next job.
+- Rank 0's own hooks (progress, decoded frames) never raise into the sampler: their exceptions are kept and fail
+  the job once every rank has left it; so do exceptions in encoding the MP4, which is rank 0's alone. Any other
+  exception escaping the sampler may leave the group out of step (a rank can be inside a step's or the parallel
+  decode's collectives), so the leader fails the job and ends the process (exit 1): torchrun restarts the
+  group, and the new leader finds the queue in SQLite.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cp_infer.request import GenerationLimits, check_request
+from server.jobs import Job, JobStore
+
+if TYPE_CHECKING:
+    from server.runtime import RuntimeConfig
+
+__all__ = ["GroupLeader", "LeaderConfig", "Histogram", "group_pids", "FATAL_EXIT_CODE"]
+
+log = logging.getLogger("cp_infer.leader")
+
+FATAL_EXIT_CODE = 1
+# Progress: denoising fills 0..90, the decode 90..97, encoding the MP4 the rest.
+_DENOISE_SHARE, _DECODED = 90, 97
+
+
+@dataclass(frozen=True)
+class LeaderConfig:
+    runtime: RuntimeConfig
+    """The model, dtype, device, collective timeout and request limits (the same on every rank)."""
+    data_dir: Path = Path("cp-infer-data")
+    """Where ``jobs.sqlite3``, the ``videos/`` and ``group.json`` live."""
+    heartbeat_s: float = 2.0
+    """How often an idle leader pings the group; must be well under the collective timeout."""
+    max_queue: int = 16
+    """Queued jobs beyond which submissions get 429."""
+    keep_frames: bool = False
+    """Also keep each video's raw uint8 frames (``.npy``, lossless) for ``variant=frames`` (large; for tests)."""
+    model_name: str | None = None
+    """The name clients pass as ``model``; default: the model folder's name, or ``tiny-ltx-video``."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_s < self.runtime.timeout_s / 2:
+            raise ValueError(f"heartbeat_s={self.heartbeat_s} must be > 0 and under half the collective timeout "
+                             f"({self.runtime.timeout_s} s)")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue={self.max_queue} must be >= 1")
+
+    @property
+    def served_model(self) -> str:
+        if self.model_name:
+            return self.model_name
+        return Path(self.runtime.model).name if self.runtime.model else "tiny-ltx-video"
+
+    @property
+    def limits(self) -> GenerationLimits:
+        return self.runtime.limits
+
+
+class Histogram:
+    """A Prometheus histogram (cumulative buckets, sum, count); thread-safe."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self.sum += value
+            for i, bound in enumerate(self.buckets):
+                if value <= bound:
+                    self.counts[i] += 1
+                    break
+            else:
+                self.counts[-1] += 1
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def lines(self, name: str) -> list[str]:
+        with self._lock:
+            out, running = [], 0
+            for bound, n in zip((*self.buckets, float("inf")), self.counts, strict=True):
+                running += n
+                le = "+Inf" if bound == float("inf") else f"{bound:g}"
+                out.append(f'{name}_bucket{{le="{le}"}} {running}')
+            out += [f"{name}_sum {self.sum:.6f}", f"{name}_count {running}"]
+        return out
+
+
+def group_pids(state) -> list[int]:
+    """Every rank's pid, in rank order (one all-gather over the CPU group; every rank must call it)."""
+    import torch.distributed as dist
+
+    if state.cpu_group is None:
+        return [os.getpid()]
+    pids: list[Any] = [None] * state.world_size
+    dist.all_gather_object(pids, os.getpid(), group=state.cpu_group)
+    return pids
+
+
+class GroupLeader:
+    """Runs jobs from ``store`` on the worker group; see the module docstring for the invariants."""
+
+    def __init__(self, config: LeaderConfig, store: JobStore, *, runtime_factory=None, exit_on_fatal: bool = True):
+        self.config = config
+        self.store = store
+        self._runtime_factory = runtime_factory
+        self._exit_on_fatal = exit_on_fatal
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._faults: tuple = ()
+        self._counts_lock = threading.Lock()
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cp-infer-encode")
+        # Read by the HTTP thread.
+        self.geometry = None
+        self.world_size: int | None = None
+        self.pids: list[int] = []
+        self.loaded = False
+        self.fatal: str | None = None
+        self.current_job: str | None = None
+        self.last_ping_at: float | None = None
+        self.last_ping_rtt_s: float | None = None
+        self.last_contact_at: float | None = None
+        """When a collective over the whole group last completed (a heartbeat, a step, a job's end)."""
+        self.broadcasts = 0
+        self.jobs_done: dict[str, int] = {"completed": 0, "failed": 0, "cancelled": 0}
+        self.step_seconds = Histogram((0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.generation_seconds = Histogram((0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
+        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    # -- the HTTP side -----------------------------------------------------------------------------------------
+    @property
+    def limits(self) -> GenerationLimits:
+        return self.config.limits
+
+    @property
+    def served_model(self) -> str:
+        return self.config.served_model
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="cp-infer-leader", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self.store.wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        # An encode in flight finishes (its job completes); a restarted leader would otherwise fail it.
+        self._encoder.shutdown(wait=True, cancel_futures=False)
+
+    def ready(self) -> tuple[bool, str]:
+        """Whether the group is up and answering; with the reason when it is not."""
+        if self.fatal:
+            return False, f"the worker group failed: {self.fatal}"
+        if not self.loaded or self._thread is None or not self._thread.is_alive():
+            return False, "the worker group is starting (loading the model)"
+        now, window = time.monotonic(), 3 * self.config.heartbeat_s + 1.0
+        if self.current_job is not None:
+            return True, f"running {self.current_job}"
+        if self.last_contact_at is None or now - self.last_contact_at > window:
+            return False, f"no heartbeat round trip in the last {window:.0f} s"
+        return True, "idle"
+
+    def retry_after_s(self) -> int:
+        """A guess at how long until the queue has room: mean generation time times the queue depth."""
+        h = self.generation_seconds
+        mean = h.sum / h.count if h.count else 10.0
+        return int(min(600, max(1, round(mean * max(1, self.store.queue_depth())))))
+
+    # -- the leader thread -------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            # NOTE(imports): the runtime pulls in diffusers; imported here so that `import server.app` stays light.
+            from server.runtime import FAULT_ENV, parse_faults, start_runtime
+
+            self._faults = parse_faults(os.environ.get(FAULT_ENV))
+            runtime = (self._runtime_factory or start_runtime)(self.config.runtime)
+            self.pids = group_pids(runtime.state)
+            self.world_size = runtime.state.world_size
+            self._write_group_file()
+            self.geometry = runtime.model.geometry
+            self._ping(runtime)
+            self.loaded = True
+            log.info("group of %d rank(s) ready (pids %s, restart %d)", self.world_size, self.pids,
+                     self.restart_count)
+            while not self._stopping.is_set():
+                job = self.store.claim_next(timeout=self.config.heartbeat_s)
+                if job is None:
+                    self._ping(runtime)
+                else:
+                    self._run_job(runtime, job)
+            from cp_infer import broadcast_object
+            from server.runtime import Command
+
+            broadcast_object(Command("stop"), state=runtime.state)
+        except BaseException as exc:  # noqa: BLE001 -- the group's state is unknown: restart it
+            self._die(f"{type(exc).__name__}: {exc}")
+
+    def _die(self, reason: str) -> None:
+        self.fatal = reason
+        if self._stopping.is_set():
+            log.info("leader stopped: %s", reason)
+            return
+        log.error("worker group failed (%s); exiting so that torchrun restarts it", reason)
+        if self._exit_on_fatal:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(FATAL_EXIT_CODE)
+
+    def _write_group_file(self) -> None:
+        info = {"pids": self.pids, "restart_count": self.restart_count, "world_size": self.world_size,
+                "started_at": time.time()}
+        tmp = self.config.data_dir / "group.json.tmp"
+        tmp.write_text(json.dumps(info) + "\n")
+        os.replace(tmp, self.config.data_dir / "group.json")
+
+    def _ping(self, runtime) -> None:
+        from cp_infer import all_reduce_max_int, broadcast_object
+        from server.runtime import Command
+
+        started = time.monotonic()
+        broadcast_object(Command("ping"), state=runtime.state)
+        all_reduce_max_int(0, state=runtime.state)
+        self.last_ping_at = self.last_contact_at = time.monotonic()
+        self.last_ping_rtt_s = self.last_ping_at - started
+
+    def _run_job(self, runtime, job: Job) -> None:
+        self.current_job = job.id
+        try:
+            self._generate_and_write(runtime, job)
+        finally:
+            self.current_job = None
+
+    def _generate_and_write(self, runtime, job: Job) -> None:
+        from cp_infer import broadcast_object
+        from cp_infer.sampler import JobCancelled, JobFailed, SampleControl, StepStatus
+        from server.runtime import Command, with_faults
+
+        request = job.request
+        try:
+            check_request(request, geometry=runtime.model.geometry, limits=self.config.limits)
+        except ValueError as exc:
+            self._finish(job, "failed", "invalid_request", f"no longer valid under this server's limits: {exc}")
+            return
+        phase = {"name": "start"}
+        hook_errors: list[tuple[str, str]] = []  # (phase, error) of rank 0's hooks
+        started = time.monotonic()
+
+        def poll(_i: int) -> StepStatus:
+            # Raising here is safe (the sampler agrees on it); the other hooks must never raise.
+            return StepStatus.CANCEL if self.store.cancel_requested(job.id) else StepStatus.OK
+
+        def on_step(done: int, total: int, seconds: float) -> None:
+            self.last_contact_at = time.monotonic()
+            self.step_seconds.observe(seconds)
+            self.store.set_progress(job.id, _DENOISE_SHARE * done // total)
+
+        def on_phase(name: str) -> None:
+            phase["name"] = name
+            progress = {"decode": _DENOISE_SHARE, "done": _DECODED}.get(name)
+            if progress is not None:
+                self.store.set_progress(job.id, progress)
+
+        def on_frames(frames: np.ndarray, first: int, total: int) -> None:
+            decoded = (first + len(frames)) / max(total, 1)
+            self.store.set_progress(job.id, _DENOISE_SHARE + int((_DECODED - _DENOISE_SHARE) * decoded))
+
+        def deferred(hook):
+            """``hook`` with its exceptions kept for after the sampler: raising inside it would leave rank 0
+            out of step with ranks still inside a step's or the decode's collectives."""
+            if hook is None:
+                return None
+
+            def call(*args) -> None:
+                try:
+                    hook(*args)
+                except Exception as exc:  # noqa: BLE001
+                    log.exception("job %s: rank 0 hook failed", job.id)
+                    hook_errors.append((phase["name"], f"{type(exc).__name__}: {exc}"))
+
+            return call
+
+        control = SampleControl(poll=poll, on_step=on_step, on_phase=on_phase, on_frames=on_frames)
+        control = with_faults(control, request, rank=runtime.state.rank, rules=self._faults)
+        control = replace(control, on_step=deferred(control.on_step), on_phase=deferred(control.on_phase),
+                          on_frames=deferred(control.on_frames))
+        log.info("job %s: %d frames %dx%d, %d steps", job.id, request.num_frames, request.width, request.height,
+                 request.num_inference_steps)
+        try:
+            broadcast_object(Command("generate", request=request, job_id=job.id), state=runtime.state)
+            self.broadcasts += 1
+            frames = runtime.generate(request, control)
+            self.last_contact_at = time.monotonic()
+        except JobCancelled:
+            self.last_contact_at = time.monotonic()
+            self._finish(job, "cancelled", "cancelled", "cancelled while running")
+            return
+        except JobFailed as exc:
+            self.last_contact_at = time.monotonic()
+            self._finish(job, "failed", "generation_failed", str(exc))
+            return
+        except Exception as exc:
+            if phase["name"] != "done":
+                # Raised inside the sampler on this rank only (a step, the gather or the parallel decode):
+                # the other ranks may be waiting in a collective that will never come.
+                self._finish(job, "failed", "worker_group_failed", f"rank 0: {type(exc).__name__}: {exc}")
+                raise
+            log.exception("job %s failed on rank 0 after the decode", job.id)
+            self._finish(job, "failed", "decode_failed", f"rank 0: {type(exc).__name__}: {exc}")
+            return
+        if hook_errors:
+            where, error = hook_errors[0]
+            self._finish(job, "failed", "decode_failed" if where == "decode" else "internal_error",
+                         f"rank 0 ({where}): {error}")
+            return
+        # NOTE(encode): rank 0's alone, so it runs beside the group: the leader goes back to heartbeats and the
+        # next job at once, and no worker waits in a broadcast for as long as an encode takes.
+        self._encoder.submit(self._encode, job, frames, started)
+
+    def _encode(self, job: Job, frames: np.ndarray, started: float) -> None:
+        try:
+            self._write_outputs(job, frames)
+        except Exception as exc:  # noqa: BLE001 -- the group is not involved: fail this job only
+            log.exception("job %s: writing the video failed", job.id)
+            self._finish(job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
+            return
+        self.generation_seconds.observe(time.monotonic() - started)
+        self._finish(job, "completed")
+
+    def _write_outputs(self, job: Job, frames: np.ndarray) -> None:
+        from PIL import Image
+
+        from cp_infer.video_io import write_mp4
+
+        expected = (job.request.num_frames, job.request.height, job.request.width, 3)
+        if frames.shape != expected:
+            raise RuntimeError(f"the model returned frames of shape {frames.shape}, expected {expected}")
+        outputs = []
+        mp4 = self.store.path(job.id, ".mp4")
+        write_mp4(frames, mp4.with_suffix(".mp4.tmp"), job.request.fps)
+        outputs.append((mp4.with_suffix(".mp4.tmp"), mp4))
+        thumb = self.store.path(job.id, ".jpg")
+        Image.fromarray(frames[len(frames) // 2]).save(thumb.with_suffix(".jpg.tmp"), format="JPEG", quality=90,
+                                                 subsampling=0)
+        outputs.append((thumb.with_suffix(".jpg.tmp"), thumb))
+        if self.config.keep_frames:
+            raw = self.store.path(job.id, ".npy")
+            with open(raw.with_suffix(".npy.tmp"), "wb") as f:
+                np.save(f, frames)
+            outputs.append((raw.with_suffix(".npy.tmp"), raw))
+        for tmp, final in outputs:
+            os.replace(tmp, final)
+
+    def _finish(self, job: Job, status: str, code: str | None = None, message: str | None = None) -> None:
+        if status != "completed":
+            log.warning("job %s %s: %s", job.id, status, message)
+        with self._counts_lock:  # the leader and the encoder thread both end jobs
+            self.jobs_done[status] += 1
+        self.store.finish(job.id, status, code, message)

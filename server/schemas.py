@@ -1,0 +1,269 @@
+"""The HTTP API's shapes (OpenAI video API conventions) and the one place a client body becomes a request.
+
+Invariants:
+- A client body becomes a :class:`GenerationRequest` only through :func:`build_request`: pydantic first (unknown
+  fields, wrong types, NaN/inf refused), then the OpenAI-style ``seconds``/``size`` are resolved and
+  :func:`check_request` runs with the same limits and geometry every rank uses. Anything that fails is an
+  :class:`ApiError` (a 4xx with ``{"error": {"code", "message", "param"}}``) naming the field and the fix.
+- The request a worker sees holds only values this module produced; the client's bytes never leave rank 0.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from cp_infer.request import GenerationLimits, GenerationRequest, check_request
+from cp_infer.shapes import VideoGeometry
+
+__all__ = [
+    "ApiError",
+    "ErrorBody",
+    "ErrorResponse",
+    "JobStatus",
+    "VideoCreateParams",
+    "VideoDeleted",
+    "VideoError",
+    "VideoJob",
+    "VideoList",
+    "build_request",
+    "frames_for_seconds",
+    "params_from_form",
+    "params_from_json",
+]
+
+JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
+
+_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+# Text tokens the T5 encoder sees; fixed server-side (LTX-Video's training length).
+_TEXT_TOKENS = 128
+
+
+class ApiError(Exception):
+    """A client error: rendered as ``status`` with ``{"error": {"code", "message", "param"}}``."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"code": self.code, "message": self.message, "param": self.param, "type": kind}}
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    type: str = "invalid_request_error"
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class VideoCreateParams(BaseModel):
+    """``POST /v1/videos``: the OpenAI fields plus explicit generation controls. Unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    prompt: str
+    model: str | None = None
+    seconds: str | int | float | None = None
+    """Duration; becomes the nearest valid frame count (8k+1 for LTX) at ``fps``. Excludes ``num_frames``."""
+    size: str | None = None
+    """``"WxH"``, e.g. ``"384x256"``. Excludes ``width``/``height``."""
+    negative_prompt: str | None = None
+    num_frames: int | None = None
+    width: int | None = None
+    height: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    fps: int | None = None
+
+
+class VideoError(BaseModel):
+    code: str
+    message: str
+
+
+class VideoJob(BaseModel):
+    """The job object (OpenAI's ``video``) plus the generation parameters this server resolved."""
+
+    id: str
+    object: Literal["video"] = "video"
+    status: JobStatus
+    progress: int
+    created_at: int
+    completed_at: int | None = None
+    model: str
+    seconds: str
+    size: str
+    prompt: str
+    error: VideoError | None = None
+    negative_prompt: str
+    num_frames: int
+    width: int
+    height: int
+    fps: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VideoJob]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool
+
+
+def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | None) -> str:
+    """What a field accepts, for error messages."""
+    t = geometry.temporal_compression if geometry else 8
+    step = geometry.spatial_step if geometry else 32
+    hints = {
+        "prompt": f"a non-empty string of at most {limits.max_prompt_chars} characters",
+        "negative_prompt": f"a string of at most {limits.max_prompt_chars} characters",
+        "model": "a string naming the served model",
+        "seconds": "a positive number of seconds, e.g. \"4\"",
+        "size": f"a string \"WxH\" with W and H multiples of {step} up to {limits.max_side}, e.g. \"384x256\"",
+        "num_frames": f"an integer {t}k+1 in [1, {limits.max_frames}]",
+        "width": f"an integer multiple of {step} in [{step}, {limits.max_side}]",
+        "height": f"an integer multiple of {step} in [{step}, {limits.max_side}]",
+        "num_inference_steps": f"an integer in [1, {limits.max_steps}]",
+        "guidance_scale": f"a finite number in [0, {limits.max_guidance}]",
+        "seed": f"an integer in [0, {2**63 - 1}]",
+        "fps": f"an integer in [1, {limits.max_fps}]",
+    }
+    return hints.get(name, "a valid value")
+
+
+def _from_validation_error(exc: ValidationError, limits: GenerationLimits,
+                           geometry: VideoGeometry | None) -> ApiError:
+    err = exc.errors()[0]
+    param = str(err["loc"][0]) if err["loc"] else None
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        valid = ", ".join(VideoCreateParams.model_fields)
+        return ApiError(400, "unknown_parameter", f"unknown parameter {param!r}; valid parameters: {valid}", param)
+    if kind == "missing":
+        return ApiError(400, "missing_required_parameter",
+                        f"{param} is required: {_field_hint(param or '', limits, geometry)}", param)
+    value = err.get("input")
+    shown = repr(value) if not isinstance(value, (str, bytes)) or len(value) < 80 else f"{str(value)[:77]!r}..."
+    return ApiError(400, "invalid_type" if kind.endswith("_type") else "invalid_value",
+                    f"{param}={shown} is invalid ({err['msg']}); expected "
+                    f"{_field_hint(param or '', limits, geometry)}", param)
+
+
+def params_from_json(data: Any, *, limits: GenerationLimits, geometry: VideoGeometry | None) -> VideoCreateParams:
+    """A decoded JSON body -> params; JSON types must match exactly (``"17"`` is not an integer)."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_json", f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return VideoCreateParams.model_validate(data)
+    except ValidationError as exc:
+        raise _from_validation_error(exc, limits, geometry) from None
+
+
+def params_from_form(data: dict[str, str], *, limits: GenerationLimits,
+                     geometry: VideoGeometry | None) -> VideoCreateParams:
+    """Multipart form fields (all strings) -> params, converting each string to its field's type."""
+    try:
+        return VideoCreateParams.model_validate_strings(data, strict=False)
+    except ValidationError as exc:
+        raise _from_validation_error(exc, limits, geometry) from None
+
+
+def _parse_seconds(value: str | int | float) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ApiError(400, "invalid_value", f"seconds={value!r} is not a number; use e.g. \"4\"", "seconds") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ApiError(400, "invalid_value", f"seconds={value!r} must be a finite number > 0", "seconds")
+    return seconds
+
+
+def frames_for_seconds(seconds: float, fps: int, temporal_compression: int) -> int:
+    """The valid frame count (``t*k + 1``) nearest to ``seconds * fps``."""
+    k = max(0, round((seconds * fps - 1) / temporal_compression))
+    return temporal_compression * k + 1
+
+
+def _param_of(message: str) -> str | None:
+    match = re.match(r"^([a-z_]+)", message)
+    if match and match.group(1) in VideoCreateParams.model_fields:
+        return match.group(1)
+    return None
+
+
+def build_request(params: VideoCreateParams, *, geometry: VideoGeometry, limits: GenerationLimits,
+                  served_model: str, seed: int) -> GenerationRequest:
+    """Resolve the OpenAI-style fields and validate; ``seed`` is used when the client gave none."""
+    if params.model is not None and params.model != served_model:
+        raise ApiError(400, "model_not_found", f"model={params.model!r} is not served here; use {served_model!r} "
+                       "or leave model out", "model")
+    defaults = GenerationRequest(prompt="")
+    fps = defaults.fps if params.fps is None else params.fps
+    if params.seconds is not None and params.num_frames is not None:
+        raise ApiError(400, "conflicting_parameters", "give seconds or num_frames, not both", "seconds")
+    if params.size is not None and (params.width is not None or params.height is not None):
+        raise ApiError(400, "conflicting_parameters", "give size or width/height, not both", "size")
+    num_frames = defaults.num_frames if params.num_frames is None else params.num_frames
+    if params.seconds is not None:
+        seconds = _parse_seconds(params.seconds)
+        if not isinstance(fps, int) or not 1 <= fps <= limits.max_fps:
+            raise ApiError(400, "invalid_value", f"fps={fps} is out of range; use a value in [1, {limits.max_fps}]",
+                           "fps")
+        t = geometry.temporal_compression
+        num_frames = frames_for_seconds(seconds, fps, t)
+        if num_frames > limits.max_frames:
+            longest = (limits.max_frames - 1) // t * t + 1
+            raise ApiError(400, "invalid_value",
+                           f"seconds={params.seconds} is {num_frames} frames at {fps} fps; the limit is "
+                           f"{limits.max_frames} frames: use seconds <= {longest / fps:.3g}", "seconds")
+    width = defaults.width if params.width is None else params.width
+    height = defaults.height if params.height is None else params.height
+    if params.size is not None:
+        match = _SIZE_RE.match(params.size)
+        if not match:
+            raise ApiError(400, "invalid_value", f"size={params.size!r} is not \"WxH\"; "
+                           f"expected {_field_hint('size', limits, geometry)}", "size")
+        width, height = int(match.group(1)), int(match.group(2))
+    request = GenerationRequest(
+        prompt=params.prompt,
+        negative_prompt=defaults.negative_prompt if params.negative_prompt is None else params.negative_prompt,
+        num_frames=num_frames, height=height, width=width,
+        num_inference_steps=(defaults.num_inference_steps if params.num_inference_steps is None
+                             else params.num_inference_steps),
+        guidance_scale=defaults.guidance_scale if params.guidance_scale is None else params.guidance_scale,
+        seed=seed if params.seed is None else params.seed,
+        fps=fps, max_sequence_length=_TEXT_TOKENS,
+    )
+    try:
+        check_request(request, geometry=geometry, limits=limits)
+    except ValueError as exc:
+        message = str(exc)
+        param = _param_of(message)
+        if params.size is not None and param in ("width", "height"):
+            message, param = f"size={params.size!r}: {message}", "size"
+        elif params.seconds is not None and param == "num_frames":
+            param = "seconds"
+        raise ApiError(400, "invalid_value", message, param) from None
+    return request
+

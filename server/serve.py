@@ -1,0 +1,164 @@
+"""``cp-infer serve``: the worker group behind an HTTP front end on rank 0.
+
+Invariants:
+- ``--nproc N`` (N > 1) outside torchrun re-executes the CLI under torchrun (``--max-restarts`` is passed to
+  torchrun as ``PET_MAX_RESTARTS``, and each restart gets a fresh rendezvous store); under torchrun (directly,
+  or relaunched) every rank runs :func:`run`.
+- Rank 0: the main thread runs uvicorn (so SIGTERM/SIGINT shut the server down cleanly) and the leader thread
+  (``server.leader``) issues every collective. Other ranks: the main thread loads the model and follows the
+  leader's commands (``worker_loop``) until ``stop``; a broken group (rank 0 gone) makes their next collective
+  fail, and they exit non-zero.
+- Every rank builds the same configs from the same arguments, so limits and model agree across the group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+__all__ = ["add_arguments", "run"]
+
+log = logging.getLogger("cp_infer.serve")
+
+_USAGE_ERROR = 2
+# NOTE(restarts): torchrun (torch 2.13) hands every round of ranks the agent's own TCPStore with the same keys, so
+# after a restart gloo may read the dead ranks' addresses ("connectFullMesh ... Connection refused"; pytorch
+# issue 135712). With this set, each round gets a fresh store hosted by its rank 0.
+_FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_LIMIT_HELP = {"max_frames": "longest video in frames", "max_side": "largest width or height in pixels",
+               "max_tokens": "largest latent token count (frames x height x width after the VAE)",
+               "max_steps": "most denoising steps", "max_guidance": "largest guidance scale",
+               "max_prompt_chars": "longest prompt (and negative prompt)", "max_fps": "highest frame rate"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``serve`` subcommand's options (the CLI calls this on its ``serve`` subparser)."""
+    from cp_infer.request import GenerationLimits
+    from server.cli import add_runtime_arguments
+
+    add_runtime_arguments(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--data-dir", type=Path, default=Path("cp-infer-data"),
+                       help="jobs database and videos (default ./cp-infer-data)")
+    group.add_argument("--api-key", default=os.environ.get("CP_INFER_API_KEY"),
+                       help="bearer token every route but /health requires (default $CP_INFER_API_KEY; none: open)")
+    group.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                       help="allow browser requests from ORIGIN (repeatable; default: no CORS)")
+    group.add_argument("--max-queue", type=int, default=16, help="queued jobs before 429 (default 16)")
+    group.add_argument("--max-body-bytes", type=int, default=64 * 1024, help="largest request body (default 64 KiB)")
+    group.add_argument("--heartbeat-s", type=float, default=2.0, help="idle heartbeat period (default 2 s)")
+    group.add_argument("--collective-timeout", type=float, default=120.0,
+                       help="seconds before a silent rank fails the group (default 120)")
+    group.add_argument("--max-restarts", type=int, default=0,
+                       help="group restarts torchrun may do after a rank dies (with --nproc; default 0)")
+    group.add_argument("--keep-frames", action="store_true",
+                       help="also keep raw frames (.npy) for GET .../content?variant=frames (lossless; large)")
+    group.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: the "
+                       "model folder's name, or tiny-ltx-video)")
+    group.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    limits = parser.add_argument_group("request limits (a request past one gets a 400 naming it)")
+    defaults = GenerationLimits()
+    for f in fields(GenerationLimits):
+        default = getattr(defaults, f.name)
+        limits.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(default), default=default,
+                            help=f"{_LIMIT_HELP.get(f.name, '')} (default {default})")
+
+
+def _group_size(args: argparse.Namespace) -> int:
+    from server.launch import in_torchrun
+
+    if not in_torchrun():
+        nproc = 1 if args.nproc is None else args.nproc
+        if nproc < 1:
+            raise ValueError(f"--nproc {nproc}: use 1 or more ranks")
+        return nproc
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.nproc is not None and args.nproc != world:
+        raise ValueError(f"--nproc {args.nproc} but torchrun started {world} rank(s); drop --nproc under torchrun")
+    return world
+
+
+def _configs(args: argparse.Namespace):
+    from cp_infer.request import GenerationLimits
+    from server.app import AppConfig
+    from server.leader import LeaderConfig
+    from server.runtime import RuntimeConfig
+
+    limits = GenerationLimits(**{f.name: getattr(args, f.name) for f in fields(GenerationLimits)})
+    runtime = RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device,
+                            timeout_s=args.collective_timeout, limits=limits)
+    leader = LeaderConfig(runtime=runtime, data_dir=args.data_dir, heartbeat_s=args.heartbeat_s,
+                          max_queue=args.max_queue, keep_frames=args.keep_frames, model_name=args.served_model_name)
+    app = AppConfig(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
+                    cors_origins=tuple(args.cors_origin))
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port {args.port} must be in [1, 65535]")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts} must be >= 0")
+    return runtime, leader, app
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``cp-infer serve``; returns the exit code."""
+    from server.launch import in_torchrun, relaunch_under_torchrun
+
+    try:
+        nproc = _group_size(args)
+        runtime, leader, app = _configs(args)
+    except ValueError as exc:
+        print(f"cp-infer serve: error: {exc}", file=sys.stderr)
+        return _USAGE_ERROR
+    if not in_torchrun() and nproc > 1:
+        if args.max_restarts:
+            os.environ["PET_MAX_RESTARTS"] = str(args.max_restarts)  # torchrun reads its flags from PET_*
+        os.environ.setdefault(_FRESH_STORE_ENV, "1")
+        return relaunch_under_torchrun(nproc, list(getattr(args, "cli_argv", None) or sys.argv[1:]))
+    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        log.warning("torchrun shares its store with the ranks across restarts, so a restarted gloo group can read "
+                    "the dead group's addresses and fail to connect; set %s=1 in torchrun's environment",
+                    _FRESH_STORE_ENV)
+    if int(os.environ.get("RANK", "0")) == 0:
+        return _run_leader(args, leader, app)
+    return _run_worker(runtime)
+
+
+def _run_worker(runtime_config) -> int:
+    from cp_infer import destroy_parallel
+    from server.leader import group_pids
+    from server.runtime import start_runtime, worker_loop
+
+    runtime = start_runtime(runtime_config)
+    group_pids(runtime.state)
+    worker_loop(runtime)
+    destroy_parallel(runtime.state)
+    return 0
+
+
+def _run_leader(args: argparse.Namespace, leader_config, app_config) -> int:
+    import uvicorn
+
+    from server.app import create_app
+    from server.jobs import JobStore
+    from server.leader import FATAL_EXIT_CODE, GroupLeader
+
+    leader_config.data_dir.mkdir(parents=True, exist_ok=True)
+    store = JobStore(leader_config.data_dir, max_queue=leader_config.max_queue)
+    leader = GroupLeader(leader_config, store)
+    app = create_app(app_config, leader)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and app_config.api_key is None:
+        log.warning("serving on %s without --api-key: anyone who can reach it can submit jobs", args.host)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
+                            timeout_graceful_shutdown=3, lifespan="on")
+    server = uvicorn.Server(config)
+    server.run()
+    store.close()
+    if leader.fatal and not server.should_exit:
+        return FATAL_EXIT_CODE
+    return 0

@@ -1,0 +1,121 @@
+"""The FastAPI app in process, over a stub engine (no worker group): authentication of every route, CORS,
+and the pure request arithmetic. The real server is exercised by the other test_server_* modules."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cp_infer.request import GenerationLimits
+from cp_infer.shapes import VideoGeometry
+from server.app import AppConfig, create_app
+from server.jobs import JobStore
+from server.leader import Histogram
+from server.schemas import frames_for_seconds
+
+KEY = "unit-test-key-0123456789"
+
+
+class StubEngine:
+    """The attributes the app reads from a ``GroupLeader``; it never runs a job."""
+
+    def __init__(self, data_dir):
+        self.store = JobStore(data_dir, max_queue=4)
+        self.limits = GenerationLimits()
+        self.geometry = VideoGeometry()
+        self.served_model = "tiny-ltx-video"
+        self.config = type("Config", (), {"keep_frames": False})()
+        self.world_size, self.last_ping_rtt_s, self.broadcasts, self.restart_count = 2, 0.001, 0, 0
+        self.jobs_done = {"completed": 0, "failed": 0, "cancelled": 0}
+        self.step_seconds = Histogram((0.1, 1.0))
+        self.generation_seconds = Histogram((1.0, 10.0))
+
+    def ready(self):
+        return True, "idle"
+
+    def retry_after_s(self) -> int:
+        return 1
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def _flatten(routes):
+    """Every route with a path; FastAPI >= 0.16x keeps an included router as one entry of ``app.routes``."""
+    for route in routes:
+        if hasattr(route, "effective_candidates"):
+            yield from _flatten(route.effective_candidates())
+        elif hasattr(route, "path"):
+            yield route
+        else:
+            raise AssertionError(f"cannot enumerate {route!r}: the test must learn this kind of route")
+
+
+def _requests(app):
+    """One request per (route, method) of the app, path parameters filled with a well-formed id."""
+    for route in _flatten(app.routes):
+        path = re.sub(r"\{[^}]+\}", "video_" + "0" * 32, route.path)
+        for method in sorted(getattr(route, "methods", None) or {"GET"}):
+            yield route.path, method, path
+
+
+def test_every_route_but_health_needs_the_api_key(tmp_path):
+    app = create_app(AppConfig(api_key=KEY), StubEngine(tmp_path))
+    paths = {route.path for route in _flatten(app.routes)}
+    # FastAPI's own routes are there too: the guard must cover them as well.
+    assert {"/docs", "/openapi.json", "/v1/videos", "/v1/videos/{video_id}/content", "/metrics"} <= paths
+    with TestClient(app) as anonymous, TestClient(app, headers={"Authorization": f"Bearer {KEY}"}) as keyed:
+        checked = 0
+        for route_path, method, path in _requests(app):
+            r = anonymous.request(method, path)
+            if route_path == "/health":
+                assert r.status_code == 200, (method, path)
+            else:
+                assert r.status_code == 401, (method, path, r.status_code)
+                assert method == "HEAD" or r.json()["error"]["code"] == "invalid_api_key"
+                # With the key the same request gets past the guard (to a 2xx, 4xx of its own, never 401).
+                assert keyed.request(method, path).status_code != 401, (method, path)
+            checked += 1
+        assert checked >= 12
+
+
+def test_without_a_key_nothing_asks_for_one(tmp_path):
+    app = create_app(AppConfig(), StubEngine(tmp_path))
+    with TestClient(app) as client:
+        for _, method, path in _requests(app):
+            assert client.request(method, path).status_code != 401, (method, path)
+
+
+def test_no_cors_unless_configured(tmp_path):
+    origin = {"Origin": "https://example.com"}
+    with TestClient(create_app(AppConfig(), StubEngine(tmp_path / "a"))) as client:
+        assert "access-control-allow-origin" not in client.get("/health", headers=origin).headers
+    app = create_app(AppConfig(api_key=KEY, cors_origins=("https://example.com",)), StubEngine(tmp_path / "b"))
+    with TestClient(app) as client:
+        preflight = client.options("/v1/videos", headers={**origin, "Access-Control-Request-Method": "POST"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://example.com"
+        assert client.get("/v1/videos", headers=origin).status_code == 401  # CORS is not authentication
+
+
+def test_queued_jobs_survive_a_new_store_and_running_ones_fail(tmp_path):
+    from cp_infer.request import GenerationRequest
+
+    store = JobStore(tmp_path, max_queue=4)
+    a, b = (store.submit(GenerationRequest(prompt=p), model="m") for p in ("first", "second"))
+    assert store.claim_next(timeout=0).id == a.id
+    store.close()
+    reopened = JobStore(tmp_path, max_queue=4)
+    assert reopened.recover() == [a.id]
+    assert reopened.get(a.id).status == "failed" and reopened.get(a.id).error_code == "worker_group_restarted"
+    assert reopened.claim_next(timeout=0).id == b.id
+
+
+@pytest.mark.parametrize("seconds,fps,frames", [(4, 24, 97), (0.7, 24, 17), (0.01, 24, 1), (5, 8, 41), (1, 12, 9)])
+def test_seconds_become_the_nearest_valid_frame_count(seconds, fps, frames):
+    assert frames_for_seconds(seconds, fps, 8) == frames
