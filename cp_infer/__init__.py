@@ -3,13 +3,14 @@
 It knows nothing about HTTP or any particular model; models plug in through the interfaces defined here.
 """
 
-from .attention import local_attention, padded_heads, ulysses_attention
+from .attention import ExchangeWorkspace, local_attention, padded_heads, ulysses_attention
 from .collectives import all_reduce_max_int, all_to_all, broadcast_object, gather_sequence, warmup
 from .shapes import LatentShape, VideoGeometry
 from .shard import ShardPlan
 from .state import ParallelConfig, ParallelState, destroy_parallel, init_parallel, single_process_state
 
 __all__ = [
+    "ExchangeWorkspace",
     "LatentShape",
     "ParallelConfig",
     "ParallelState",

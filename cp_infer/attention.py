@@ -19,7 +19,29 @@ import torch.nn.functional as F
 from .collectives import all_to_all, group_size
 from .shard import ShardPlan
 
-__all__ = ["ulysses_attention", "local_attention", "padded_heads"]
+__all__ = ["ExchangeWorkspace", "ulysses_attention", "local_attention", "padded_heads"]
+
+
+class ExchangeWorkspace:
+    """Exchange buffers reused from one attention layer to the next (inference only).
+
+    Owned by the caller (one per model), passed keyword-only. Large fresh CPU allocations are returned to the
+    OS when freed and page-faulted in again on the next call, which costs about as much as the exchange
+    itself; reusing four buffers removes that. Ignored when autograd records the call: a backward pass
+    needs the buffers of every layer alive at once. On CUDA the caching allocator already reuses memory.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != shape or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[name] = like.new_empty(shape)
+        return buf
+
+    def clear(self) -> None:
+        self._buffers.clear()
 
 
 def padded_heads(heads: int, world: int) -> int:
@@ -61,12 +83,14 @@ def ulysses_attention(
     group: dist.ProcessGroup | None,
     key_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    workspace: ExchangeWorkspace | None = None,
 ) -> torch.Tensor:
     """Self-attention over a sequence sharded by ``plan``.
 
     ``q``, ``k``, ``v``: ``[B, S_LOCAL, H, D]`` (this rank's ``plan.local_len`` tokens, padding included).
     ``key_mask``: optional bool ``[B, plan.orig_len]`` over the whole unpadded sequence, True = attend.
     Returns ``[B, S_LOCAL, H, D]``; rows of padding queries hold finite values the caller discards.
+    ``workspace``: reuse exchange buffers across calls (see :class:`ExchangeWorkspace`).
     """
     n = group_size(group)
     if n != plan.world:
@@ -88,13 +112,20 @@ def ulysses_attention(
     # exchange each of them is a strided *view* of the receive buffer (no unpack copy at B=1), and SDPA, which
     # accepts strided inputs on every backend, returns its output in the query's [B, S, H, D] memory order,
     # which makes the output pack free at B=1 too.
-    send = q.new_empty((n, batch, s_local, 3, h_local, head_dim))
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    reuse = workspace is not None and not recording
+    shape = (n, batch, s_local, 3, h_local, head_dim)
+    send = workspace.get("send", shape, q) if reuse else q.new_empty(shape)
     for i, t in enumerate((q, k, v)):
         if h_pad != heads:
             t = F.pad(t, (0, 0, 0, h_pad - heads))
         # B, S_LOCAL, H, D -> N, B, S_LOCAL, H_LOCAL, D (chunk j = the heads rank j attends)
         send[:, :, :, i].copy_(t.view(batch, s_local, n, h_local, head_dim).permute(2, 0, 1, 3, 4))
-    recv = all_to_all(send, group=group)
+    if reuse:
+        recv = workspace.get("recv", shape, q)
+        dist.all_to_all_single(recv, send, group=group)
+    else:
+        recv = all_to_all(send, group=group)
     # N, B, S_LOCAL, 3, H_LOCAL, D (chunk j = rank j's tokens) -> B, S_PAD, 3, H_LOCAL, D
     qkv = recv.transpose(0, 1).reshape(batch, n * s_local, 3, h_local, head_dim)
     # B, S, H_LOCAL, D -> B, H_LOCAL, S, D (views); keys and values cut to the real tokens
@@ -105,7 +136,13 @@ def ulysses_attention(
 
     # B, H_LOCAL, S_PAD, D -> N, B, S_LOCAL, H_LOCAL, D (chunk j = rank j's tokens)
     send_out = out.transpose(1, 2).reshape(batch, n, s_local, h_local, head_dim).transpose(0, 1).contiguous()
-    recv_out = all_to_all(send_out, group=group)
+    if reuse:
+        recv_out = workspace.get("recv_out", tuple(send_out.shape), q)
+        dist.all_to_all_single(recv_out, send_out, group=group)
+    else:
+        recv_out = all_to_all(send_out, group=group)
     # N, B, S_LOCAL, H_LOCAL, D (chunk j = heads of rank j) -> B, S_LOCAL, H, D
     out = recv_out.permute(1, 2, 0, 3, 4).reshape(batch, s_local, h_pad, head_dim)
+    if reuse and out.data_ptr() == recv_out.data_ptr():
+        out = out.clone()  # never hand the caller a view of a buffer the next layer overwrites
     return out[:, :, :heads] if h_pad != heads else out

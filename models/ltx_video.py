@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from diffusers import LTXPipeline
 from diffusers.models.transformers.transformer_ltx import LTXAttention, apply_rotary_emb
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
 
-from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
+from cp_infer import ExchangeWorkspace, LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
 from cp_infer.decode import TemporalSplit
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Prepared
@@ -39,6 +39,8 @@ class _ShardContext:
 
     state: ParallelState
     plan: ShardPlan | None = None
+    workspace: ExchangeWorkspace = field(default_factory=ExchangeWorkspace)
+    """Exchange buffers shared by every layer of this model (reused across layers and steps)."""
 
 
 class _UlyssesSelfAttnProcessor:
@@ -62,7 +64,8 @@ class _UlyssesSelfAttnProcessor:
             key = apply_rotary_emb(key, image_rotary_emb)
         # B, S_LOCAL, H*D -> B, S_LOCAL, H, D
         query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
-        out = ulysses_attention(query, key, value, plan=plan, group=self.ctx.state.cp_group)
+        out = ulysses_attention(query, key, value, plan=plan, group=self.ctx.state.cp_group,
+                                workspace=self.ctx.workspace)
         out = out.flatten(2, 3).to(query.dtype)
         return attn.to_out[1](attn.to_out[0](out))
 
