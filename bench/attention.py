@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import cp_infer.attention as cp_attention  # noqa: E402
 from cp_infer import (  # noqa: E402
+    ExchangeWorkspace,
     ParallelConfig,
     ParallelState,
     ShardPlan,
@@ -217,7 +218,9 @@ def _bench_degree2(state: ParallelState, config: BenchConfig, length: int) -> di
     plan = ShardPlan(orig_len=length, world=state.cp_size)
     q_full, k_full, v_full = _inputs(length)
     q, k, v = (plan.shard(t, rank) for t in (q_full, k_full, v_full))
-    fused = lambda: ulysses_attention(q, k, v, plan=plan, group=group)
+    # As the model adapter runs it: one workspace reused by every layer (inference).
+    workspace = ExchangeWorkspace()
+    fused = lambda: ulysses_attention(q, k, v, plan=plan, group=group, workspace=workspace)
     original = lambda sdpa: _original_attention(q, k, v, plan=plan, group=group, sdpa=sdpa)
 
     # Routing check with a cheap sequence-mixing stand-in, against a reference built without any exchange.

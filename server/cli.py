@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cp_infer.request import GenerationRequest, check_request
-from server.launch import in_torchrun, leader_exit_code, relaunch_under_torchrun
+from server.launch import group_size, in_torchrun, leader_exit_code, relaunch_under_torchrun
 
 __all__ = ["main", "build_parser", "add_runtime_arguments", "runtime_config_from_args"]
 
@@ -206,16 +206,6 @@ def _check_device(config) -> None:
         raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu")
 
 
-def _group_size(args: argparse.Namespace) -> int:
-    if not in_torchrun():
-        nproc = 1 if args.nproc is None else args.nproc
-        if nproc < 1:
-            raise UsageError(f"--nproc {nproc}: use 1 or more ranks")
-        return nproc
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.nproc is not None and args.nproc != world:
-        raise UsageError(f"--nproc {args.nproc} but torchrun started {world} rank(s); drop --nproc under torchrun")
-    return world
 
 
 class _Progress:
@@ -306,7 +296,7 @@ def _check_out(out: str) -> None:
 def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     request = GenerationRequest(**{f: getattr(args, f) for f in _FLAGS})
     config = runtime_config_from_args(args)
-    nproc = _group_size(args)
+    nproc = group_size(args.nproc)
     _check_out(args.out)
     _quiet_libraries()
     _check_device(config)
@@ -504,7 +494,7 @@ def _lead_batch(leader: _Leader, items: list[_Item], args: argparse.Namespace) -
 
 def _cmd_batch(args: argparse.Namespace, argv: list[str]) -> int:
     config = runtime_config_from_args(args)
-    nproc = _group_size(args)
+    nproc = group_size(args.nproc)
     if args.out_dir.exists() and not args.out_dir.is_dir():
         raise UsageError(f"--out-dir {args.out_dir}: is a file, not a folder")
     _quiet_libraries()

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["in_torchrun", "leader_exit_code", "relaunch_under_torchrun", "strip_nproc"]
+__all__ = ["group_size", "in_torchrun", "leader_exit_code", "relaunch_under_torchrun", "strip_nproc"]
 
 _TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 _STATUS_ENV = "CP_INFER_LEADER_STATUS"
@@ -55,6 +55,19 @@ def leader_exit_code(code: int) -> int:
         return code
     Path(path).write_text(str(code))
     return 0
+
+
+def group_size(nproc: int | None) -> int:
+    """Ranks of the group: ``--nproc`` outside torchrun, torchrun's world inside it (they must agree)."""
+    if not in_torchrun():
+        nproc = 1 if nproc is None else nproc
+        if nproc < 1:
+            raise ValueError(f"--nproc {nproc}: use 1 or more ranks")
+        return nproc
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if nproc is not None and nproc != world:
+        raise ValueError(f"--nproc {nproc} but torchrun started {world} rank(s); drop --nproc under torchrun")
+    return world
 
 
 def _cpu_count() -> int:

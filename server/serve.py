@@ -70,18 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"{_LIMIT_HELP.get(f.name, '')} (default {default})")
 
 
-def _group_size(args: argparse.Namespace) -> int:
-    from server.launch import in_torchrun
-
-    if not in_torchrun():
-        nproc = 1 if args.nproc is None else args.nproc
-        if nproc < 1:
-            raise ValueError(f"--nproc {nproc}: use 1 or more ranks")
-        return nproc
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.nproc is not None and args.nproc != world:
-        raise ValueError(f"--nproc {args.nproc} but torchrun started {world} rank(s); drop --nproc under torchrun")
-    return world
 
 
 def _configs(args: argparse.Namespace):
@@ -106,10 +94,10 @@ def _configs(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     """Run ``cp-infer serve``; returns the exit code."""
-    from server.launch import in_torchrun, relaunch_under_torchrun
+    from server.launch import group_size, in_torchrun, relaunch_under_torchrun
 
     try:
-        nproc = _group_size(args)
+        nproc = group_size(args.nproc)
         runtime, leader, app = _configs(args)
     except ValueError as exc:
         print(f"cp-infer serve: error: {exc}", file=sys.stderr)
