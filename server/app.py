@@ -198,5 +198,5 @@ def create_app(config: AppConfig, engine) -> FastAPI:
 
         # Outside the guard: a browser's preflight carries no token; the real request still needs one.
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+                           allow_headers=["*"], expose_headers=["X-Video-Id"])
     return app

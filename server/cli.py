@@ -8,6 +8,9 @@ Invariants:
   rank runs ``worker_loop``, following the leader's ``Command``s until ``stop``. The leader sends ``stop`` on
   every path that leaves the group in step; on any other failure it exits non-zero without it, and torchrun
   stops the remaining ranks.
+- ``generate --out -`` writes a fragmented MP4 to stdout as the decode delivers each piece (rank 0 alone).
+  Every process of the command (the parent, torchrun's ranks) first points its fd 1 at stderr and keeps the real
+  stdout for the video, so no print, log or library chatter can land inside the MP4 bytes.
 - Exit codes: 0 success; 1 a generation failed (for ``batch``: any line not ok or skipped); 2 a bad argument,
   request, prompts file or model path.
 """
@@ -15,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -23,9 +27,9 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from cp_infer.request import GenerationRequest, check_request
 from server.launch import group_size, in_torchrun, leader_exit_code, relaunch_under_torchrun
@@ -103,8 +107,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                    description="Generate one video and write it as an MP4 or a frames folder.")
     _add_request_arguments(generate, batch=False)
     add_runtime_arguments(generate)
-    generate.add_argument("--out", required=True, metavar="FILE.mp4|DIR/",
-                          help="an .mp4 file, or a folder (existing, or ending in '/') of lossless PNG frames")
+    generate.add_argument("--out", required=True, metavar="FILE.mp4|DIR/|-",
+                          help="an .mp4 file, a folder (existing, or ending in '/') of lossless PNG frames, or '-': "
+                               "a fragmented MP4 on stdout, written while the video is decoded")
 
     batch = commands.add_parser(
         "batch", help="generate every prompt of a JSONL file",
@@ -243,14 +248,23 @@ class _Leader:
 
     runtime: Any
 
-    def generate(self, request: GenerationRequest, job_id: str):
+    def generate(self, request: GenerationRequest, job_id: str, *, on_frames: Callable[..., None] | None = None):
+        """The frames, or with ``on_frames`` (called with each decoded piece, in order) None: no rank then holds
+        the whole video."""
         from cp_infer import broadcast_object
         from server.runtime import Command
 
         broadcast_object(Command("generate", request, job_id), state=self.runtime.state)
         progress = _Progress(job_id, request.num_inference_steps)
+        control = progress.control()
+        if on_frames is not None:
+            def both(frames, first: int, total: int) -> None:
+                on_frames(frames, first, total)
+                progress._frames(frames, first, total)
+
+            control = replace(control, on_frames=both, collect=False)
         try:
-            return self.runtime.generate(request, progress.control())
+            return self.runtime.generate(request, control)
         finally:
             progress.close()
 
@@ -282,6 +296,8 @@ def _run_group(config, lead: Callable[[_Leader], int]) -> int:
 def _check_out(out: str) -> None:
     from cp_infer.video_io import is_frames_dir_target
 
+    if out == "-":
+        return
     if not is_frames_dir_target(out) and Path(out).suffix.lower() != ".mp4":
         raise UsageError(f"--out {out}: name an .mp4 file, or end the path in '/' for a folder of PNG frames")
     existing = Path(out).expanduser().absolute()
@@ -293,7 +309,53 @@ def _check_out(out: str) -> None:
         raise UsageError(f"--out {out}: {existing} is not writable")
 
 
+def _claim_stdout() -> BinaryIO:
+    """The real stdout, for the video's bytes alone; fd 1 (``print``, C libraries, child processes) becomes stderr."""
+    sys.stdout.flush()
+    video = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    return video
+
+
+class _StdoutVideo:
+    """A fragmented MP4 to stdout, each decoded piece encoded as it lands (rank 0's ``on_frames``).
+
+    Never raises into the sampler (the other ranks are inside the decode): the first failure, e.g. a reader that
+    closed the pipe, is kept; the rest of the video is then dropped and :meth:`close` raises ``_WriteError``."""
+
+    def __init__(self, out: BinaryIO, request: GenerationRequest):
+        from cp_infer.stream import FragmentedMP4Writer
+
+        self.out, self.error = out, None
+        self.writer = FragmentedMP4Writer(self._emit, width=request.width, height=request.height, fps=request.fps)
+
+    def _emit(self, data: bytes) -> None:
+        self.out.write(data)
+        self.out.flush()  # progressively: a reader gets each fragment as it is made
+
+    def write(self, frames, _first: int, _total: int) -> None:
+        if self.error is None:
+            try:
+                self.writer.write(frames)
+            except (OSError, ValueError) as exc:
+                self.error = exc
+
+    def close(self) -> int:
+        """Finish the MP4; returns the number of frames written."""
+        if self.error is None:
+            try:
+                self.writer.close()
+            except (OSError, ValueError) as exc:
+                self.error = exc
+        with contextlib.suppress(OSError):
+            self.out.close()
+        if self.error is not None:
+            raise _WriteError(f"could not write the video to stdout: {type(self.error).__name__}: {self.error}")
+        return self.writer.frames_written
+
+
 def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
+    video_out = _claim_stdout() if args.out == "-" else None
     request = GenerationRequest(**{f: getattr(args, f) for f in _FLAGS})
     config = runtime_config_from_args(args)
     nproc = group_size(args.nproc)
@@ -306,9 +368,14 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     except ValueError as exc:
         raise _field_error(exc) from exc
     if nproc > 1 and not in_torchrun():
-        return relaunch_under_torchrun(nproc, argv)
+        return relaunch_under_torchrun(nproc, argv, stdout=video_out)
+    if video_out is not None and int(os.environ.get("RANK", "0")) != 0:
+        video_out.close()  # rank 0 alone writes the video
+        video_out = None
 
     def lead(leader: _Leader) -> int:
+        if video_out is not None:
+            return lead_to_stdout(leader)
         from cp_infer.sampler import JobFailed
 
         t_loaded = time.perf_counter()
@@ -330,6 +397,29 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
               f"{leader.runtime.state.world_size} rank(s); load {t_loaded - started:.1f} s, generate "
               f"{t_generated - t_loaded:.1f} s, write {time.perf_counter() - t_generated:.1f} s, total "
               f"{time.perf_counter() - args.t0:.1f} s)", flush=True)
+        return 0
+
+    def lead_to_stdout(leader: _Leader) -> int:
+        from cp_infer.sampler import JobFailed
+
+        t_loaded = time.perf_counter()
+        video = _StdoutVideo(video_out, request)
+        try:
+            leader.generate(request, "steps", on_frames=video.write)
+        except JobFailed as exc:
+            leader.stop()
+            print(f"{_PROG} generate: generation failed: {exc}", file=sys.stderr)
+            return 1
+        leader.stop()
+        try:
+            num_frames = video.close()
+        except _WriteError as exc:
+            print(f"{_PROG} generate: {exc}", file=sys.stderr)
+            return 1
+        print(f"wrote stdout ({num_frames} frames, {request.width}x{request.height} @ {request.fps} fps, "
+              f"fragmented MP4; {leader.runtime.state.world_size} rank(s); load {t_loaded - started:.1f} s, generate "
+              f"and write {time.perf_counter() - t_loaded:.1f} s, total {time.perf_counter() - args.t0:.1f} s)",
+              file=sys.stderr, flush=True)
         return 0
 
     started = time.perf_counter()

@@ -11,6 +11,11 @@ Invariants:
 - The child sees this process's environment, plus the folder this package was imported from on
   ``PYTHONPATH`` (so every rank runs this very code) and, unless the user set it, ``OMP_NUM_THREADS`` at the
   machine's cores split between the ranks (torchrun's own default is 1 thread per rank).
+- With ``stdout`` (``generate --out -``), torchrun and its ranks get that file as their stdout, and torchrun is
+  told not to touch the ranks' streams (``--redirects 0 --tee 0``, no rank filter; these override any ``PET_*``
+  settings): by default torchrun's ranks inherit its stdout and write to it directly, unprefixed and unbuffered,
+  whereas a tee would go through log files and prefix every line with its rank. Bytes thus go from rank 0 to the
+  pipe with no copy in between.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import IO
 
 __all__ = ["group_size", "in_torchrun", "leader_exit_code", "relaunch_under_torchrun", "strip_nproc"]
 
@@ -77,12 +83,13 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
+def relaunch_under_torchrun(nproc: int, argv: list[str], *, stdout: IO[bytes] | None = None) -> int:
     """Run ``python -m torch.distributed.run --standalone --nproc_per_node N -m server.cli <argv>`` and wait.
 
     ``argv`` is the CLI's own argument list (without the program name); ``--nproc`` is removed from it.
     Returns the leader's exit code when the group ended in step (see :func:`leader_exit_code`), else torchrun's
     (non-zero when any rank failed). SIGINT/SIGTERM to this process reach the group: torchrun stops every rank.
+    ``stdout``: the group's stdout, passed through to the ranks untouched (see the module docstring).
     """
     if nproc < 1:
         raise ValueError(f"nproc={nproc} must be >= 1")
@@ -92,21 +99,22 @@ def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // nproc)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    streams = [] if stdout is None else ["--redirects=0", "--tee=0", "--local-ranks-filter="]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *streams,
                "-m", "server.cli", *strip_nproc(argv)]
     with tempfile.TemporaryDirectory(prefix="cp-infer-") as tmp:
         status = Path(tmp) / "leader-exit-code"
         env[_STATUS_ENV] = str(status)
-        code = _run(command, env)
+        code = _run(command, env, stdout)
         if code == 0 and status.is_file():
             return int(status.read_text())
         return code
 
 
-def _run(command: list[str], env: dict[str, str]) -> int:
+def _run(command: list[str], env: dict[str, str], stdout: IO[bytes] | None = None) -> int:
     # NOTE(signals): a session of its own, so a terminal's Ctrl-C reaches torchrun once (forwarded from here),
     # not twice (a second SIGINT would interrupt torchrun while it is stopping the ranks).
-    child = subprocess.Popen(command, env=env, start_new_session=True)
+    child = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout)
 
     def forward(signum, _frame):
         # torchrun turns SIGTERM/SIGINT into stopping every rank; we only pass it on.

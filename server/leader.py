@@ -3,15 +3,20 @@
 Invariants:
 - Every collective of rank 0 (the model load's, heartbeats, each job's) is issued from the leader thread; the
   HTTP thread only reads and writes the job store, never the process group. Encoding the MP4 (rank 0's alone)
-  runs on one encoder thread, so the leader is back to heartbeats and the next job while it runs.
+  runs on one encoder thread, so the leader is back to heartbeats and the next job while it runs. A streamed job
+  (``submit_streamed``) is the exception: the leader thread encodes each decoded piece as it lands, with
+  ``collect=False``, so that its bytes reach the client during the decode and rank 0 never holds the whole video
+  (see ``server.streaming``).
 - While waiting for work the leader sends ``Command("ping")`` every ``heartbeat_s``; each rank answers with
   one all-reduce, so the round trip proves the whole group is alive (``/ready``) and no worker sits in a
   broadcast longer than the collective timeout.
 - A job's request is re-checked here against the same limits and geometry every rank uses, then broadcast;
   only these server-built requests are ever broadcast (``broadcasts`` counts them, ``/metrics`` shows it).
 - Cancel: the leader's step ``poll`` returns CANCEL once the job is cancelled or deleted; the sampler's
-  all-reduce (max) makes every rank stop at that same step. An exception on any rank (or in any rank's poll)
-  fails the job on every rank at the same step and the group goes on to the next job.
+  all-reduce (max) makes every rank stop at that same step. A streamed job whose cancel comes during the decode
+  (which cannot stop safely; its client left, say) finishes the decode and then ends cancelled. An exception on
+  any rank (or in any rank's poll) fails the job on every rank at the same step and the group goes on to the next
+  job.
 - Rank 0's own hooks (progress, decoded frames) never raise into the sampler: their exceptions are kept and fail
   the job once every rank has left it; so do exceptions in encoding the MP4, which is rank 0's alone. Any other
   exception escaping the sampler may leave the group out of step (a rank can be inside a step's or the parallel
@@ -36,6 +41,7 @@ import numpy as np
 
 from cp_infer.request import GenerationLimits, check_request
 from server.jobs import Job, JobStore
+from server.streaming import StreamedOutputs, VideoStream
 
 if TYPE_CHECKING:
     from server.runtime import RuntimeConfig
@@ -140,6 +146,8 @@ class GroupLeader:
         self._faults: tuple = ()
         self._counts_lock = threading.Lock()
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cp-infer-encode")
+        self._streams: dict[str, VideoStream] = {}  # streamed jobs not yet claimed, by id
+        self._streams_lock = threading.Lock()
         # Read by the HTTP thread.
         self.geometry = None
         self.world_size: int | None = None
@@ -190,6 +198,20 @@ class GroupLeader:
         if self.last_contact_at is None or now - self.last_contact_at > window:
             return False, f"no heartbeat round trip in the last {window:.0f} s"
         return True, "idle"
+
+    def submit_streamed(self, request, *, model: str) -> tuple[Job, VideoStream]:
+        """Queue ``request`` as a streamed job: the returned handle reads its MP4 while it is made. Raises
+        ``QueueFull`` as ``store.submit`` does."""
+        # Under the lock that the leader takes after claiming a job, so it cannot run the job unstreamed.
+        with self._streams_lock:
+            job = self.store.submit(request, model=model)
+            stream = self._streams[job.id] = VideoStream(job.id)
+        return job, stream
+
+    def release_stream(self, job_id: str) -> None:
+        """The HTTP side is done with a streamed job's handle (a job still queued then runs unstreamed, if at all)."""
+        with self._streams_lock:
+            self._streams.pop(job_id, None)
 
     def retry_after_s(self) -> int:
         """A guess at how long until the queue has room: mean generation time times the queue depth."""
@@ -256,12 +278,28 @@ class GroupLeader:
 
     def _run_job(self, runtime, job: Job) -> None:
         self.current_job = job.id
+        with self._streams_lock:
+            stream = self._streams.pop(job.id, None)
+        outputs = None
         try:
-            self._generate_and_write(runtime, job)
+            if stream is not None:
+                try:
+                    outputs = StreamedOutputs(self.store, job.id, job.request, keep_frames=self.config.keep_frames,
+                                              stream=stream)
+                except (OSError, ValueError) as exc:
+                    self._finish(job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
+                    return
+            self._generate_and_write(runtime, job, outputs)
         finally:
+            if outputs is not None:
+                outputs.discard()  # a no-op once committed
             self.current_job = None
+            if stream is not None:
+                final = self.store.snapshot_any(job.id)  # None: deleted
+                stream.end(final.status if final is not None and final.terminal else "cancelled",
+                           None if final is None else final.error_message)
 
-    def _generate_and_write(self, runtime, job: Job) -> None:
+    def _generate_and_write(self, runtime, job: Job, outputs: StreamedOutputs | None = None) -> None:
         from cp_infer import broadcast_object
         from cp_infer.sampler import JobCancelled, JobFailed, SampleControl, StepStatus
         from server.runtime import Command, with_faults
@@ -292,6 +330,12 @@ class GroupLeader:
                 self.store.set_progress(job.id, progress)
 
         def on_frames(frames: np.ndarray, first: int, total: int) -> None:
+            if outputs is not None:
+                # NOTE(timeout): the ranks whose pieces come later wait in their send while this encodes; that
+                # wait (about the encode time of the pieces before theirs) must stay under the collective timeout.
+                if self.store.cancel_requested(job.id):
+                    outputs.stop()  # the job ends cancelled: encode nothing more
+                outputs.write(frames, first)
             decoded = (first + len(frames)) / max(total, 1)
             self.store.set_progress(job.id, _DENOISE_SHARE + int((_DECODED - _DENOISE_SHARE) * decoded))
 
@@ -310,12 +354,13 @@ class GroupLeader:
 
             return call
 
-        control = SampleControl(poll=poll, on_step=on_step, on_phase=on_phase, on_frames=on_frames)
+        control = SampleControl(poll=poll, on_step=on_step, on_phase=on_phase, on_frames=on_frames,
+                                collect=outputs is None)
         control = with_faults(control, request, rank=runtime.state.rank, rules=self._faults)
         control = replace(control, on_step=deferred(control.on_step), on_phase=deferred(control.on_phase),
                           on_frames=deferred(control.on_frames))
-        log.info("job %s: %d frames %dx%d, %d steps", job.id, request.num_frames, request.width, request.height,
-                 request.num_inference_steps)
+        log.info("job %s: %d frames %dx%d, %d steps%s", job.id, request.num_frames, request.width, request.height,
+                 request.num_inference_steps, ", streamed" if outputs is not None else "")
         try:
             broadcast_object(Command("generate", request=request, job_id=job.id), state=runtime.state)
             self.broadcasts += 1
@@ -343,9 +388,26 @@ class GroupLeader:
             self._finish(job, "failed", "decode_failed" if where == "decode" else "internal_error",
                          f"rank 0 ({where}): {error}")
             return
+        if outputs is not None:
+            self._commit_stream(job, outputs, started)
+            return
         # NOTE(encode): rank 0's alone, so it runs beside the group: the leader goes back to heartbeats and the
         # next job at once, and no worker waits in a broadcast for as long as an encode takes.
         self._encoder.submit(self._encode, job, frames, started)
+
+    def _commit_stream(self, job: Job, outputs: StreamedOutputs, started: float) -> None:
+        if self.store.cancel_requested(job.id):
+            # Asked to stop during the decode, which could not be interrupted: the job still ends cancelled.
+            self._finish(job, "cancelled", "cancelled", "cancelled during the decode")
+            return
+        try:
+            outputs.commit()
+        except Exception as exc:  # noqa: BLE001 -- the group is done with this job: fail it only
+            log.exception("job %s: writing the streamed video failed", job.id)
+            self._finish(job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
+            return
+        self.generation_seconds.observe(time.monotonic() - started)
+        self._finish(job, "completed")
 
     def _encode(self, job: Job, frames: np.ndarray, started: float) -> None:
         try:

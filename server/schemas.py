@@ -86,6 +86,8 @@ class VideoCreateParams(BaseModel):
     guidance_scale: float | None = None
     seed: int | None = None
     fps: int | None = None
+    stream: bool | None = None
+    """Extension: respond with the MP4 itself, sent while it is made (also a query parameter)."""
 
 
 class VideoError(BaseModel):
@@ -148,6 +150,7 @@ def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | N
         "guidance_scale": f"a finite number in [0, {limits.max_guidance}]",
         "seed": f"an integer in [0, {2**63 - 1}]",
         "fps": f"an integer in [1, {limits.max_fps}]",
+        "stream": "true or false",
     }
     return hints.get(name, "a valid value")
 

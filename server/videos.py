@@ -1,21 +1,28 @@
-"""``/v1/videos``: create, list, get, delete, cancel, download and follow (SSE) video jobs.
+"""``/v1/videos``: create (or create and stream), list, get, delete, cancel, download and follow (SSE) video jobs.
 
 Invariants:
 - A body is read at most ``max_body_bytes`` (413 past it), parsed strictly (no NaN/Infinity, an object, no
   unknown fields) and turned into a request only by :func:`server.schemas.build_request`; the route then only
   queues it. Nothing here talks to the worker group.
 - Ids in URLs are checked against the server's own id format before any lookup or file access.
+- ``stream=true``: every check above runs (and fails as JSON) before the job is queued; then the ``200`` and its
+  headers (``X-Video-Id``) go out at once, and the body is the job's MP4 as the leader writes it (see
+  ``server.streaming``), from the first decoded piece on. A job that ends other than completed ends the body
+  without its last chunk (the client sees a truncated transfer, never a short video that looks whole); a client
+  that leaves cancels the job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from typing import Literal
 from urllib.parse import parse_qsl
 
+import anyio
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
 
@@ -34,11 +41,14 @@ from server.schemas import (
 
 __all__ = ["videos_router", "multipart_available"]
 
+log = logging.getLogger("cp_infer.videos")
+
 _CONTENT = {"video": (".mp4", "video/mp4"), "thumbnail": (".jpg", "image/jpeg"),
             "frames": (".npy", "application/octet-stream")}
 _SSE_POLL_S = 0.05
 _SSE_KEEPALIVE_S = 15.0
 _DELETE_WAIT_S = 30.0
+_STREAM_CHUNK = 64 * 1024
 
 
 def multipart_available() -> bool:
@@ -118,6 +128,60 @@ def _sse(seq: int, payload: dict) -> str:
     return f"id: {seq}\nevent: video.{payload['status']}\ndata: {json.dumps(payload)}\n\n"
 
 
+class _MP4StreamResponse(StreamingResponse):
+    """A streamed job's MP4, sent as the leader writes it (see the module docstring)."""
+
+    def __init__(self, stream, *, engine, headers: dict[str, str]):
+        super().__init__(iter(()), media_type="video/mp4", headers=headers)
+        self._stream, self._engine = stream, engine
+
+    async def __call__(self, scope, receive, send) -> None:
+        delivered = False
+        try:
+            async with anyio.create_task_group() as tasks:
+
+                async def body() -> None:
+                    nonlocal delivered
+                    delivered = await self._send_body(send)
+                    tasks.cancel_scope.cancel()
+
+                tasks.start_soon(body)
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tasks.cancel_scope.cancel()  # the client left
+        finally:
+            self._stream.close()
+            if not delivered:
+                job_id = self._stream.job_id
+                self._engine.release_stream(job_id)
+                # A job still queued or running stops (at its next step; after the decode if it is decoding); one
+                # that already ended is left as it is.
+                self._engine.store.cancel(job_id)
+
+    async def _send_body(self, send) -> bool:
+        """Send the headers, then the MP4's bytes as they come; True if the whole video went out."""
+        stream = self._stream
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            while True:
+                outcome = stream.outcome  # read before the file: every byte written before it is then in the file
+                data = stream.read(_STREAM_CHUNK)
+                if data:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                elif outcome is not None:
+                    break
+                else:
+                    await asyncio.sleep(_SSE_POLL_S)
+            if outcome != "completed":
+                log.warning("video %s %s (%s): ending its stream without the last chunk", stream.job_id, outcome,
+                            stream.message)
+                return False
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return True
+        except OSError:  # ASGI 2.4 servers report a client that left this way
+            return False
+
+
 def videos_router(engine, *, max_body_bytes: int) -> APIRouter:
     router = APIRouter(prefix="/v1/videos", tags=["videos"])
     store = engine.store
@@ -126,21 +190,36 @@ def videos_router(engine, *, max_body_bytes: int) -> APIRouter:
     body_schema = {"requestBody": {"required": True, "content": {
         "application/json": {"schema": VideoCreateParams.model_json_schema()}}}}
 
-    @router.post("", response_model=VideoJob, responses=errors, openapi_extra=body_schema)
-    async def create_video(request: Request) -> dict:
+    created = {200: {"description": "The job; with stream=true, the MP4 itself (fragmented, chunked) as it is made, "
+                                    "with the job id in X-Video-Id",
+                     "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}}}
+
+    @router.post("", response_model=VideoJob, responses={**created, **errors}, openapi_extra=body_schema)
+    async def create_video(request: Request, stream: bool | None = Query(
+            None, description="respond with the MP4 itself, sent while it is made (or give stream in the body)")):
         """Queue a text-to-video job (JSON, urlencoded, or multipart when python-multipart is installed)."""
         body = await _read_body(request, max_body_bytes)
         params = await _params(request, body, engine)
+        if stream is not None and params.stream is not None and stream != params.stream:
+            raise ApiError(400, "conflicting_parameters", f"stream={str(stream).lower()} in the query but "
+                           f"stream={str(params.stream).lower()} in the body; give it once", "stream")
+        streamed = bool(stream or params.stream)
         if engine.geometry is None:
             raise ApiError(503, "not_ready", "the worker group is still starting; retry shortly",
                            headers={"Retry-After": "5"})
         generation = build_request(params, geometry=engine.geometry, limits=engine.limits,
                                    served_model=engine.served_model, seed=secrets.randbelow(2**31))
         try:
-            job = store.submit(generation, model=engine.served_model)
+            if streamed:
+                job, handle = engine.submit_streamed(generation, model=engine.served_model)
+            else:
+                job = store.submit(generation, model=engine.served_model)
         except QueueFull as exc:
             raise ApiError(429, "queue_full", f"{exc}; retry later", headers={
                 "Retry-After": str(engine.retry_after_s())}) from None
+        if streamed:
+            return _MP4StreamResponse(handle, engine=engine, headers={
+                "X-Video-Id": job.id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return job.public()
 
     @router.get("", response_model=VideoList)

@@ -1,0 +1,165 @@
+"""Streamed jobs (``POST /v1/videos`` with ``stream=true``): the MP4 leaves rank 0 while the decode is still running.
+
+Invariants:
+- One file is the truth. The leader thread encodes each decoded piece as :class:`SampleControl`'s ``on_frames``
+  delivers it and appends the fragmented MP4's bytes to the job's ``.mp4.tmp`` (renamed to ``.mp4`` when the job
+  completes); the HTTP response reads that same file through a descriptor of its own (:class:`VideoStream`). So
+  the client gets exactly the bytes ``GET .../content`` serves later, and a slow client costs disk, not memory.
+- Rank 0 never holds the whole video: the sampler runs with ``collect=False`` and a piece is encoded before the
+  next one is received. The middle frame (the thumbnail) and, with ``keep_frames``, the raw frames (``.npy``,
+  header first, then each piece appended in order) are written as their piece passes.
+- :meth:`StreamedOutputs.write` never raises (it runs inside the decode, where raising would leave rank 0 out of
+  step with the ranks still sending their pieces): its first error is kept and fails the job at :meth:`commit`.
+- ``VideoStream.outcome`` (the job's final status) is set once, after the last byte is in the file and the job's
+  record is final: a reader that sees it set and then reads to the end has every byte, and a client that sees the
+  body end finds the job completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from cp_infer.request import GenerationRequest
+
+__all__ = ["StreamedOutputs", "VideoStream"]
+
+log = logging.getLogger("cp_infer.streaming")
+
+
+class VideoStream:
+    """The HTTP side's handle on one streamed job: reads the job's MP4 as the leader writes it (thread-safe)."""
+
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+        self.outcome: str | None = None
+        """The job's final status (``completed``, ``failed``, ``cancelled``) once no more bytes will come."""
+        self.message: str | None = None
+        self._lock = threading.Lock()
+        self._file: BinaryIO | None = None
+        self._closed = False
+
+    def attach(self, path: Path) -> None:
+        """The leader: ``path`` (the MP4 being written) exists; the reader follows it from its first byte."""
+        with self._lock:
+            if not self._closed:
+                self._file = open(path, "rb", buffering=0)  # noqa: SIM115 -- closed by close()
+
+    def end(self, outcome: str, message: str | None = None) -> None:
+        """The leader: the job is over; call after its last byte is written and its record is final."""
+        self.message = message
+        self.outcome = outcome
+
+    def read(self, size: int) -> bytes:
+        """Up to ``size`` bytes that were written since the last read; ``b""`` when there are none yet."""
+        with self._lock:
+            return self._file.read(size) if self._file is not None else b""
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+class StreamedOutputs:
+    """A streamed job's files, written piece by piece on rank 0 (see the module docstring); each goes to a ``.tmp``
+    sibling that :meth:`commit` renames into place and :meth:`discard` removes."""
+
+    def __init__(self, store, job_id: str, request: GenerationRequest, *, keep_frames: bool, stream: VideoStream):
+        from cp_infer.stream import FragmentedMP4Writer
+
+        self.job_id = job_id
+        self.error: str | None = None
+        self.frames_written = 0
+        self._shape = (request.num_frames, request.height, request.width, 3)
+        self._stopped = self._done = False
+        self._files: list[tuple[Path, Path]] = []  # (tmp, final), renamed by commit
+        self._mp4 = self._raw = self._writer = None
+        thumb = store.path(job_id, ".jpg")
+        self._thumb = (thumb.with_suffix(".jpg.tmp"), thumb)
+        try:
+            mp4 = store.path(job_id, ".mp4")
+            self._files.append((mp4.with_suffix(".mp4.tmp"), mp4))
+            self._mp4 = open(mp4.with_suffix(".mp4.tmp"), "wb")  # noqa: SIM115 -- closed by _close()
+            self._writer = FragmentedMP4Writer(self._emit, width=request.width, height=request.height,
+                                               fps=request.fps)
+            if keep_frames:
+                raw = store.path(job_id, ".npy")
+                self._files.append((raw.with_suffix(".npy.tmp"), raw))
+                self._raw = open(raw.with_suffix(".npy.tmp"), "wb")  # noqa: SIM115 -- closed by _close()
+                np.lib.format.write_array_header_1_0(self._raw, {"descr": np.lib.format.dtype_to_descr(
+                    np.dtype(np.uint8)), "fortran_order": False, "shape": self._shape})
+        except BaseException:
+            self.discard()
+            raise
+        stream.attach(mp4.with_suffix(".mp4.tmp"))
+
+    def _emit(self, data: bytes) -> None:
+        self._mp4.write(data)
+        self._mp4.flush()  # to the OS, where the response's own descriptor sees it
+
+    def write(self, frames: np.ndarray, first: int) -> None:
+        """Encode the decoded frames ``[first, first + len(frames))``; never raises (see the module docstring)."""
+        if self.error is not None or self._stopped:
+            return
+        try:
+            if first != self.frames_written or frames.shape[1:] != self._shape[1:]:
+                raise RuntimeError(f"got frames {first}.. of shape {frames.shape} after {self.frames_written} "
+                                   f"frames; expected the next ones in order, of shape [F, *{self._shape[1:]}]")
+            frames = np.ascontiguousarray(frames, dtype=np.uint8)
+            self._writer.write(frames)
+            if self._raw is not None:
+                self._raw.write(frames.data)
+            middle = self._shape[0] // 2
+            if first <= middle < first + len(frames):
+                from PIL import Image
+
+                Image.fromarray(frames[middle - first]).save(self._thumb[0], format="JPEG", quality=90,
+                                                             subsampling=0)
+                self._files.append(self._thumb)
+            self.frames_written += len(frames)
+        except Exception as exc:  # noqa: BLE001 -- kept for commit(); see the module docstring
+            log.exception("job %s: encoding the stream failed", self.job_id)
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def stop(self) -> None:
+        """Encode nothing more (the job will end cancelled: nobody wants the rest)."""
+        self._stopped = True
+
+    def commit(self) -> None:
+        """Finish the MP4 and rename every file into place; raises if anything failed or frames are missing."""
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        self._writer.close()
+        if self.frames_written != self._shape[0]:
+            raise RuntimeError(f"the decode delivered {self.frames_written} frames, expected {self._shape[0]}")
+        self._close()
+        for tmp, final in self._files:
+            os.replace(tmp, final)
+        self._done = True
+
+    def discard(self) -> None:
+        """Remove whatever was written (a no-op after :meth:`commit`)."""
+        if self._done:
+            return
+        self._done = True
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.close()
+        with contextlib.suppress(OSError):
+            self._close()
+        for tmp, _ in (*self._files, self._thumb):
+            tmp.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        for f in (self._mp4, self._raw):
+            if f is not None:
+                f.close()
