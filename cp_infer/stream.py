@@ -16,6 +16,8 @@ from collections.abc import Callable
 import av
 import numpy as np
 
+from .video_io import add_h264_stream, encode_frames
+
 __all__ = ["FragmentedMP4Writer"]
 
 
@@ -37,15 +39,12 @@ class _Sink(io.RawIOBase):
 class FragmentedMP4Writer:
     """Encode uint8 RGB frames ``[F, H, W, 3]`` (h264, yuv420p) and hand the bytes to ``emit`` as they come."""
 
-    def __init__(self, emit: Callable[[bytes], None], *, width: int, height: int, fps: int, crf: int = 18):
-        if width % 2 or height % 2:
-            raise ValueError(f"yuv420p needs an even frame size, got {width}x{height}")
+    def __init__(self, emit: Callable[[bytes], None], *, width: int, height: int, fps: int):
         self._sink = _Sink(emit)
         self._container = av.open(self._sink, mode="w", format="mp4",
                                   options={"movflags": "frag_every_frame+empty_moov+default_base_moof"})
-        self._stream = self._container.add_stream("libx264", rate=fps)
-        self._stream.width, self._stream.height, self._stream.pix_fmt = width, height, "yuv420p"
-        self._stream.options = {"crf": str(crf), "tune": "zerolatency", "preset": "veryfast"}
+        # The same encoder settings and colour tags as whole-file MP4s, tuned for latency.
+        self._stream = add_h264_stream(self._container, width=width, height=height, fps=fps, low_latency=True)
         self.frames_written = 0
         self._closed = False
 
@@ -53,15 +52,12 @@ class FragmentedMP4Writer:
         if frames.ndim != 4 or frames.shape[1:] != (self._stream.height, self._stream.width, 3):
             raise ValueError(f"frames of shape {frames.shape} do not match "
                              f"[F, {self._stream.height}, {self._stream.width}, 3]")
-        for frame in np.ascontiguousarray(frames, dtype=np.uint8):
-            for packet in self._stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                self._container.mux(packet)
-            self.frames_written += 1
+        encode_frames(self._container, self._stream, np.asarray(frames, dtype=np.uint8), self.frames_written)
+        self.frames_written += frames.shape[0]
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for packet in self._stream.encode():
-            self._container.mux(packet)
+        self._container.mux(self._stream.encode(None))
         self._container.close()

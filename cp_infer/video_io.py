@@ -33,7 +33,16 @@ import numpy as np
 from av.video.reformatter import ColorPrimaries, ColorRange, Colorspace, ColorTrc
 from PIL import Image
 
-__all__ = ["write_mp4", "write_frames_dir", "write_output", "read_mp4", "read_frames_dir", "is_frames_dir_target"]
+__all__ = [
+    "add_h264_stream",
+    "encode_frames",
+    "is_frames_dir_target",
+    "read_frames_dir",
+    "read_mp4",
+    "write_frames_dir",
+    "write_mp4",
+    "write_output",
+]
 
 VIDEO_JSON = "video.json"
 _FRAME_NAME = "frame_{:05d}.png"
@@ -66,27 +75,48 @@ def _check_fps(fps: float) -> Fraction:
     return Fraction(fps).limit_denominator(1001)
 
 
-def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: float) -> None:
-    """Encode ``frames`` (uint8 RGB ``[F, H, W, 3]``) as an H.264 MP4 at ``fps`` frames per second."""
-    _, height, width = _check_frames(frames)
-    rate = _check_fps(fps)
+def _check_even(width: int, height: int) -> None:
     if height % 2 or width % 2:
         raise ValueError(f"an MP4 (yuv420p) needs an even width and height, got {width}x{height}; use even sizes "
                          "(models produce multiples of 32), or write a frames folder (an output ending in '/')")
+
+
+def add_h264_stream(container, *, width: int, height: int, fps: float, low_latency: bool = False):
+    """The one H.264 stream setup (codec, quality, BT.709 tags) for files and progressive streams.
+
+    ``low_latency`` adds x264's ``zerolatency`` tuning (no lookahead, no B-frames), so that each frame's bytes
+    leave the encoder as soon as the frame goes in.
+    """
+    rate = _check_fps(fps)
+    _check_even(width, height)
+    stream = container.add_stream(_CODEC, rate=rate)
+    stream.width, stream.height, stream.pix_fmt = width, height, _PIX_FMT
+    stream.options = {"crf": str(_CRF), "preset": _PRESET, **({"tune": "zerolatency"} if low_latency else {})}
+    ctx = stream.codec_context
+    ctx.colorspace, ctx.color_range = Colorspace.ITU709, ColorRange.MPEG
+    ctx.color_primaries, ctx.color_trc = ColorPrimaries.BT709, ColorTrc.BT709
+    return stream
+
+
+def encode_frames(container, stream, frames: np.ndarray, first_pts: int) -> None:
+    """Convert uint8 RGB frames to BT.709 limited-range yuv420p, encode and mux them."""
+    for i, frame in enumerate(frames):
+        rgb = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
+        yuv = rgb.reformat(format=_PIX_FMT, src_colorspace=Colorspace.ITU709, dst_colorspace=Colorspace.ITU709,
+                           src_color_range=ColorRange.JPEG, dst_color_range=ColorRange.MPEG,
+                           dst_color_trc=ColorTrc.BT709, dst_color_primaries=ColorPrimaries.BT709)
+        yuv.pts = first_pts + i
+        container.mux(stream.encode(yuv))
+
+
+def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: float) -> None:
+    """Encode ``frames`` (uint8 RGB ``[F, H, W, 3]``) as an H.264 MP4 at ``fps`` frames per second."""
+    _, height, width = _check_frames(frames)
+    _check_fps(fps)
+    _check_even(width, height)  # before any file exists
     with av.open(os.fspath(path), mode="w", format="mp4", container_options={"movflags": "+faststart"}) as container:
-        stream = container.add_stream(_CODEC, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, _PIX_FMT
-        stream.options = {"crf": str(_CRF), "preset": _PRESET}
-        ctx = stream.codec_context
-        ctx.colorspace, ctx.color_range = Colorspace.ITU709, ColorRange.MPEG
-        ctx.color_primaries, ctx.color_trc = ColorPrimaries.BT709, ColorTrc.BT709
-        for i, frame in enumerate(frames):
-            rgb = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
-            yuv = rgb.reformat(format=_PIX_FMT, src_colorspace=Colorspace.ITU709, dst_colorspace=Colorspace.ITU709,
-                               src_color_range=ColorRange.JPEG, dst_color_range=ColorRange.MPEG,
-                               dst_color_trc=ColorTrc.BT709, dst_color_primaries=ColorPrimaries.BT709)
-            yuv.pts = i
-            container.mux(stream.encode(yuv))
+        stream = add_h264_stream(container, width=width, height=height, fps=fps)
+        encode_frames(container, stream, frames, 0)
         container.mux(stream.encode(None))
 
 

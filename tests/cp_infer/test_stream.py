@@ -43,7 +43,7 @@ def test_bytes_flow_before_the_last_chunk_and_file_is_valid():
 
 
 def test_bad_shapes_are_refused():
-    with pytest.raises(ValueError, match="even frame size"):
+    with pytest.raises(ValueError, match="even width and height"):
         FragmentedMP4Writer(lambda b: None, width=95, height=64, fps=24)
     writer = FragmentedMP4Writer(lambda b: None, width=96, height=64, fps=24)
     with pytest.raises(ValueError, match="do not match"):
