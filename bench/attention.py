@@ -137,10 +137,20 @@ def _original_attention(
 # ---------------------------------------------------------------------------------------------------------
 
 
+_SDPA_OUT: dict[tuple, torch.Tensor] = {}
+
+
 def _sdpa_identity(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **_: Any) -> torch.Tensor:
-    # NOTE(isolation): same shape and strides as real CPU SDPA's output (which follows the query's layout),
-    # so the output exchange copies exactly what it copies in the real layer.
-    return query
+    # NOTE(isolation): real CPU SDPA returns a fresh *dense* tensor in the query's dimension order (checked: for
+    # the fused path's strided query view that is B, S, H, D memory). Return a tensor with exactly that layout,
+    # allocated once, so the output exchange copies exactly what it copies in the real layer and SDPA's own
+    # output allocation is not counted as exchange time. Its values are not used.
+    order = sorted(range(query.ndim), key=lambda d: -query.stride(d))
+    cache_key = (tuple(query.shape), tuple(order), query.dtype)
+    if cache_key not in _SDPA_OUT:
+        dense = query.new_empty([query.shape[d] for d in order])
+        _SDPA_OUT[cache_key] = dense.permute([order.index(d) for d in range(query.ndim)])
+    return _SDPA_OUT[cache_key]
 
 
 def _sdpa_mix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **_: Any) -> torch.Tensor:
