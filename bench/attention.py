@@ -10,11 +10,11 @@ context-parallel degrees 1 and 2, every number measured in the same run:
 - ``exchange fused``: what :func:`cp_infer.ulysses_attention` does around SDPA (pack q/k/v into one buffer,
   one ``all_to_all_single`` through :func:`cp_infer.all_to_all`, unpack; then the same for the output).
   NOTE(isolation): ``ulysses_attention`` does not expose its exchange separately, so the library's own code
-  path is timed with SDPA replaced by a stand-in that returns its query: ``cp_infer.attention.F`` is patched
-  (for the duration of the exchange measurement, in that module only) with a proxy of
-  ``torch.nn.functional`` whose ``scaled_dot_product_attention`` returns ``query``. CPU SDPA returns its
-  output in the memory layout of its query, so the stand-in hands the output exchange a tensor of exactly
-  the shape and strides real SDPA would: the exchange does the same copies it does in the real layer.
+  path is timed with SDPA replaced by a stand-in: ``cp_infer.attention.F`` is patched (for the duration of
+  the exchange measurement, in that module only) with a proxy of ``torch.nn.functional`` whose
+  ``scaled_dot_product_attention`` returns a preallocated dense tensor in the query's dimension order, which
+  is the layout real CPU SDPA returns: the output exchange does the same copies it does in the real layer,
+  and SDPA's own output allocation is not counted.
 - ``exchange original``: the module this project started from (``/work/shared/seed``), rewritten here as the
   baseline: for each of q, k and v, ``torch.chunk`` over heads, ``.contiguous()`` per chunk, a list
   ``dist.all_to_all`` and ``torch.cat`` over the sequence; then the same back for the output (chunk over the
@@ -347,8 +347,8 @@ def _report(config: BenchConfig, rows: dict[tuple[int, int], dict[str, Any]], co
         f"- Median of {config.repeats} timed iterations (after {_EXCHANGE_WARMUP} warm-up iterations for the "
         f"exchange, 1 for the layer{long_note}); "
         "a barrier precedes each iteration and each iteration counts the slowest rank.",
-        "- exchange = the layer with SDPA replaced by a stand-in returning its query (same output layout as "
-        "CPU SDPA), so only pack + all-to-all + unpack, both ways, is timed. fused: `cp_infer.ulysses_attention` "
+        "- exchange = the layer with SDPA replaced by a stand-in returning a preallocated tensor in real CPU "
+        "SDPA's output layout, so only pack + all-to-all + unpack, both ways, is timed. fused: `cp_infer.ulysses_attention` "
         "(2 `all_to_all_single`); original: per-tensor chunk/contiguous/`dist.all_to_all`/cat (4 list "
         "all-to-alls).",
         f"- layer = exchange + real SDPA over the full sequence on the local heads; `-` beyond "
