@@ -348,9 +348,9 @@ def _report(config: BenchConfig, rows: dict[tuple[int, int], dict[str, Any]], co
         f"exchange, 1 for the layer{long_note}); "
         "a barrier precedes each iteration and each iteration counts the slowest rank.",
         "- exchange = the layer with SDPA replaced by a stand-in returning a preallocated tensor in real CPU "
-        "SDPA's output layout, so only pack + all-to-all + unpack, both ways, is timed. fused: `cp_infer.ulysses_attention` "
-        "(2 `all_to_all_single`); original: per-tensor chunk/contiguous/`dist.all_to_all`/cat (4 list "
-        "all-to-alls).",
+        "SDPA's output layout, so only pack + all-to-all + unpack, both ways, is timed. fused: "
+        "`cp_infer.ulysses_attention` (2 `all_to_all_single`); original: per-tensor "
+        "chunk/contiguous/`dist.all_to_all`/cat (4 list all-to-alls).",
         f"- layer = exchange + real SDPA over the full sequence on the local heads; `-` beyond "
         f"--max-layer-len={config.max_layer_len} tokens (SDPA is quadratic: on one thread a call takes ~10 s "
         "at 16k tokens and ~40 s at 32k per rank). Degree 1: no exchange (0 collectives), one SDPA over all "
