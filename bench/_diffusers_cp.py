@@ -1,0 +1,106 @@
+"""Diffusers' own context parallelism (``enable_parallelism``, Ulysses) made to run on CPU/gloo, for the benchmark.
+
+diffusers 0.42 ships context parallelism for accelerators only. Two patches are needed, and only two, for an
+``LTXVideoTransformer3DModel`` on CPU with gloo; both are applied from here, nothing in diffusers is edited:
+
+1. ``ModelMixin._resolve_parallel_config`` picks the device as
+   ``torch.device(accelerator_type, rank % torch.accelerator.device_count())``; on a CPU-only torch the count is
+   0 and this raises ``ZeroDivisionError``. ``torch.accelerator.device_count`` is patched to return 1 for the
+   duration of the ``enable_parallelism`` call only, which gives ``cpu:0`` (the accelerator type on CPU-only torch
+   is ``cpu``, so the mesh is ``init_device_mesh("cpu", (1, degree))`` over gloo). The recorded device is not used
+   by the Ulysses path.
+2. ``TemplatedUlyssesAttention`` all-to-alls q/k/v from ``H`` heads to ``H / N`` local heads but passes the
+   attention mask on unchanged. ``LTXVideoAttnProcessor`` expands the cross-attention (text padding) mask to
+   ``[B, H, 1, S_KV]`` with all ``H`` heads, so SDPA fails to broadcast it against ``H / N`` query heads ("The size
+   of tensor a (8) must match the size of tensor b (16)"). ``attention_dispatch._native_attention_forward_op`` is
+   wrapped (process-wide, it is only reached on the context-parallel path) to narrow a per-head mask to this
+   rank's heads, ``[r * H / N, (r + 1) * H / N)``, which are the heads the all-to-all delivered to rank ``r``.
+
+Everything else is diffusers' code path as shipped: the ``_cp_plan`` hooks split the latents, the text states,
+the text mask and the RoPE tables over the ranks and all-gather the output of ``proj_out`` on every step; both
+self- and cross-attention go through ``funcol.all_to_all_single`` (one per q, k, v and one for the output).
+Sequence lengths (latent and text tokens) must divide the degree (``EquipartitionSharder`` asserts it).
+
+:class:`DiffusersRunner` runs ``LTXPipeline.__call__`` itself, as shipped, recording per-step times with a
+forward pre-hook on the transformer (step start) and ``callback_on_step_end`` (step end).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import torch
+
+__all__ = ["DiffusersRunner", "enable_diffusers_context_parallel"]
+
+
+def _narrow_mask_to_local_heads(forward_op: Any) -> Any:
+    """Wrap diffusers' native SDPA forward op so a ``[B, H, S_Q, S_KV]`` mask follows the heads to their rank."""
+
+    def forward_op_local_heads(ctx, query, key, value, attn_mask=None, *args, _parallel_config=None, **kwargs):
+        # query: B, S, H_LOCAL, D (after the all-to-all); a per-head mask still has all H heads on dim 1.
+        heads_local = query.shape[2]
+        if attn_mask is not None and attn_mask.ndim == 4 and attn_mask.shape[1] not in (1, heads_local):
+            rank = _parallel_config.context_parallel_config._ulysses_local_rank
+            attn_mask = attn_mask.narrow(1, rank * heads_local, heads_local)
+        return forward_op(ctx, query, key, value, attn_mask, *args, _parallel_config=_parallel_config, **kwargs)
+
+    forward_op_local_heads.__wrapped__ = forward_op
+    return forward_op_local_heads
+
+
+def enable_diffusers_context_parallel(transformer: torch.nn.Module, *, ulysses_degree: int) -> None:
+    """``transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=...))`` on CPU/gloo.
+
+    Needs the default process group initialised (gloo) with ``ulysses_degree`` ranks.
+    """
+    from diffusers import ContextParallelConfig
+    from diffusers.models import attention_dispatch
+
+    op = attention_dispatch._native_attention_forward_op
+    if not hasattr(op, "__wrapped__"):  # idempotent: wrap once per process
+        attention_dispatch._native_attention_forward_op = _narrow_mask_to_local_heads(op)
+    with mock.patch.object(torch.accelerator, "device_count", lambda: 1):
+        transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses_degree))
+
+
+class DiffusersRunner:
+    """diffusers' own ``LTXPipeline`` over the given components, context-parallel over ``ranks`` when > 1."""
+
+    def __init__(self, components: dict[str, Any], *, ranks: int) -> None:
+        from diffusers import LTXPipeline
+
+        self.pipe = LTXPipeline(**components)
+        self.pipe.set_progress_bar_config(disable=True)
+        if ranks > 1:
+            enable_diffusers_context_parallel(self.pipe.transformer, ulysses_degree=ranks)
+        self._starts: list[float] = []
+        self.pipe.transformer.register_forward_pre_hook(lambda _m, _a: self._starts.append(time.perf_counter()))
+
+    def __call__(self, request: Any, on_last_step: Callable[[], None]) -> dict[str, Any]:
+        """Generate ``request`` (a ``GenerationRequest``); returns uint8 frames, final packed latents, step times."""
+        record: dict[str, Any] = {"steps": []}
+
+        def on_step_end(_pipe, i: int, _t, kwargs: dict[str, Any]) -> dict[str, Any]:
+            record["steps"].append(time.perf_counter() - self._starts[-1])
+            if i == request.num_inference_steps - 1:
+                on_last_step()
+                # B, S, C: proj_out's gather hook gave every rank the whole sequence before the scheduler step.
+                record["latents"] = kwargs["latents"].numpy().copy()
+            return {}
+
+        video = self.pipe(
+            prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.num_frames,
+            height=request.height, width=request.width, num_inference_steps=request.num_inference_steps,
+            guidance_scale=request.guidance_scale, frame_rate=request.fps,
+            generator=torch.Generator("cpu").manual_seed(request.seed), decode_timestep=request.decode_timestep,
+            decode_noise_scale=request.decode_noise_scale, max_sequence_length=request.max_sequence_length,
+            output_type="np", callback_on_step_end=on_step_end, callback_on_step_end_tensor_inputs=["latents"],
+        ).frames[0]
+        # The same float -> uint8 conversion as models.ltx_video.LTXVideoModel.decode.
+        record["frames"] = (np.clip(video, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+        return record
