@@ -79,7 +79,9 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     _check_int("num_frames", request.num_frames, 1, limits.max_frames)
     _check_int("height", request.height, 1, limits.max_side)
     _check_int("width", request.width, 1, limits.max_side)
-    _check_int("num_inference_steps", request.num_inference_steps, 1, limits.max_steps)
+    # NOTE(steps): at least 2: flow-matching schedules with a terminal shift (LTX-Video 0.9.x) divide by zero
+    # when stretching a single sigma, and one step is no video anyway.
+    _check_int("num_inference_steps", request.num_inference_steps, 2, limits.max_steps)
     _check_int("seed", request.seed, 0, 2**63 - 1)
     _check_int("fps", request.fps, 1, limits.max_fps)
     _check_int("max_sequence_length", request.max_sequence_length, 1, 1024)

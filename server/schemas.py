@@ -146,7 +146,7 @@ def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | N
         "num_frames": f"an integer {t}k+1 in [1, {limits.max_frames}]",
         "width": f"an integer multiple of {step} in [{step}, {limits.max_side}]",
         "height": f"an integer multiple of {step} in [{step}, {limits.max_side}]",
-        "num_inference_steps": f"an integer in [1, {limits.max_steps}]",
+        "num_inference_steps": f"an integer in [2, {limits.max_steps}]",
         "guidance_scale": f"a finite number in [0, {limits.max_guidance}]",
         "seed": f"an integer in [0, {2**63 - 1}]",
         "fps": f"an integer in [1, {limits.max_fps}]",
