@@ -43,6 +43,16 @@ class _ShardContext:
     """Exchange buffers shared by every layer of this model (reused across layers and steps)."""
 
 
+@contextlib.contextmanager
+def _scoped(ctx: object, name: str, value: object) -> Iterator[None]:
+    """Set ``ctx.name`` for the duration of a block (a model's per-call parallel context)."""
+    setattr(ctx, name, value)
+    try:
+        yield
+    finally:
+        setattr(ctx, name, None)
+
+
 class _UlyssesSelfAttnProcessor:
     """LTX self-attention with the attention itself sequence-parallel (see module docstring)."""
 
@@ -127,13 +137,9 @@ class LTXVideoModel:
     def device(self) -> torch.device:
         return self.state.device
 
-    @contextlib.contextmanager
-    def sharded(self, plan: ShardPlan) -> Iterator[None]:
-        self._ctx.plan = plan
-        try:
-            yield
-        finally:
-            self._ctx.plan = None
+    def sharded(self, plan: ShardPlan) -> contextlib.AbstractContextManager[None]:
+        """The transformer's forward passes inside this block run on the shard of ``plan``."""
+        return _scoped(self._ctx, "plan", plan)
 
     def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared:
         pipe, device = self.pipe, self.device
@@ -217,10 +223,6 @@ class LTXVideoModel:
 
         return split, (request.height, request.width, 3), decode_range
 
-    @contextlib.contextmanager
-    def decode_split(self, split: TemporalSplit) -> Iterator[None]:
-        self._decode_ctx.split = split
-        try:
-            yield
-        finally:
-            self._decode_ctx.split = None
+    def decode_split(self, split: TemporalSplit) -> contextlib.AbstractContextManager[None]:
+        """VAE decodes inside this block run time-parallel with ``split``."""
+        return _scoped(self._decode_ctx, "split", split)
