@@ -2,8 +2,8 @@
 
     python bench/server.py [--nproc 2] [--frames 97] [--size 384x256] [--steps 8] [--repeats 3] [--clients 4]
 
-- ``http s``: client-side time from ``POST /v1/videos`` to the last byte of ``GET .../content`` (polling
-  ``GET /v1/videos/{id}`` every 20 ms), for one request at a time on an idle server, median of ``--repeats``.
+- ``http s``: client-side time from ``POST /v1/videos`` to the last byte of ``GET .../content`` (waiting on
+  the job's server-sent events), for one request at a time on an idle server, median of ``--repeats``.
 - ``cli s``: what ``cp-infer generate`` reports as ``generate`` + ``write`` for the same request (the model
   load and the group start-up are excluded on both sides: a server pays them once), median of ``--repeats``.
 - overhead = http / cli - 1 (target < 3%).
@@ -41,11 +41,15 @@ def _free_port() -> int:
 def _http_one(client: httpx.Client, body: dict) -> float:
     t0 = time.perf_counter()
     job = client.post("/v1/videos", json=body).raise_for_status().json()
-    while job["status"] not in ("completed", "failed", "cancelled"):
-        time.sleep(0.02)
-        job = client.get(f"/v1/videos/{job['id']}").raise_for_status().json()
-    if job["status"] != "completed":
-        raise RuntimeError(f"job {job['id']} ended {job['status']}: {job.get('error')}")
+    # Wait on the job's server-sent events rather than polling: no busy requests competing with the job.
+    final = None
+    with client.stream("GET", f"/v1/videos/{job['id']}/events") as events:
+        for line in events.iter_lines():
+            if line.startswith("event: video.") and line.split(".", 1)[1] in ("completed", "failed", "cancelled"):
+                final = line.split(".", 1)[1]
+                break
+    if final != "completed":
+        raise RuntimeError(f"job {job['id']} ended {final}")
     client.get(f"/v1/videos/{job['id']}/content").raise_for_status()
     return time.perf_counter() - t0
 
@@ -110,7 +114,7 @@ def main() -> None:
     print(f"`python bench/server.py {' '.join(sys.argv[1:])}`: {args.nproc} rank(s), embedded default model, "
           f"{args.frames} frames at {args.size}, {args.steps} steps, median of {args.repeats}\n")
     print("| path | median s | runs (s) |\n| --- | --- | --- |")
-    print(f"| HTTP (submit -> poll -> download) | {http:.2f} | {', '.join(f'{t:.2f}' for t in http_times)} |")
+    print(f"| HTTP (submit -> events -> download) | {http:.2f} | {', '.join(f'{t:.2f}' for t in http_times)} |")
     print(f"| `cp-infer generate` (generate + write) | {cli:.2f} | {', '.join(f'{t:.2f}' for t in cli_times)} |")
     print(f"\nfront-end overhead: {overhead * 100:+.1f}% (target < 3%: {'PASS' if overhead < 0.03 else 'FAIL'})")
     print(f"{args.clients} clients queued at once: {len(done)} videos in {wall:.1f} s = "
