@@ -20,7 +20,6 @@ from .state import ParallelState
 
 __all__ = [
     "group_size",
-    "group_rank",
     "all_to_all",
     "gather_sequence",
     "broadcast_object",
@@ -31,10 +30,6 @@ __all__ = [
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group: dist.ProcessGroup | None) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 class _AllToAll(torch.autograd.Function):
