@@ -243,7 +243,7 @@ class _Recording:
         return getattr(self._model, name)
 
     def decoder(self, latents, prepared):
-        self.latents = latents.clone()
+        self.latents = latents["video"].clone()
         return self._model.decoder(latents, prepared)
 
 

@@ -31,6 +31,7 @@ from .state import ParallelState
 
 __all__ = [
     "DenoiseModel",
+    "Decoder",
     "Prepared",
     "SampleControl",
     "StepStatus",
@@ -60,8 +61,9 @@ class JobFailed(RuntimeError):
 class Prepared:
     """What a model prepares for one request (identical on every rank)."""
 
-    latents: torch.Tensor
-    """Packed initial noise ``[B, S, C]`` over the whole sequence (float32)."""
+    latents: dict[str, torch.Tensor]
+    """Packed initial noise ``[B, S, C]`` per token stream (``"video"``, and ``"audio"`` for audio-video models),
+    over the whole sequence (float32). Each stream is sharded by its own :class:`ShardPlan`."""
     timesteps: Sequence[torch.Tensor]
     extras: dict[str, Any] = field(default_factory=dict)
     """Model-specific state (text embeddings, generator, latent shape...)."""
@@ -74,18 +76,32 @@ class DenoiseModel(Protocol):
 
     def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared: ...
 
-    def predict(self, latents_local: torch.Tensor, t: torch.Tensor, prepared: Prepared, plan: ShardPlan,
-                ) -> torch.Tensor:
-        """The guided model output for this rank's shard (collectives inside, same on every rank)."""
+    def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
+                plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
+        """The guided model output for this rank's shard of every stream (collectives inside, same on every
+        rank)."""
 
-    def step(self, noise_pred_local: torch.Tensor, t: torch.Tensor, latents_local: torch.Tensor,
-             prepared: Prepared) -> torch.Tensor: ...
+    def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
+             latents_local: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, torch.Tensor]: ...
 
-    def decoder(self, latents: torch.Tensor, prepared: Prepared,
-                ) -> tuple[TemporalSplit, tuple[int, ...], Callable[[int, int], np.ndarray]]:
-        """For full packed latents ``[B, S, C]`` (same on every rank): the temporal split, the shape of one
-        frame (``(H, W, 3)``) and a function decoding latent frames ``[a, b)`` on this rank (with halo exchange
-        between ranks) to uint8 frames ``[F, H, W, 3]`` (see ``cp_infer.decode``)."""
+    def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
+        """How to decode the full packed latents of every stream (same on every rank)."""
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """A model's decode of one finished generation (see ``cp_infer.decode``)."""
+
+    split: TemporalSplit
+    """The latent frames each rank decodes."""
+    frame_shape: tuple[int, ...]
+    """The shape of one frame, ``(H, W, 3)``."""
+    decode_range: Callable[[int, int], np.ndarray]
+    """Decodes latent frames ``[a, b)`` on this rank (halo exchange between ranks inside) to uint8 frames
+    ``[F, H, W, 3]``."""
+    audio: Callable[[], tuple[np.ndarray, int]] | None = None
+    """For audio-video models: decodes the soundtrack to a float waveform ``[C, S]`` in [-1, 1] and its sample
+    rate. Called on group rank 0 only (no collectives inside), before the video decode."""
 
 
 @dataclass
@@ -99,6 +115,9 @@ class SampleControl:
     """``(steps_done, total, seconds_of_this_step)`` after every step, on every rank."""
     on_phase: Callable[[str], None] | None = None
     """Phase changes: ``"denoise"``, ``"decode"``, ``"done"``."""
+    on_audio: Callable[[np.ndarray, int], None] | None = None
+    """``(waveform [C, S], sample_rate)`` on group rank 0, once, before the first ``on_frames``; audio-video
+    models only."""
     on_frames: Callable[[np.ndarray, int, int], None] | None = None
     """``(frames, first_frame_index, total_frames)`` on group rank 0 for each decoded chunk, in temporal order
     (a streaming encoder writes them as they come)."""
@@ -122,13 +141,27 @@ def _agree(status: StepStatus, message: str, *, state: ParallelState) -> None:
     raise JobFailed("; ".join(messages))
 
 
+def _run_hook(hook: Callable[[], StepStatus | None]) -> tuple[StepStatus, str]:
+    try:
+        return StepStatus(hook() or StepStatus.OK), ""
+    except Exception as exc:  # noqa: BLE001 -- any failure must become an agreed status, not a desync
+        return StepStatus.ERROR, f"{type(exc).__name__}: {exc}"
+
+
 def _poll(control: SampleControl, i: int) -> tuple[StepStatus, str]:
     if control.poll is None:
         return StepStatus.OK, ""
-    try:
-        return StepStatus(control.poll(i)), ""
-    except Exception as exc:  # noqa: BLE001 -- any failure must become an agreed status, not a desync
-        return StepStatus.ERROR, f"{type(exc).__name__}: {exc}"
+    return _run_hook(lambda: control.poll(i))
+
+
+def _prepare_decode(model: DenoiseModel, full: dict[str, torch.Tensor], prepared: Prepared, control: SampleControl,
+                    out: list[Decoder], state: ParallelState) -> None:
+    decoder = model.decoder(full, prepared)
+    if decoder.audio is not None and state.cp_rank == 0:
+        waveform, sample_rate = decoder.audio()
+        if control.on_audio:
+            control.on_audio(waveform, sample_rate)
+    out.append(decoder)
 
 
 @torch.inference_mode()
@@ -144,28 +177,35 @@ def sample(
     control = control or SampleControl()
     shape = check_request(request, geometry=model.geometry, limits=limits or GenerationLimits())
     prepared = model.prepare(request, shape)
-    plan = ShardPlan(orig_len=prepared.latents.shape[1], world=state.cp_size)
-    latents = plan.shard(prepared.latents, state.cp_rank).to(state.device)
-    valid = plan.valid_len(state.cp_rank)
+    plans = {name: ShardPlan(orig_len=x.shape[1], world=state.cp_size) for name, x in prepared.latents.items()}
+    latents = {name: plans[name].shard(x, state.cp_rank).to(state.device) for name, x in prepared.latents.items()}
     total = len(prepared.timesteps)
     if control.on_phase:
         control.on_phase("denoise")
     for i, t in enumerate(prepared.timesteps):
         _agree(*_poll(control, i), state=state)
         started = time.perf_counter()
-        noise_pred = model.predict(latents, t, prepared, plan)
+        noise_pred = model.predict(latents, t, prepared, plans)
         latents = model.step(noise_pred, t, latents, prepared)
-        # Padding rows carry no meaning; keep them at zero so they can never grow without bound.
-        latents[:, valid:] = 0
+        for name, plan in plans.items():
+            # Padding rows carry no meaning; keep them at zero so they can never grow without bound.
+            latents[name][:, plan.valid_len(state.cp_rank):] = 0
         if control.on_step:
             control.on_step(i + 1, total, time.perf_counter() - started)
-    _agree(*_poll(control, total), state=state)
-    full = gather_sequence(latents, plan=plan, group=state.cp_group)
+    full = {name: gather_sequence(x, plan=plans[name], group=state.cp_group) for name, x in latents.items()}
     if control.on_phase:
         control.on_phase("decode")
-    split, frame_shape, decode_range = model.decoder(full, prepared)
+    decoders: list[Decoder] = []
+    status, message = _poll(control, total)
+    if status == StepStatus.OK:
+        # Everything before the video decode's halo exchanges is local: run it before the agreement, so that a
+        # failure on one rank (the soundtrack is decoded on group rank 0 alone) ends the job on every rank.
+        status, message = _run_hook(lambda: _prepare_decode(model, full, prepared, control, decoders, state))
+    _agree(status, message, state=state)
+    decoder = decoders[0]
+    split = decoder.split
     pieces, done = [], 0
-    for frames in decode_parallel(split, decode_range, frame_shape=frame_shape, state=state):
+    for frames in decode_parallel(split, decoder.decode_range, frame_shape=decoder.frame_shape, state=state):
         if control.on_frames:
             control.on_frames(frames, done, split.video_frames)
         done += frames.shape[0]

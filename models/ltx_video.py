@@ -26,7 +26,7 @@ from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_times
 from cp_infer import ExchangeWorkspace, LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
 from cp_infer.decode import TemporalSplit
 from cp_infer.request import GenerationRequest
-from cp_infer.sampler import Prepared
+from cp_infer.sampler import Decoder, Prepared
 
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx_decoder
 
@@ -164,14 +164,15 @@ class LTXVideoModel:
         timesteps, _ = retrieve_timesteps(self.scheduler, request.num_inference_steps, device, sigmas=sigmas, mu=mu)
         t_ratio = self.geometry.temporal_compression
         s_ratio = self.geometry.spatial_compression
-        return Prepared(latents=latents, timesteps=list(timesteps), extras=dict(
+        return Prepared(latents={"video": latents}, timesteps=list(timesteps), extras=dict(
             embeds=embeds, mask=mask, cfg_on=cfg_on, guidance=request.guidance_scale, generator=generator,
             shape=shape, rope_scale=(t_ratio / request.fps, s_ratio, s_ratio), request=request,
         ))
 
-    def predict(self, latents_local: torch.Tensor, t: torch.Tensor, prepared: Prepared, plan: ShardPlan,
-                ) -> torch.Tensor:
+    def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
+                plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
         x = prepared.extras
+        latents_local, plan = latents_local["video"], plans["video"]
         model_in = torch.cat([latents_local] * 2) if x["cfg_on"] else latents_local
         model_in = model_in.to(x["embeds"].dtype)
         shape: LatentShape = x["shape"]
@@ -184,19 +185,21 @@ class LTXVideoModel:
         if x["cfg_on"]:
             uncond, cond = noise_pred.chunk(2)
             noise_pred = uncond + x["guidance"] * (cond - uncond)
-        return noise_pred
+        return {"video": noise_pred}
 
-    def step(self, noise_pred_local, t, latents_local, prepared: Prepared) -> torch.Tensor:
-        return self.scheduler.step(noise_pred_local, t, latents_local, return_dict=False)[0]
+    def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
+             latents_local: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, torch.Tensor]:
+        return {"video": self.scheduler.step(noise_pred_local["video"], t, latents_local["video"],
+                                             return_dict=False)[0]}
 
-    def decoder(self, latents: torch.Tensor, prepared: Prepared):
+    def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """Unpack, denormalise and (timestep-conditioned VAEs) noise the latents once; decode this rank's range."""
         pipe, vae = self.pipe, self.components.vae
         x = prepared.extras
         shape: LatentShape = x["shape"]
         request: GenerationRequest = x["request"]
         cfg = self.transformer.config
-        latents = pipe._unpack_latents(latents, shape.frames, shape.height, shape.width, cfg.patch_size,
+        latents = pipe._unpack_latents(latents["video"], shape.frames, shape.height, shape.width, cfg.patch_size,
                                        cfg.patch_size_t)
         latents = pipe._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         latents = latents.to(x["embeds"].dtype)
@@ -221,7 +224,7 @@ class LTXVideoModel:
             frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
             return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
-        return split, (request.height, request.width, 3), decode_range
+        return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range)
 
     def decode_split(self, split: TemporalSplit) -> contextlib.AbstractContextManager[None]:
         """VAE decodes inside this block run time-parallel with ``split``."""
