@@ -6,19 +6,17 @@ Invariants:
   path the engine exercises on it is the one a real LTX-Video checkpoint takes.
 - The VAE keeps the real compression: 32x spatial, 8x temporal (8k+1 frames -> k+1 latent frames).
 - Weights are a pure function of `_SEED` and the parameter names and shapes: every parameter is overwritten
-  in sorted-name order from one seeded generator per component, so torch's init code (and the caller's
-  global RNG) play no part, and two builds are bitwise identical.
+  in sorted-name order from one seeded generator per component (`models.embedded.init_deterministic`), so
+  torch's init code (and the caller's global RNG) play no part, and two builds are bitwise identical.
 - `ensure_default_model` never exposes a half-written folder: it builds in a private sibling folder and
-  renames it into place, which is atomic; the marker file is written last, before the rename.
+  renames it into place, which is atomic; the marker file is written last, before the rename
+  (`models.embedded.ensure_folder`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +29,13 @@ from diffusers import (
 )
 from transformers import T5Config, T5EncoderModel
 
+from models.embedded import MARKER_FILE, cache_root, ensure_folder, init_deterministic, write_pipeline
 from models.tokenizer import build_offline_t5_tokenizer
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "FORMAT_VERSION",
+    "LTX_SCHEDULER_CONFIG",
     "MARKER_FILE",
     "build_default_components",
     "default_model_dir",
@@ -46,9 +46,7 @@ DEFAULT_MODEL_NAME = "tiny-ltx-video"
 # Bump when the config, the vocabulary or the init rule changes: the folder name carries it, so an old
 # cache is never mistaken for the new model.
 FORMAT_VERSION = 1
-MARKER_FILE = "cp_infer_default_model.json"
 _FOLDER_NAME = f"{DEFAULT_MODEL_NAME}-v{FORMAT_VERSION}"
-_CACHE_ENV = "CP_INFER_CACHE"
 
 _SEED = 20_250_601
 # One generator per component, so resizing one component leaves the others' weights unchanged.
@@ -62,9 +60,9 @@ _T5_D_MODEL = 32
 _HEADS = 4
 _HEAD_DIM = 8
 
-# The scheduler config LTX-Video 0.9.x ships: resolution-dependent ("dynamic") shift between base_shift at
-# 1024 latent tokens and max_shift at 4096, with the schedule stretched to end at sigma 0.1.
-_SCHEDULER_CONFIG = dict(
+# The scheduler config LTX-Video 0.9.x (and LTX-2.0) ships: resolution-dependent ("dynamic") shift between
+# base_shift at 1024 latent tokens and max_shift at 4096, with the schedule stretched to end at sigma 0.1.
+LTX_SCHEDULER_CONFIG = dict(
     num_train_timesteps=1000,
     shift=1.0,
     use_dynamic_shifting=True,
@@ -142,34 +140,6 @@ def _build_vae() -> AutoencoderKLLTXVideo:
     )
 
 
-@torch.no_grad()
-def _init_deterministic(module: torch.nn.Module, seed: int, gains: dict[str, float]) -> None:
-    """Overwrite every parameter from one generator, in sorted-name order.
-
-    Scales keep activations O(1) so that outputs are neither vanishing nor saturated: matrices and conv
-    kernels N(0, 1/fan_in); AdaLN `scale_shift_table`s N(0, 1/dim) as diffusers initialises them; 1-D
-    weights (norm gains) 1 + N(0, 0.1^2); biases N(0, 0.05^2); then `gains[name]` multiplies.
-    """
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    for name, param in sorted(module.named_parameters(), key=lambda item: item[0]):
-        shape = tuple(param.shape)
-        noise = torch.randn(shape, generator=generator, dtype=torch.float32)
-        if name.endswith("timestep_scale_multiplier"):
-            # Maps the decode timestep in [0, 1] to the 0..1000 range the sinusoidal embedding expects.
-            value = torch.full(shape, 1000.0)
-        elif name.endswith("scale_shift_table"):
-            value = noise / math.sqrt(shape[-1])
-        elif len(shape) >= 2:
-            value = noise / math.sqrt(math.prod(shape[1:]))
-        elif name.endswith("bias"):
-            value = 0.05 * noise
-        elif len(shape) == 1:
-            value = 1.0 + 0.1 * noise
-        else:
-            raise AssertionError(f"no init rule for parameter {name} of shape {shape}")
-        param.copy_((gains.get(name, 1.0) * value).to(param.dtype))
-
-
 def build_default_components() -> dict[str, Any]:
     """Build the five LTXPipeline components in memory (float32, CPU, eval mode), keyed by pipeline name."""
     tokenizer = build_offline_t5_tokenizer()
@@ -183,42 +153,23 @@ def build_default_components() -> dict[str, Any]:
             "vae": _build_vae(),
         }
     for name, model in models.items():
-        _init_deterministic(model, _SEED + _COMPONENT_SEED_OFFSETS[name], _GAINS.get(name, {}))
+        init_deterministic(model, _SEED + _COMPONENT_SEED_OFFSETS[name], _GAINS.get(name))
         model.eval()
-    scheduler = FlowMatchEulerDiscreteScheduler(**_SCHEDULER_CONFIG)
+    scheduler = FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER_CONFIG)
     return {**models, "scheduler": scheduler, "tokenizer": tokenizer}
 
 
 def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """Where the default model lives: `cache_dir`, else `$CP_INFER_CACHE`, else `~/.cache/cp-infer`."""
-    if cache_dir is None:
-        cache_dir = os.environ.get(_CACHE_ENV) or Path.home() / ".cache" / "cp-infer"
-    return Path(cache_dir).expanduser().resolve() / _FOLDER_NAME
+    return cache_root(cache_dir) / _FOLDER_NAME
 
 
 def _marker() -> dict[str, Any]:
     return {"name": DEFAULT_MODEL_NAME, "format_version": FORMAT_VERSION}
 
 
-def _is_complete(folder: Path) -> bool:
-    try:
-        return json.loads((folder / MARKER_FILE).read_text()) == _marker()
-    except (OSError, ValueError):
-        return False
-
-
 def _write_model(folder: Path) -> None:
-    # Saving through the pipeline writes model_index.json and one subfolder per component, the same layout
-    # as a real LTX-Video checkpoint on the hub.
-    LTXPipeline(**build_default_components()).save_pretrained(folder, safe_serialization=True)
-    marker = folder / MARKER_FILE
-    marker.write_text(json.dumps(_marker(), indent=2) + "\n")
-    # The weight files come out 0600 (written via temporary files); give every file the mode a plain
-    # write gets under the caller's umask, so a shared cache folder is readable by whoever may read it.
-    mode = marker.stat().st_mode & 0o777
-    for file in folder.rglob("*"):
-        if file.is_file():
-            file.chmod(mode)
+    write_pipeline(LTXPipeline(**build_default_components()), folder, _marker())
 
 
 def ensure_default_model(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -228,26 +179,4 @@ def ensure_default_model(cache_dir: str | os.PathLike | None = None) -> Path:
     temporary sibling folder and renames it into place; a process that loses the race drops its copy and
     returns the winner's.
     """
-    target = default_model_dir(cache_dir)
-    if _is_complete(target):
-        return target
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ValueError(
-            f"{target} exists but is not a complete {DEFAULT_MODEL_NAME} v{FORMAT_VERSION} build (missing or "
-            f"stale {MARKER_FILE}); delete it and retry, or set ${_CACHE_ENV} to another folder"
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
-        _write_model(tmp)
-        try:
-            # Atomic on POSIX; replaces an empty target folder, fails if another process got there first.
-            os.rename(tmp, target)
-        except OSError:
-            if not _is_complete(target):
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return ensure_folder(default_model_dir(cache_dir), marker=_marker(), write=_write_model)

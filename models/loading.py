@@ -1,4 +1,5 @@
-"""Load a diffusers-format model folder into its components, with errors that say what is wrong.
+"""Load a diffusers-format model folder (LTX-Video or LTX-2) into its components, with errors that say what
+is wrong.
 
 Invariants:
 - Local only: every `from_pretrained` gets `local_files_only=True`, so a bad path never turns into a hub
@@ -18,18 +19,26 @@ from typing import Any
 
 import torch
 from diffusers import (
+    AutoencoderKLLTX2Audio,
+    AutoencoderKLLTX2Video,
     AutoencoderKLLTXVideo,
     FlowMatchEulerDiscreteScheduler,
+    LTX2VideoTransformer3DModel,
     LTXVideoTransformer3DModel,
 )
-from transformers import T5EncoderModel, T5Tokenizer
+from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
+from transformers import Gemma3ForConditionalGeneration, GemmaTokenizer, T5EncoderModel, T5Tokenizer
 
 from models.default import DEFAULT_MODEL_NAME, ensure_default_model
+from models.default_ltx2 import DEFAULT_LTX2_NAME, ensure_default_ltx2_model
 
 __all__ = [
+    "LTX2Components",
     "LTXVideoComponents",
     "ModelLoadError",
     "detect_family",
+    "load_ltx2",
     "load_ltx_video",
     "parse_dtype",
     "resolve_model",
@@ -50,8 +59,25 @@ _TRANSFORMER_FAMILIES = {
     "LTX2VideoTransformer3DModel": "ltx2",
 }
 _LTX_VIDEO_SUBFOLDERS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
+_LTX2_SUBFOLDERS = (
+    "transformer",
+    "vae",
+    "audio_vae",
+    "vocoder",
+    "connectors",
+    "scheduler",
+    "text_encoder",
+    "tokenizer",
+)
+# The loader for each family, named in the error when a folder of the other family is passed.
+_FAMILY_LOADERS = {"ltx-video": "load_ltx_video", "ltx2": "load_ltx2"}
 # Either one carries the vocabulary: tokenizer.json (tokenizers) or spiece.model (SentencePiece).
 _TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
+# The same for Gemma, whose SentencePiece file is tokenizer.model.
+_GEMMA_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# vocoder/config.json `_class_name` -> class: LTX-2.0 ships the plain vocoder, LTX-2.3 the one with bandwidth
+# extension (48 kHz); LTX2Pipeline takes either.
+_VOCODERS = {"LTX2Vocoder": LTX2Vocoder, "LTX2VocoderWithBWE": LTX2VocoderWithBWE}
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -99,10 +125,44 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"dtype={value!r} is not supported; use one of 'fp32', 'bf16', 'fp16'")
 
 
+@dataclass(frozen=True)
+class LTX2Components:
+    """The eight LTX2Pipeline components of one loaded LTX-2 folder."""
+
+    transformer: LTX2VideoTransformer3DModel
+    """Audio-video denoiser, eval mode, in `dtype` on `device`."""
+    vae: AutoencoderKLLTX2Video
+    """Video VAE (32x spatial, 8x temporal compression), eval mode, in `dtype` on `device`."""
+    audio_vae: AutoencoderKLLTX2Audio
+    """Audio VAE (mel spectrogram <-> latents, 4x in time), eval mode, in `dtype` on `device`."""
+    vocoder: LTX2Vocoder | LTX2VocoderWithBWE
+    """Mel spectrogram -> waveform at `vocoder.config.output_sampling_rate`, eval mode, `dtype`, `device`."""
+    connectors: LTX2TextConnectors
+    """Text connectors (Gemma hidden states -> video and audio prompt embeddings), eval, `dtype`, `device`."""
+    scheduler: FlowMatchEulerDiscreteScheduler
+    """Stateful sampler schedule; copy it per request rather than sharing one across requests."""
+    text_encoder: Gemma3ForConditionalGeneration
+    """Gemma 3 (the pipeline reads its per-layer hidden states), eval mode, in `dtype` on `device`."""
+    tokenizer: GemmaTokenizer
+    """Tokenizers-backed Gemma tokenizer (in transformers 5 `GemmaTokenizerFast` is the same class)."""
+    path: Path
+    """The folder the components were loaded from."""
+    dtype: torch.dtype
+    """Parameter dtype of the six models."""
+    device: torch.device
+    """Device of the six models."""
+
+
+_DEFAULT_MODELS = {DEFAULT_MODEL_NAME: ensure_default_model, DEFAULT_LTX2_NAME: ensure_default_ltx2_model}
+
+
 def resolve_model(path_or_none: str | os.PathLike | None) -> Path:
-    """Return the model folder to load: the embedded default for None or "tiny-ltx-video", else `path`."""
-    if path_or_none is None or str(path_or_none) == DEFAULT_MODEL_NAME:
+    """Return the model folder to load: the embedded default for None or "tiny-ltx-video", the embedded
+    LTX-2 default for "tiny-ltx2", else `path`."""
+    if path_or_none is None:
         return ensure_default_model()
+    if str(path_or_none) in _DEFAULT_MODELS:
+        return _DEFAULT_MODELS[str(path_or_none)]()
     return _require_dir(path_or_none)
 
 
@@ -111,7 +171,7 @@ def _require_dir(path: str | os.PathLike) -> Path:
     if not root.exists():
         raise ModelLoadError(
             f"model path {str(root)!r} does not exist; pass a diffusers-format model folder, or "
-            f"{DEFAULT_MODEL_NAME!r} for the embedded default model"
+            f"{DEFAULT_MODEL_NAME!r} / {DEFAULT_LTX2_NAME!r} for an embedded default model"
         )
     if not root.is_dir():
         raise ModelLoadError(
@@ -164,6 +224,30 @@ def _load(root: Path, subfolder: str, loader: Any, **kwargs: Any) -> Any:
         ) from exc
 
 
+def _require_family(root: Path, family: str, what: str, subfolders: tuple[str, ...]) -> None:
+    found = detect_family(root)
+    if found != family:
+        raise ModelLoadError(
+            f"{str(root)!r} is an {found} model folder, not {what}; load it with {_FAMILY_LOADERS[found]}()"
+        )
+    missing = [name for name in subfolders if not (root / name).is_dir()]
+    if missing:
+        raise ModelLoadError(
+            f"{str(root)!r} is missing the subfolder(s) {', '.join(m + '/' for m in missing)}; an {what} "
+            f"folder needs {', '.join(s + '/' for s in subfolders)}; re-download the model"
+        )
+
+
+def _require_tokenizer_files(root: Path, names: tuple[str, ...]) -> None:
+    # NOTE(empty-tokenizer): transformers 5 builds a placeholder tokenizer (a few special tokens) from a
+    # folder with no vocabulary file instead of raising, which would turn every prompt into <unk>s.
+    if not any((root / "tokenizer" / name).is_file() for name in names):
+        raise ModelLoadError(
+            f"could not load tokenizer/ from {str(root)!r}: it holds none of {', '.join(names)}; "
+            "the files are incomplete, re-download the model"
+        )
+
+
 def load_ltx_video(
     path: str | os.PathLike, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LTXVideoComponents:
@@ -171,17 +255,7 @@ def load_ltx_video(
     dtype = parse_dtype(dtype)
     device = torch.device(device)
     root = _require_dir(path)
-    family = detect_family(root)
-    if family != "ltx-video":
-        raise ModelLoadError(
-            f"{str(root)!r} is an {family} model, which is not supported yet; pass an LTX-Video folder"
-        )
-    missing = [name for name in _LTX_VIDEO_SUBFOLDERS if not (root / name).is_dir()]
-    if missing:
-        raise ModelLoadError(
-            f"{str(root)!r} is missing the subfolder(s) {', '.join(m + '/' for m in missing)}; an LTX-Video "
-            f"folder needs {', '.join(s + '/' for s in _LTX_VIDEO_SUBFOLDERS)}; re-download the model"
-        )
+    _require_family(root, "ltx-video", "LTX-Video", _LTX_VIDEO_SUBFOLDERS)
 
     # low_cpu_mem_usage=False: the default wants `accelerate`, and without it diffusers warns on every load.
     # NOTE(vae-dtype): on this path diffusers leaves the VAE decoder's 0-d `timestep_scale_multiplier`
@@ -192,13 +266,7 @@ def load_ltx_video(
     vae = _load(root, "vae", AutoencoderKLLTXVideo.from_pretrained, **diffusers_kwargs)
     scheduler = _load(root, "scheduler", FlowMatchEulerDiscreteScheduler.from_pretrained)
     text_encoder = _load(root, "text_encoder", T5EncoderModel.from_pretrained, dtype=dtype)
-    # NOTE(empty-tokenizer): transformers 5 builds a 104-token placeholder T5 tokenizer from a folder with
-    # no vocabulary file instead of raising, which would turn every prompt into <unk>s; refuse it here.
-    if not any((root / "tokenizer" / name).is_file() for name in _TOKENIZER_FILES):
-        raise ModelLoadError(
-            f"could not load tokenizer/ from {str(root)!r}: it holds none of {', '.join(_TOKENIZER_FILES)}; "
-            "the files are incomplete, re-download the model"
-        )
+    _require_tokenizer_files(root, _TOKENIZER_FILES)
     tokenizer = _load(root, "tokenizer", T5Tokenizer.from_pretrained)
     for model in (transformer, vae, text_encoder):
         # Device only: the dtype was set at load time, and a dtype cast here would bypass diffusers'
@@ -207,6 +275,49 @@ def load_ltx_video(
     return LTXVideoComponents(
         transformer=transformer,
         vae=vae,
+        scheduler=scheduler,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        path=root,
+        dtype=dtype,
+        device=device,
+    )
+
+
+def load_ltx2(
+    path: str | os.PathLike, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LTX2Components:
+    """Load an LTX-2 diffusers folder (e.g. Lightricks/LTX-2, or `ensure_default_ltx2_model()`)."""
+    dtype = parse_dtype(dtype)
+    device = torch.device(device)
+    root = _require_dir(path)
+    _require_family(root, "ltx2", "LTX-2", _LTX2_SUBFOLDERS)
+
+    # low_cpu_mem_usage=False: see load_ltx_video.
+    diffusers_kwargs = dict(dtype=dtype, low_cpu_mem_usage=False)
+    transformer = _load(root, "transformer", LTX2VideoTransformer3DModel.from_pretrained, **diffusers_kwargs)
+    vae = _load(root, "vae", AutoencoderKLLTX2Video.from_pretrained, **diffusers_kwargs)
+    audio_vae = _load(root, "audio_vae", AutoencoderKLLTX2Audio.from_pretrained, **diffusers_kwargs)
+    vocoder_class_name = _read_class_name(root / "vocoder" / "config.json")
+    if vocoder_class_name not in _VOCODERS:
+        raise ModelLoadError(
+            f"vocoder class {vocoder_class_name!r} in {str(root)!r} is not supported; supported: {', '.join(_VOCODERS)}"
+        )
+    vocoder = _load(root, "vocoder", _VOCODERS[vocoder_class_name].from_pretrained, **diffusers_kwargs)
+    connectors = _load(root, "connectors", LTX2TextConnectors.from_pretrained, **diffusers_kwargs)
+    scheduler = _load(root, "scheduler", FlowMatchEulerDiscreteScheduler.from_pretrained)
+    text_encoder = _load(root, "text_encoder", Gemma3ForConditionalGeneration.from_pretrained, dtype=dtype)
+    _require_tokenizer_files(root, _GEMMA_TOKENIZER_FILES)
+    tokenizer = _load(root, "tokenizer", GemmaTokenizer.from_pretrained)
+    for model in (transformer, vae, audio_vae, vocoder, connectors, text_encoder):
+        # Device only: the dtype was set at load time (see load_ltx_video).
+        model.to(device).eval()
+    return LTX2Components(
+        transformer=transformer,
+        vae=vae,
+        audio_vae=audio_vae,
+        vocoder=vocoder,
+        connectors=connectors,
         scheduler=scheduler,
         text_encoder=text_encoder,
         tokenizer=tokenizer,

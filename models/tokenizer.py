@@ -1,12 +1,15 @@
-"""An offline T5 tokenizer whose vocabulary lives in this file.
+"""Offline tokenizers whose vocabularies live in this file: a T5 one (LTX-Video) and a Gemma one (LTX-2).
 
 Invariants:
-- The ids are a pure function of the text: the vocabulary and its scores are constants here, and the
-  backend (a `tokenizers` Unigram model) has no randomness.
-- Layout follows T5: `<pad>`=0, `</s>`=1, `<unk>`=2; every sequence ends in `</s>`; a character the
-  vocabulary lacks becomes `<unk>` instead of raising.
-- The tokenizer is exactly what `transformers.T5Tokenizer.__init__` rebuilds from a saved `tokenizer.json`,
-  so `save_pretrained` followed by `from_pretrained` gives identical ids.
+- The ids are a pure function of the text: the vocabularies, scores and merges are constants here, and the
+  backends (a `tokenizers` Unigram model for T5, a BPE model for Gemma) have no randomness.
+- T5 layout: `<pad>`=0, `</s>`=1, `<unk>`=2; every sequence ends in `</s>`; a character the vocabulary lacks
+  becomes `<unk>` instead of raising.
+- Gemma layout: `<pad>`=0, `<eos>`=1, `<bos>`=2, `<unk>`=3, `<mask>`=4, then the 256 byte tokens `<0x00>`..
+  `<0xFF>`; every sequence starts with `<bos>`; a character the vocabulary lacks falls back to its UTF-8 bytes,
+  so no text ever becomes `<unk>` (Gemma's own byte fallback).
+- Each tokenizer is exactly what its transformers class rebuilds from a saved `tokenizer.json`, so
+  `save_pretrained` followed by `from_pretrained` gives identical ids.
 
 NOTE(normalizer): there is deliberately no NFKC normalizer. In transformers 5, `T5Tokenizer.from_pretrained`
 rebuilds the backend from the saved vocabulary and keeps only a SentencePiece `Precompiled` normalizer; any
@@ -15,9 +18,16 @@ other normalizer is silently dropped, so NFKC would change ids across a save/loa
 
 from __future__ import annotations
 
-from transformers import T5Tokenizer
+from transformers import GemmaTokenizer, T5Tokenizer
 
-__all__ = ["MODEL_MAX_LENGTH", "build_offline_t5_tokenizer", "offline_vocab"]
+__all__ = [
+    "GEMMA_MODEL_MAX_LENGTH",
+    "MODEL_MAX_LENGTH",
+    "build_offline_gemma_tokenizer",
+    "build_offline_t5_tokenizer",
+    "offline_gemma_vocab",
+    "offline_vocab",
+]
 
 # LTXPipeline's default max_sequence_length; the pipeline also reads it as tokenizer.model_max_length.
 MODEL_MAX_LENGTH = 128
@@ -89,3 +99,50 @@ def build_offline_t5_tokenizer(model_max_length: int = MODEL_MAX_LENGTH) -> T5To
     # extra_ids=0: the T5 span-corruption sentinels are never used for text-to-video prompts, and leaving
     # them out keeps the vocabulary (and the text encoder's embedding table) small.
     return T5Tokenizer(vocab=offline_vocab(), extra_ids=0, model_max_length=model_max_length)
+
+
+# --- Gemma (LTX-2's text encoder is a Gemma 3) ---
+
+# LTX2Pipeline's default max_sequence_length; the pipeline pads every prompt to it (left), and the text
+# connectors need it to be a multiple of their learnable-register count.
+GEMMA_MODEL_MAX_LENGTH = 1024
+
+_GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
+_GEMMA_BYTES = tuple(f"<0x{byte:02X}>" for byte in range(256))
+
+
+def offline_gemma_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Return the BPE (vocabulary, merges), the same on every call.
+
+    The Gemma normalizer turns each space into "▁" and adds no prefix space, so every word but the first
+    reaches BPE as "▁word". Each listed "▁word" is reached by a chain of merges through its prefixes (which
+    are tokens too, as in any BPE vocabulary); the subword tails follow the same way. BPE applies the
+    lowest-ranked merge first and every "▁" chain ranks before any other merge, so a listed word after a
+    space always ends up as one token. The first word, and anything unlisted, is spelled from subword,
+    character and byte pieces.
+    """
+    pieces: list[str] = [*_GEMMA_SPECIALS, *_GEMMA_BYTES, "▁", *_LOWER, *_UPPER, *_DIGITS, *_PUNCT]
+    index = {piece: i for i, piece in enumerate(pieces)}
+    assert len(index) == len(pieces), "duplicate base pieces"
+    merges: list[tuple[str, str]] = []
+    chains = [*("▁" + word for word in _WORDS), *_SUBWORDS]
+    for word in chains:
+        for end in range(2, len(word) + 1):
+            if word[:end] not in index:
+                index[word[:end]] = len(index)
+                merges.append((word[: end - 1], word[end - 1]))
+    return index, merges
+
+
+def build_offline_gemma_tokenizer(model_max_length: int = GEMMA_MODEL_MAX_LENGTH) -> GemmaTokenizer:
+    """Build the Gemma tokenizer from the in-code vocabulary; no files, no network.
+
+    In transformers 5, `GemmaTokenizer` is the tokenizers-backed class and `GemmaTokenizerFast` is an alias
+    of it, so this object is what `diffusers.LTX2Pipeline` expects for `tokenizer`.
+    """
+    if model_max_length < 1:
+        raise ValueError(f"model_max_length={model_max_length} must be >= 1; LTX2Pipeline uses 1024")
+    vocab, merges = offline_gemma_vocab()
+    # add_bos_token explicitly: without it transformers installs no post-processor and no <bos> is added,
+    # while Gemma checkpoints (and their tokenizer.json) always prepend it.
+    return GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, model_max_length=model_max_length)

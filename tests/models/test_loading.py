@@ -58,7 +58,7 @@ def test_detect_family(copy_dir):
     assert detect_family(copy_dir) == "ltx-video"
     _write_index(copy_dir, "LTX2Pipeline")
     assert detect_family(copy_dir) == "ltx2"
-    with pytest.raises(ModelLoadError, match="ltx2 model, which is not supported yet"):
+    with pytest.raises(ModelLoadError, match=r"is an ltx2 model folder, not LTX-Video; load it with load_ltx2\(\)"):
         load_ltx_video(copy_dir)
     # Without model_index.json the transformer's class decides.
     (copy_dir / "model_index.json").unlink()
