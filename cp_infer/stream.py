@@ -6,17 +6,25 @@ audio track in the same container later. ``empty_moov`` puts the header first wi
 ``frag_every_frame`` closes a fragment after every frame; with x264's ``zerolatency`` tuning (no lookahead,
 no B-frames) each frame's bytes leave the encoder when the frame goes in. Players and ffmpeg read the result
 as an ordinary MP4.
+
+Audio (optional) is known before the first frame (LTX-2 decodes its waveform before the video). Each
+:meth:`FragmentedMP4Writer.write` muxes the AAC frames that cover the time span of the frames just written, so
+fragments carry both streams as they go; :meth:`~FragmentedMP4Writer.close` muxes whatever audio is left.
+With audio, fragments are cut every frame's duration rather than at every packet (see ``NOTE(fmp4-audio)``),
+and the header waits for the first fragment; the audio stream's reported duration then also counts the 1024
+priming samples that the edit list hides from playback.
 """
 
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable
 
 import av
 import numpy as np
 
-from .video_io import add_h264_stream, encode_frames
+from .video_io import AudioTrack, add_h264_stream, check_audio, check_fps, encode_frames
 
 __all__ = ["FragmentedMP4Writer"]
 
@@ -37,14 +45,35 @@ class _Sink(io.RawIOBase):
 
 
 class FragmentedMP4Writer:
-    """Encode uint8 RGB frames ``[F, H, W, 3]`` (h264, yuv420p) and hand the bytes to ``emit`` as they come."""
+    """Encode uint8 RGB frames ``[F, H, W, 3]`` (h264, yuv420p) and hand the bytes to ``emit`` as they come.
 
-    def __init__(self, emit: Callable[[bytes], None], *, width: int, height: int, fps: int):
+    ``audio`` (float ``[channels, samples]`` or ``[samples]`` at ``sample_rate`` Hz, sample 0 with frame 0) adds
+    an AAC track, muxed alongside the frames.
+    """
+
+    def __init__(self, emit: Callable[[bytes], None], *, width: int, height: int, fps: int,
+                 audio: np.ndarray | None = None, sample_rate: int | None = None):
+        rate = check_fps(fps)  # before any container exists
+        waveform = check_audio(audio, sample_rate)
         self._sink = _Sink(emit)
-        self._container = av.open(self._sink, mode="w", format="mp4",
-                                  options={"movflags": "frag_every_frame+empty_moov+default_base_moof"})
+        if waveform is None:
+            options = {"movflags": "frag_every_frame+empty_moov+default_base_moof"}
+        else:
+            # NOTE(fmp4-audio): with two tracks, frag_every_frame cuts a fragment at every packet of either one
+            # and libavformat then guesses the other track's fragment start wrongly (pts repeat or skip a frame).
+            # Cutting by time, one video frame long, gives the same per-frame fragments with exact timestamps.
+            # delay_moov holds the header back until the first fragment, so that it can carry the edit list that
+            # hides the AAC encoder's priming samples (without it the audio plays 1024 samples late).
+            # max_interleave_delta: the muxer holds each packet until every stream has one as late; once a
+            # waveform shorter than the video has run out, that wait is capped at 1 s of video (default 10 s).
+            options = {"movflags": "empty_moov+delay_moov+default_base_moof",
+                       "frag_duration": str(max(1, math.floor(1_000_000 / rate))),
+                       "max_interleave_delta": "1000000"}
+        self._container = av.open(self._sink, mode="w", format="mp4", options=options)
         # The same encoder settings and colour tags as whole-file MP4s, tuned for latency.
         self._stream = add_h264_stream(self._container, width=width, height=height, fps=fps, low_latency=True)
+        self._audio = None if waveform is None else AudioTrack(self._container, waveform, sample_rate)
+        self._rate = rate
         self.frames_written = 0
         self._closed = False
 
@@ -52,6 +81,11 @@ class FragmentedMP4Writer:
         if frames.ndim != 4 or frames.shape[1:] != (self._stream.height, self._stream.width, 3):
             raise ValueError(f"frames of shape {frames.shape} do not match "
                              f"[F, {self._stream.height}, {self._stream.width}, 3]")
+        if self._audio is not None:
+            # The audio under these frames goes first, and a little beyond: the muxer releases a packet only once
+            # every stream has one at least as late, and the AAC encoder holds back what it was last fed.
+            end = self.frames_written + frames.shape[0]
+            self._audio.encode_until(end / self._rate + self._audio.encoder_delay)
         encode_frames(self._container, self._stream, np.asarray(frames, dtype=np.uint8), self.frames_written)
         self.frames_written += frames.shape[0]
 
@@ -60,4 +94,6 @@ class FragmentedMP4Writer:
             return
         self._closed = True
         self._container.mux(self._stream.encode(None))
+        if self._audio is not None:
+            self._audio.finish()
         self._container.close()

@@ -1,4 +1,5 @@
-"""Output writers: uint8 frames ``[F, H, W, 3]`` -> an H.264 MP4 or a folder of lossless PNG frames.
+"""Output writers: uint8 frames ``[F, H, W, 3]`` (and optionally a waveform) -> an H.264 + AAC MP4 or a folder of
+lossless PNG frames (+ a WAV).
 
 Encoder choice: PyAV (in-process libav) rather than imageio-ffmpeg (a piped ffmpeg subprocess). The streaming
 path (fragmented MP4 with AAC audio) needs PyAV's muxer anyway, so files and streams share one encoder stack,
@@ -11,8 +12,13 @@ Invariants:
   whole file has arrived. yuv420p needs an even width and height; other sizes are a ``ValueError``.
 - MP4 bytes are not promised identical run to run (x264's threads now and then decide differently); the decoded
   pictures agree to within compression noise. Frames folders are exact.
-- A frames folder holds ``frame_00000.png`` ... (bit-exact) and ``video.json``, written last: a folder with
-  ``video.json`` is complete.
+- Audio is a float waveform ``[channels, samples]`` (or ``[samples]``: mono), 1 or 2 channels, clipped to [-1, 1],
+  whose sample 0 plays with frame 0. In an MP4 it is AAC-LC (fltp) with pts counted in samples; the encoder's
+  1024 priming samples are hidden by the MP4 edit list, so the audio lines up with the video sample for sample
+  and lasts as long as the waveform (:func:`read_audio` gives back exactly its length; the stream's duration
+  is rounded to the movie's millisecond clock). Audio and video are muxed interleaved.
+- A frames folder holds ``frame_00000.png`` ... (bit-exact), ``audio.wav`` (16-bit PCM) when there is audio, and
+  ``video.json``, written last: a folder with ``video.json`` is complete.
 - :func:`write_output` never leaves a half-written output under the final name: it writes a hidden temporary
   sibling and renames it into place, so "the output exists" means "the output is complete" (into an existing
   folder it writes in place, and ``video.json``, written last, is the mark of completeness).
@@ -25,6 +31,7 @@ import math
 import os
 import shutil
 import uuid
+import wave
 from fractions import Fraction
 from pathlib import Path
 
@@ -34,9 +41,13 @@ from av.video.reformatter import ColorPrimaries, ColorRange, Colorspace, ColorTr
 from PIL import Image
 
 __all__ = [
+    "AudioTrack",
     "add_h264_stream",
+    "check_audio",
+    "check_fps",
     "encode_frames",
     "is_frames_dir_target",
+    "read_audio",
     "read_frames_dir",
     "read_mp4",
     "write_frames_dir",
@@ -47,6 +58,7 @@ __all__ = [
 VIDEO_JSON = "video.json"
 _FRAME_NAME = "frame_{:05d}.png"
 _FRAME_GLOB = "frame_*.png"
+AUDIO_WAV = "audio.wav"
 
 # One place for the encoder settings; the streaming writer must use the same ones.
 _CODEC = "libx264"
@@ -55,6 +67,13 @@ _CRF = 17
 _PRESET = "medium"
 _PIX_FMT = "yuv420p"
 """The only chroma format every player decodes (High 4:4:4 profiles are not widely supported)."""
+_AUDIO_CODEC = "aac"
+_AAC_BIT_RATE_PER_CHANNEL = 96_000
+"""Transparent for most content with FFmpeg's native AAC encoder (its default is ~64 kb/s per channel)."""
+_AAC_FRAME = 1024
+"""Samples per channel in an AAC-LC frame."""
+_AAC_RATES = (96000, 88200, 64000, 48000, 44100, 32000, 24000, 22050, 16000, 12000, 11025, 8000, 7350)
+"""The sampling frequencies AAC can signal (ISO 14496-3); the encoder refuses any other."""
 
 
 def _check_frames(frames: np.ndarray) -> tuple[int, int, int]:
@@ -68,7 +87,8 @@ def _check_frames(frames: np.ndarray) -> tuple[int, int, int]:
     return num_frames, height, width
 
 
-def _check_fps(fps: float) -> Fraction:
+def check_fps(fps: float) -> Fraction:
+    """``fps`` as the exact frame rate the encoders use, or a ``ValueError``."""
     if isinstance(fps, bool) or not isinstance(fps, (int, float, Fraction)) or not math.isfinite(fps) or fps <= 0:
         raise ValueError(f"fps={fps!r} must be a positive number")
     # 29.97 -> 2997/100; NTSC's 30000/1001 can be passed as a Fraction.
@@ -87,7 +107,7 @@ def add_h264_stream(container, *, width: int, height: int, fps: float, low_laten
     ``low_latency`` adds x264's ``zerolatency`` tuning (no lookahead, no B-frames), so that each frame's bytes
     leave the encoder as soon as the frame goes in.
     """
-    rate = _check_fps(fps)
+    rate = check_fps(fps)
     _check_even(width, height)
     stream = container.add_stream(_CODEC, rate=rate)
     stream.width, stream.height, stream.pix_fmt = width, height, _PIX_FMT
@@ -109,15 +129,104 @@ def encode_frames(container, stream, frames: np.ndarray, first_pts: int) -> None
         container.mux(stream.encode(yuv))
 
 
-def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: float) -> None:
-    """Encode ``frames`` (uint8 RGB ``[F, H, W, 3]``) as an H.264 MP4 at ``fps`` frames per second."""
-    _, height, width = _check_frames(frames)
-    _check_fps(fps)
+def check_audio(audio: np.ndarray | None, sample_rate: int | None, *, aac: bool = True) -> np.ndarray | None:
+    """Validate a waveform; return it as contiguous float32 ``[channels, samples]`` clipped to [-1, 1].
+
+    ``audio=None`` (no audio) returns None whatever ``sample_rate`` is. ``aac`` also requires a sample rate AAC
+    can carry (a WAV takes any).
+    """
+    if audio is None:
+        return None
+    if not isinstance(audio, np.ndarray):
+        raise ValueError(f"audio must be a numpy array [channels, samples] of floats in [-1, 1], "
+                         f"got {type(audio).__name__}")
+    if not np.issubdtype(audio.dtype, np.floating):
+        raise ValueError(f"audio has dtype {audio.dtype}; pass float samples in [-1, 1] "
+                         "(16-bit PCM: divide by 32768)")
+    waveform = audio[None] if audio.ndim == 1 else audio
+    if waveform.ndim != 2 or waveform.shape[0] not in (1, 2) or waveform.shape[1] < 1:
+        raise ValueError(f"audio has shape {tuple(audio.shape)}; expected [channels, samples] with 1 or 2 channels "
+                         "(or [samples] for mono) and at least one sample; transpose a [samples, channels] array")
+    if not np.isfinite(waveform).all():
+        raise ValueError("audio holds NaN or infinite samples; fix the waveform (or pass audio=None)")
+    if sample_rate is None:
+        raise ValueError("audio was given without sample_rate; pass the waveform's rate, e.g. sample_rate=24000")
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
+        raise ValueError(f"sample_rate={sample_rate!r} must be a positive int (samples per second), e.g. 24000")
+    if aac and sample_rate not in _AAC_RATES:
+        raise ValueError(f"sample_rate={sample_rate} cannot be carried by AAC; resample the audio to one of "
+                         f"{', '.join(map(str, _AAC_RATES))}, or write a frames folder (its WAV takes any rate)")
+    # Out of range, samples would wrap in a 16-bit WAV and distort in AAC; clipping is what a DAC does anyway.
+    return np.clip(waveform.astype(np.float32), -1.0, 1.0)
+
+
+class AudioTrack:
+    """An AAC stream in ``container`` fed from a waveform known up front, a stretch of video time at a time.
+
+    ``waveform`` is what :func:`check_audio` returns. Call :meth:`encode_until` as video is muxed (so the two
+    streams interleave and fragments carry both), then :meth:`finish` once, before the container closes.
+    """
+
+    def __init__(self, container, waveform: np.ndarray, sample_rate: int):
+        self._container = container
+        self._waveform = waveform
+        self._rate = int(sample_rate)
+        self.samples_encoded = 0
+        channels = waveform.shape[0]
+        self.stream = container.add_stream(_AUDIO_CODEC, rate=self._rate)
+        ctx = self.stream.codec_context
+        ctx.layout, ctx.format = ("mono" if channels == 1 else "stereo"), "fltp"
+        ctx.bit_rate = _AAC_BIT_RATE_PER_CHANNEL * channels
+        self.encoder_delay = Fraction(2 * _AAC_FRAME, self._rate)
+        """How far the packets out of the encoder lag the samples fed in (the 1024 priming and a frame in flight)."""
+
+    def encode_until(self, seconds: Fraction | float) -> None:
+        """Encode and mux the samples up to ``seconds`` (rounded up to whole AAC frames; capped at the end)."""
+        # The encoder's frame size is known once it is open, and the container opens every codec at once.
+        self._container.start_encoding()
+        frame_size = self.stream.codec_context.frame_size
+        assert frame_size == _AAC_FRAME, frame_size
+        total = self._waveform.shape[1]
+        target = min(total, math.ceil(Fraction(seconds) * self._rate))
+        # NOTE(aac-frames): only the last frame may be short, so stop on a frame boundary unless at the end.
+        stop = min(total, self.samples_encoded + -(-(target - self.samples_encoded) // frame_size) * frame_size)
+        layout = self.stream.codec_context.layout.name
+        for start in range(self.samples_encoded, stop, frame_size):
+            chunk = np.ascontiguousarray(self._waveform[:, start:min(start + frame_size, stop)])
+            frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout=layout)
+            frame.sample_rate, frame.time_base, frame.pts = self._rate, Fraction(1, self._rate), start
+            self._container.mux(self.stream.encode(frame))
+        self.samples_encoded = max(self.samples_encoded, stop)
+
+    def finish(self) -> None:
+        """Encode what is left of the waveform and flush the encoder (it holds back a frame or two)."""
+        self.encode_until(Fraction(self._waveform.shape[1], self._rate))
+        self._container.mux(self.stream.encode(None))
+
+
+def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: float, *, audio: np.ndarray | None = None,
+              sample_rate: int | None = None) -> None:
+    """Encode ``frames`` (uint8 RGB ``[F, H, W, 3]``) as an H.264 MP4 at ``fps`` frames per second.
+
+    ``audio`` (float ``[channels, samples]`` or ``[samples]``, at ``sample_rate`` Hz) adds an AAC track that
+    starts with the first frame.
+    """
+    num_frames, height, width = _check_frames(frames)
+    rate = check_fps(fps)
     _check_even(width, height)  # before any file exists
+    waveform = check_audio(audio, sample_rate)
     with av.open(os.fspath(path), mode="w", format="mp4", container_options={"movflags": "+faststart"}) as container:
         stream = add_h264_stream(container, width=width, height=height, fps=fps)
-        encode_frames(container, stream, frames, 0)
+        track = None if waveform is None else AudioTrack(container, waveform, sample_rate)
+        # A second of video at a time, each with its audio, so the muxer's interleaving queue stays short.
+        step = max(1, math.ceil(rate))
+        for first in range(0, num_frames, step):
+            encode_frames(container, stream, frames[first:first + step], first)
+            if track is not None:
+                track.encode_until(min(first + step, num_frames) / rate)
         container.mux(stream.encode(None))
+        if track is not None:
+            track.finish()
 
 
 def read_mp4(path: str | os.PathLike) -> tuple[np.ndarray, float]:
@@ -131,14 +240,46 @@ def read_mp4(path: str | os.PathLike) -> tuple[np.ndarray, float]:
     return np.stack(frames), float(rate)
 
 
-def write_frames_dir(frames: np.ndarray, directory: str | os.PathLike, fps: float) -> None:
-    """Write ``frame_00000.png`` ... and ``video.json`` into ``directory`` (created; old frames replaced)."""
+def read_audio(path: str | os.PathLike) -> tuple[np.ndarray, int]:
+    """Decode the first audio stream of a media file (an MP4, a WAV; a frames folder's ``audio.wav``).
+
+    Returns float32 ``[channels, samples]`` and the sample rate, cut where the last packet ends: AAC decodes its
+    short last frame to a whole one, and a fragmented MP4's stream duration also counts the encoder's priming.
+    """
+    source = Path(path)
+    if source.is_dir():
+        source = source / AUDIO_WAV
+    with av.open(os.fspath(source)) as container:
+        if not container.streams.audio:
+            raise ValueError(f"{os.fspath(source)!r} holds no audio stream")
+        stream = container.streams.audio[0]
+        # Planar float whatever the codec decodes to (a WAV's s16 is packed: one interleaved row).
+        to_fltp = av.AudioResampler(format="fltp")
+        chunks, end = [], 0
+        for packet in container.demux(stream):
+            if packet.pts is not None:  # pts (after the edit list) and duration are in stream.time_base
+                end = max(end, packet.pts + packet.duration)
+            chunks += [f.to_ndarray() for frame in packet.decode() for f in to_fltp.resample(frame)]
+        chunks += [f.to_ndarray() for f in to_fltp.resample(None)]
+        rate, time_base = stream.codec_context.sample_rate, stream.time_base
+    if not chunks:
+        raise ValueError(f"{os.fspath(source)!r} holds no audio samples")
+    waveform = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)
+    return (waveform[:, :round(end * time_base * rate)] if end > 0 else waveform), rate
+
+
+def write_frames_dir(frames: np.ndarray, directory: str | os.PathLike, fps: float, *,
+                     audio: np.ndarray | None = None, sample_rate: int | None = None) -> None:
+    """Write ``frame_00000.png`` ..., ``audio.wav`` if ``audio`` is given, and ``video.json`` into ``directory``
+    (created; old frames and audio replaced)."""
     num_frames, height, width = _check_frames(frames)
-    rate = _check_fps(fps)
+    rate = check_fps(fps)
+    waveform = check_audio(audio, sample_rate, aac=False)
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    # The folder may hold an older, longer video; its frames must not survive next to ours.
+    # The folder may hold an older, longer video (or one with audio); none of it may survive next to ours.
     (root / VIDEO_JSON).unlink(missing_ok=True)
+    (root / AUDIO_WAV).unlink(missing_ok=True)
     for old in root.glob(_FRAME_GLOB):
         old.unlink()
     for i, frame in enumerate(frames):
@@ -146,7 +287,23 @@ def write_frames_dir(frames: np.ndarray, directory: str | os.PathLike, fps: floa
         Image.fromarray(frame, mode="RGB").save(root / _FRAME_NAME.format(i), compress_level=1)
     info = {"fps": int(rate) if rate.denominator == 1 else float(rate), "num_frames": num_frames,
             "height": height, "width": width}
+    if waveform is not None:
+        _write_wav(root / AUDIO_WAV, waveform, int(sample_rate))
+        info["audio"] = {"file": AUDIO_WAV, "sample_rate": int(sample_rate), "channels": waveform.shape[0],
+                         "num_samples": waveform.shape[1]}
     (root / VIDEO_JSON).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def _write_wav(path: Path, waveform: np.ndarray, sample_rate: int) -> None:
+    """16-bit PCM, the WAV every tool reads (the stdlib writes no float WAVs)."""
+    # C, S -> S, C: WAV interleaves the channels. Scaled by 2**15 as libswresample reads it back (+1.0 clips to
+    # 32767), so a round trip is within half a step.
+    pcm = np.clip(np.round(waveform.T * 32768), -32768, 32767).astype("<i2")
+    with wave.open(os.fspath(path), "wb") as out:
+        out.setnchannels(waveform.shape[0])
+        out.setsampwidth(2)
+        out.setframerate(sample_rate)
+        out.writeframes(pcm.tobytes())
 
 
 def read_frames_dir(directory: str | os.PathLike) -> tuple[np.ndarray, float]:
@@ -167,28 +324,32 @@ def is_frames_dir_target(out: str | os.PathLike) -> bool:
     return text.endswith(("/", os.sep)) or Path(text).expanduser().is_dir()
 
 
-def write_output(frames: np.ndarray, out: str | os.PathLike, fps: float) -> Path:
+def write_output(frames: np.ndarray, out: str | os.PathLike, fps: float, *, audio: np.ndarray | None = None,
+                 sample_rate: int | None = None) -> Path:
     """Write ``frames`` to ``out``: a frames folder if :func:`is_frames_dir_target`, else an MP4.
 
+    ``audio`` at ``sample_rate`` Hz goes into the MP4 as AAC, or into the folder as ``audio.wav``.
     Parent folders are created. The output appears under its final name only once complete.
     Returns the final path.
     """
     _check_frames(frames)
-    _check_fps(fps)
+    check_fps(fps)
     as_dir = is_frames_dir_target(out)
+    check_audio(audio, sample_rate, aac=not as_dir)  # before anything is created
+    sound = {"audio": audio, "sample_rate": sample_rate}
     final = Path(os.fspath(out).rstrip("/" + os.sep) or os.sep).expanduser()
     final.parent.mkdir(parents=True, exist_ok=True)
     if as_dir and final.is_dir():
         # An existing folder may hold other files of the user's: write into it (video.json last marks the
         # frames complete) rather than replace it.
-        write_frames_dir(frames, final, fps)
+        write_frames_dir(frames, final, fps, **sound)
         return final
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         if as_dir:
-            write_frames_dir(frames, tmp, fps)
+            write_frames_dir(frames, tmp, fps, **sound)
         else:
-            write_mp4(frames, tmp, fps)
+            write_mp4(frames, tmp, fps, **sound)
         os.replace(tmp, final)
     except BaseException:
         if tmp.is_dir():
