@@ -24,6 +24,7 @@ __all__ = [
     "gather_sequence",
     "broadcast_object",
     "all_reduce_max_int",
+    "all_reduce_sum",
     "warmup",
 ]
 
@@ -101,6 +102,15 @@ def broadcast_object(obj: Any, *, state: ParallelState, src: int = 0) -> Any:
     box = [obj if state.rank == src else None]
     dist.broadcast_object_list(box, src=src, group=state.cpu_group)
     return box[0]
+
+
+def all_reduce_sum(x: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The elementwise sum of ``x`` over the group (a new tensor; ``x`` itself on a one-rank group)."""
+    if group_size(group) == 1:
+        return x
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def all_reduce_max_int(value: int, *, state: ParallelState) -> int:

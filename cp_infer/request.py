@@ -14,7 +14,19 @@ from dataclasses import dataclass
 
 from .shapes import LatentShape, VideoGeometry
 
-__all__ = ["GenerationRequest", "GenerationLimits", "check_request"]
+__all__ = ["FAMILY_OPTIONS", "GenerationRequest", "GenerationLimits", "check_request"]
+
+# Request fields that only some model families understand (``None`` = the family's default), by family.
+# A request that sets one for another family is refused: silently ignoring it would hand back a video made
+# with settings the client did not ask for.
+_AUDIO_VIDEO_OPTIONS = (
+    "audio_guidance_scale", "stg_scale", "audio_stg_scale", "modality_scale", "audio_modality_scale",
+    "guidance_rescale", "audio_guidance_rescale", "stg_blocks",
+)
+FAMILY_OPTIONS: dict[str, frozenset[str]] = {
+    "ltx-video": frozenset(),
+    "ltx2": frozenset(_AUDIO_VIDEO_OPTIONS),
+}
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,23 @@ class GenerationRequest:
     """Noise mixed into the latents before decode; ``None`` means equal to ``decode_timestep``."""
     max_sequence_length: int = 128
     """Text tokens (the T5 context length the model was trained with)."""
+    # LTX-2 only (audio and video generated together); None = LTX2Pipeline's default.
+    audio_guidance_scale: float | None = None
+    """CFG scale of the soundtrack (default 7)."""
+    stg_scale: float | None = None
+    """Spatio-temporal guidance of the video (default 1; 0 turns it off)."""
+    audio_stg_scale: float | None = None
+    """Spatio-temporal guidance of the soundtrack (default 1)."""
+    modality_scale: float | None = None
+    """Modality-isolation guidance of the video (default 3; 1 turns it off)."""
+    audio_modality_scale: float | None = None
+    """Modality-isolation guidance of the soundtrack (default 3)."""
+    guidance_rescale: float | None = None
+    """CFG rescale of the video, in [0, 1] (default 0.7)."""
+    audio_guidance_rescale: float | None = None
+    """CFG rescale of the soundtrack, in [0, 1] (default 0.7)."""
+    stg_blocks: tuple[int, ...] | None = None
+    """Transformer blocks whose self-attention spatio-temporal guidance perturbs (default (28,))."""
 
 
 @dataclass(frozen=True)
@@ -66,8 +95,41 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> None:
         raise ValueError(f"{name}={value} is out of range; use a value in [{lo}, {hi}]")
 
 
-def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits: GenerationLimits) -> LatentShape:
-    """Validate ``request`` for a model with ``geometry``; return its latent shape."""
+def _check_number(name: str, value: object, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number in [{lo}, {hi}]")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value} is out of range; use a value in [{lo}, {hi}]")
+
+
+def _check_family_options(request: GenerationRequest, family: str, limits: GenerationLimits) -> None:
+    if family not in FAMILY_OPTIONS:
+        raise ValueError(f"model family {family!r} is unknown; known: {', '.join(FAMILY_OPTIONS)}")
+    accepted = FAMILY_OPTIONS[family]
+    if family == "ltx2" and request.max_sequence_length % 128:
+        # NOTE(registers): LTX-2's text connectors append 128 learnable registers per 128 text tokens.
+        raise ValueError(f"max_sequence_length={request.max_sequence_length} is not a multiple of 128, which LTX-2 "
+                         f"models need; try {max(128, request.max_sequence_length // 128 * 128)}")
+    for name in _AUDIO_VIDEO_OPTIONS:
+        value = getattr(request, name)
+        if value is None:
+            continue
+        if name not in accepted:
+            users = ", ".join(f for f, options in FAMILY_OPTIONS.items() if name in options)
+            raise ValueError(f"{name} applies to {users} models only; the loaded model is {family}: remove {name}")
+        if name == "stg_blocks":
+            if not isinstance(value, (tuple, list)) or not value or len(value) > 256:
+                raise ValueError(f"stg_blocks={value!r} must be a non-empty list of block indices")
+            for block in value:
+                _check_int("stg_blocks[]", block, 0, 1023)
+        else:
+            hi = 1.0 if name.endswith("rescale") else limits.max_guidance
+            _check_number(name, value, 0.0, hi)
+
+
+def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits: GenerationLimits,
+                  family: str = "ltx-video") -> LatentShape:
+    """Validate ``request`` for a model of ``family`` with ``geometry``; return its latent shape."""
     for name in ("prompt", "negative_prompt"):
         text = getattr(request, name)
         if not isinstance(text, str):
@@ -86,11 +148,8 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     _check_int("fps", request.fps, 1, limits.max_fps)
     _check_int("max_sequence_length", request.max_sequence_length, 1, 1024)
     for name, lo, hi in (("guidance_scale", 0.0, limits.max_guidance), ("decode_timestep", 0.0, 1.0)):
-        value = getattr(request, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{name}={value!r} must be a finite number in [{lo}, {hi}]")
-        if not lo <= value <= hi:
-            raise ValueError(f"{name}={value} is out of range; use a value in [{lo}, {hi}]")
+        _check_number(name, getattr(request, name), lo, hi)
+    _check_family_options(request, family, limits)
     scale = request.decode_noise_scale
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or not 0.0 <= scale <= 1.0):

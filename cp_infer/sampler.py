@@ -73,6 +73,8 @@ class DenoiseModel(Protocol):
     """What the sampler needs from a model adapter."""
 
     geometry: VideoGeometry
+    family: str
+    """Which request options apply (``cp_infer.request.FAMILY_OPTIONS``)."""
 
     def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared: ...
 
@@ -175,7 +177,7 @@ def sample(
 ) -> np.ndarray | None:
     """Generate one video. Returns uint8 frames ``[F, H, W, 3]`` on group rank 0, ``None`` on the others."""
     control = control or SampleControl()
-    shape = check_request(request, geometry=model.geometry, limits=limits or GenerationLimits())
+    shape = check_request(request, geometry=model.geometry, limits=limits or GenerationLimits(), family=model.family)
     prepared = model.prepare(request, shape)
     plans = {name: ShardPlan(orig_len=x.shape[1], world=state.cp_size) for name, x in prepared.latents.items()}
     latents = {name: plans[name].shard(x, state.cp_rank).to(state.device) for name, x in prepared.latents.items()}

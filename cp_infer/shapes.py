@@ -36,9 +36,11 @@ class VideoGeometry:
     spatial_compression: int = 32
     patch_size: int = 1
     patch_size_t: int = 1
+    min_latent_side: int = 1
+    """Smallest latent height/width the VAE decodes (2 when its convs pad by reflection, as LTX-2's does)."""
 
     def __post_init__(self) -> None:
-        for name in ("temporal_compression", "spatial_compression", "patch_size", "patch_size_t"):
+        for name in ("temporal_compression", "spatial_compression", "patch_size", "patch_size_t", "min_latent_side"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
@@ -55,9 +57,12 @@ class VideoGeometry:
 
     def check_side(self, value: int, *, field: str) -> None:
         step = self.spatial_step
-        if value < step or value % step != 0:
-            near = ", ".join(str(c) for c in _nearest_multiples(max(value, step), step, minimum=step))
-            raise ValueError(f"{field}={value} is not a positive multiple of {step}; try {near}")
+        smallest = step * self.min_latent_side
+        if value < smallest or value % step != 0:
+            near = ", ".join(str(c) for c in _nearest_multiples(max(value, smallest), step, minimum=smallest))
+            what = f"a multiple of {step} of at least {smallest}" if smallest > step else \
+                f"a positive multiple of {step}"
+            raise ValueError(f"{field}={value} is not {what}; try {near}")
 
     def latent_shape(self, frames: int, height: int, width: int) -> LatentShape:
         """Check a video shape and return its latent (token grid) shape."""

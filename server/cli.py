@@ -44,12 +44,20 @@ _DEFAULTS = {f.name: f.default for f in fields(GenerationRequest)}
 # Request field -> CLI flag, to point error messages at what the user typed.
 _FLAGS = {"prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_frames": "--frames",
           "height": "--height", "width": "--width", "num_inference_steps": "--steps",
-          "guidance_scale": "--guidance", "seed": "--seed", "fps": "--fps"}
+          "guidance_scale": "--guidance", "seed": "--seed", "fps": "--fps",
+          # LTX-2 only (the loaded model's family decides; others refuse them)
+          "audio_guidance_scale": "--audio-guidance", "stg_scale": "--stg", "audio_stg_scale": "--audio-stg",
+          "modality_scale": "--modality", "audio_modality_scale": "--audio-modality",
+          "guidance_rescale": "--guidance-rescale", "audio_guidance_rescale": "--audio-guidance-rescale",
+          "stg_blocks": "--stg-blocks"}
+_LTX2_FIELDS = ("audio_guidance_scale", "stg_scale", "audio_stg_scale", "modality_scale", "audio_modality_scale",
+                "guidance_rescale", "audio_guidance_rescale", "stg_blocks")
 # Batch line key -> request field (aliases: the CLI flag spelling and the request field spelling).
 _BATCH_KEYS = {"prompt": "prompt", "negative_prompt": "negative_prompt", "frames": "num_frames",
                "num_frames": "num_frames", "height": "height", "width": "width", "steps": "num_inference_steps",
                "num_inference_steps": "num_inference_steps", "guidance": "guidance_scale",
-               "guidance_scale": "guidance_scale", "seed": "seed", "fps": "fps"}
+               "guidance_scale": "guidance_scale", "seed": "seed", "fps": "fps",
+               **{f: f for f in _LTX2_FIELDS}}
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -96,6 +104,27 @@ def _add_request_arguments(parser: argparse.ArgumentParser, *, batch: bool) -> N
     add("--guidance", "guidance_scale", float, "classifier-free guidance scale; <= 1 turns it off")
     add("--seed", "seed", int, "noise seed")
     add("--fps", "fps", int, "frames per second (conditions the model and sets the output rate)")
+    ltx2 = parser.add_argument_group("LTX-2 guidance (audio-video models only; default: LTX2Pipeline's)")
+    for flag, field, help_text in (
+        ("--audio-guidance", "audio_guidance_scale", "CFG scale of the soundtrack (7)"),
+        ("--stg", "stg_scale", "spatio-temporal guidance of the video (1; 0 = off)"),
+        ("--audio-stg", "audio_stg_scale", "spatio-temporal guidance of the soundtrack (1)"),
+        ("--modality", "modality_scale", "modality-isolation guidance of the video (3; 1 = off)"),
+        ("--audio-modality", "audio_modality_scale", "modality-isolation guidance of the soundtrack (3)"),
+        ("--guidance-rescale", "guidance_rescale", "CFG rescale of the video, 0..1 (0.7)"),
+        ("--audio-guidance-rescale", "audio_guidance_rescale", "CFG rescale of the soundtrack, 0..1 (0.7)"),
+    ):
+        ltx2.add_argument(flag, dest=field, type=float, default=None, metavar="X", help=help_text)
+    ltx2.add_argument("--stg-blocks", dest="stg_blocks", type=_block_list, default=None, metavar="I,J",
+                      help="transformer blocks that spatio-temporal guidance perturbs (28)")
+
+
+def _block_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of block indices, "
+                                         "e.g. 20,28") from None
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -176,32 +205,12 @@ def _field_error(exc: ValueError) -> UsageError:
     return UsageError(f"{flag}: {message}" if flag else message)
 
 
-def _model_geometry(config):
-    """The model's video geometry from its config files only (no weights), so requests are checked first."""
-    import torch
-    from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
+def _model_info(config):
+    """The model's family and video geometry from its config files only (no weights), so requests are checked
+    first."""
+    from models.registry import describe_model
 
-    from cp_infer import VideoGeometry
-    from models.loading import ModelLoadError, detect_family, resolve_model
-
-    path = resolve_model(config.model)
-    family = detect_family(path)
-    if family != "ltx-video":
-        raise ModelLoadError(f"{str(path)!r} is an {family} model, which is not supported yet; pass an LTX-Video "
-                             "folder")
-    try:
-        transformer = LTXVideoTransformer3DModel.load_config(path, subfolder="transformer", local_files_only=True)
-        vae_config = AutoencoderKLLTXVideo.load_config(path, subfolder="vae", local_files_only=True)
-        # The compression ratios are diffusers' own arithmetic on the config: build the VAE on the meta
-        # device (no memory, no weights) and ask it.
-        with torch.device("meta"):
-            vae = AutoencoderKLLTXVideo.from_config(vae_config)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ModelLoadError(f"could not read the transformer/ and vae/ configs of {str(path)!r}: {exc}; "
-                             "re-download the model") from exc
-    return VideoGeometry(temporal_compression=vae.temporal_compression_ratio,
-                         spatial_compression=vae.spatial_compression_ratio,
-                         patch_size=transformer.get("patch_size", 1), patch_size_t=transformer.get("patch_size_t", 1))
+    return describe_model(config.model)
 
 
 def _check_device(config) -> None:
@@ -243,20 +252,39 @@ class _Progress:
 
 
 @dataclass
+class _Generated:
+    """One finished job on the leader."""
+
+    frames: Any = None
+    """uint8 ``[F, H, W, 3]``, or None when the frames were streamed."""
+    audio: Any = None
+    """float ``[C, S]`` waveform of audio-video models, else None."""
+    sample_rate: int | None = None
+
+
+@dataclass
 class _Leader:
     """Rank 0's side of the group: every job is broadcast before it runs; ``stop`` ends the workers."""
 
     runtime: Any
 
-    def generate(self, request: GenerationRequest, job_id: str, *, on_frames: Callable[..., None] | None = None):
-        """The frames, or with ``on_frames`` (called with each decoded piece, in order) None: no rank then holds
-        the whole video."""
+    def generate(self, request: GenerationRequest, job_id: str, *, on_frames: Callable[..., None] | None = None,
+                 on_audio: Callable[..., None] | None = None) -> _Generated:
+        """The frames (``None`` with ``on_frames``, called with each decoded piece in order: no rank then holds the
+        whole video) and, for audio-video models, the soundtrack (also handed to ``on_audio`` before the frames)."""
         from cp_infer import broadcast_object
         from server.runtime import Command
 
         broadcast_object(Command("generate", request, job_id), state=self.runtime.state)
         progress = _Progress(job_id, request.num_inference_steps)
-        control = progress.control()
+        result = _Generated()
+
+        def keep_audio(waveform, sample_rate: int) -> None:
+            result.audio, result.sample_rate = waveform, sample_rate
+            if on_audio is not None:
+                on_audio(waveform, sample_rate)
+
+        control = replace(progress.control(), on_audio=keep_audio)
         if on_frames is not None:
             def both(frames, first: int, total: int) -> None:
                 on_frames(frames, first, total)
@@ -264,9 +292,10 @@ class _Leader:
 
             control = replace(control, on_frames=both, collect=False)
         try:
-            return self.runtime.generate(request, control)
+            result.frames = self.runtime.generate(request, control)
         finally:
             progress.close()
+        return result
 
     def stop(self) -> None:
         from cp_infer import broadcast_object
@@ -327,7 +356,19 @@ class _StdoutVideo:
         from cp_infer.stream import FragmentedMP4Writer
 
         self.out, self.error = out, None
-        self.writer = FragmentedMP4Writer(self._emit, width=request.width, height=request.height, fps=request.fps)
+        self.request, self.audio, self.writer = request, None, None
+        self._writer_cls = FragmentedMP4Writer
+
+    def set_audio(self, waveform, sample_rate: int) -> None:
+        """The soundtrack (audio-video models), before the first frames: muxed along with them."""
+        self.audio = (waveform, sample_rate)
+
+    def _open(self):
+        if self.writer is None:
+            waveform, sample_rate = self.audio or (None, None)
+            self.writer = self._writer_cls(self._emit, width=self.request.width, height=self.request.height,
+                                           fps=self.request.fps, audio=waveform, sample_rate=sample_rate)
+        return self.writer
 
     def _emit(self, data: bytes) -> None:
         self.out.write(data)
@@ -336,7 +377,7 @@ class _StdoutVideo:
     def write(self, frames, _first: int, _total: int) -> None:
         if self.error is None:
             try:
-                self.writer.write(frames)
+                self._open().write(frames)
             except (OSError, ValueError) as exc:
                 self.error = exc
 
@@ -344,7 +385,7 @@ class _StdoutVideo:
         """Finish the MP4; returns the number of frames written."""
         if self.error is None:
             try:
-                self.writer.close()
+                self._open().close()
             except (OSError, ValueError) as exc:
                 self.error = exc
         with contextlib.suppress(OSError):
@@ -362,9 +403,9 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     _check_out(args.out)
     _quiet_libraries()
     _check_device(config)
-    geometry = _model_geometry(config)
+    info = _model_info(config)
     try:
-        check_request(request, geometry=geometry, limits=config.limits)
+        check_request(request, geometry=info.geometry, limits=config.limits, family=info.family)
     except ValueError as exc:
         raise _field_error(exc) from exc
     if nproc > 1 and not in_torchrun():
@@ -380,7 +421,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
         t_loaded = time.perf_counter()
         try:
-            frames = leader.generate(request, "steps")
+            result = leader.generate(request, "steps")
         except JobFailed as exc:
             leader.stop()
             print(f"{_PROG} generate: generation failed: {exc}", file=sys.stderr)
@@ -388,11 +429,11 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         leader.stop()
         t_generated = time.perf_counter()
         try:
-            path = _writer()(frames, args.out, request.fps)
+            path = _writer()(result, args.out, request.fps)
         except _WriteError as exc:
             print(f"{_PROG} generate: {exc}", file=sys.stderr)
             return 1
-        num_frames, height, width, _ = frames.shape
+        num_frames, height, width, _ = result.frames.shape
         print(f"wrote {path} ({num_frames} frames, {width}x{height} @ {request.fps} fps; "
               f"{leader.runtime.state.world_size} rank(s); load {t_loaded - started:.1f} s, generate "
               f"{t_generated - t_loaded:.1f} s, write {time.perf_counter() - t_generated:.1f} s, total "
@@ -405,7 +446,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         t_loaded = time.perf_counter()
         video = _StdoutVideo(video_out, request)
         try:
-            leader.generate(request, "steps", on_frames=video.write)
+            leader.generate(request, "steps", on_frames=video.write, on_audio=video.set_audio)
         except JobFailed as exc:
             leader.stop()
             print(f"{_PROG} generate: generation failed: {exc}", file=sys.stderr)
@@ -487,7 +528,7 @@ class _LineError(ValueError):
         self.name = name
 
 
-def _plan_batch(args: argparse.Namespace, geometry, limits) -> list[_Item]:
+def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
     """Every non-blank line of the prompts file, checked: ``todo``, ``skipped`` (output exists) or ``invalid``."""
     try:
         text = args.prompts.read_text(encoding="utf-8")
@@ -505,7 +546,7 @@ def _plan_batch(args: argparse.Namespace, geometry, limits) -> list[_Item]:
                 raise _LineError(f"name {name!r} is already used on line {names[name]}", name)
             names[name] = line
             try:
-                check_request(request, geometry=geometry, limits=limits)
+                check_request(request, geometry=info.geometry, limits=limits, family=info.family)
             except (ValueError, TypeError) as exc:
                 raise _LineError(str(exc), name) from exc
         except _LineError as exc:
@@ -538,9 +579,9 @@ def _writer() -> Callable[..., Path]:
     """``write_output`` with its failures (the job itself succeeded) raised as ``_WriteError``."""
     from cp_infer.video_io import write_output
 
-    def write(frames, out, fps) -> Path:
+    def write(result: _Generated, out, fps) -> Path:
         try:
-            return write_output(frames, out, fps)
+            return write_output(result.frames, out, fps, audio=result.audio, sample_rate=result.sample_rate)
         except (OSError, ValueError) as exc:
             raise _WriteError(f"could not write {out}: {type(exc).__name__}: {exc}") from exc
 
@@ -564,8 +605,8 @@ def _lead_batch(leader: _Leader, items: list[_Item], args: argparse.Namespace) -
             # after the group is done with the job: either way the workers are back waiting for a command.
             # Any other exception from the group leaves it in an unknown state and aborts the batch.
             try:
-                frames = leader.generate(item.request, item.name)
-                write_output(frames, f"{path}/" if args.ext == "frames" else path, item.request.fps)
+                result = leader.generate(item.request, item.name)
+                write_output(result, f"{path}/" if args.ext == "frames" else path, item.request.fps)
                 item.status, item.message = "ok", str(path)
             except (JobFailed, _WriteError) as exc:
                 item.status = "failed"
@@ -589,8 +630,8 @@ def _cmd_batch(args: argparse.Namespace, argv: list[str]) -> int:
         raise UsageError(f"--out-dir {args.out_dir}: is a file, not a folder")
     _quiet_libraries()
     _check_device(config)
-    geometry = _model_geometry(config)
-    items = _plan_batch(args, geometry, config.limits) if int(os.environ.get("RANK", "0")) == 0 else []
+    info = _model_info(config)
+    items = _plan_batch(args, info, config.limits) if int(os.environ.get("RANK", "0")) == 0 else []
     # Outside torchrun nothing is started when nothing is left to do. Under torchrun every rank must join
     # the group whatever the leader found (the workers cannot know), so the leader then just sends stop.
     if not in_torchrun() and not any(i.status == "todo" for i in items):

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cp_infer.request import GenerationRequest
+from cp_infer.request import FAMILY_OPTIONS, GenerationRequest
 
 __all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
 
@@ -90,6 +90,7 @@ class Job:
             "error": error, "negative_prompt": r.negative_prompt, "num_frames": r.num_frames, "width": r.width,
             "height": r.height, "fps": r.fps, "num_inference_steps": r.num_inference_steps,
             "guidance_scale": r.guidance_scale, "seed": r.seed,
+            **{name: getattr(r, name) for name in FAMILY_OPTIONS["ltx2"]},
         }
 
 

@@ -150,6 +150,8 @@ class GroupLeader:
         self._streams_lock = threading.Lock()
         # Read by the HTTP thread.
         self.geometry = None
+        self.family: str | None = None
+        """The served model's family (set before ``geometry``, which marks the group ready)."""
         self.world_size: int | None = None
         self.pids: list[int] = []
         self.loaded = False
@@ -230,6 +232,7 @@ class GroupLeader:
             self.pids = group_pids(runtime.state)
             self.world_size = runtime.state.world_size
             self._write_group_file()
+            self.family = runtime.model.family
             self.geometry = runtime.model.geometry
             self._ping(runtime)
             self.loaded = True
@@ -306,7 +309,8 @@ class GroupLeader:
 
         request = job.request
         try:
-            check_request(request, geometry=runtime.model.geometry, limits=self.config.limits)
+            check_request(request, geometry=runtime.model.geometry, limits=self.config.limits,
+                          family=runtime.model.family)
         except ValueError as exc:
             self._finish(job, "failed", "invalid_request", f"no longer valid under this server's limits: {exc}")
             return
@@ -328,6 +332,13 @@ class GroupLeader:
             progress = {"decode": _DENOISE_SHARE, "done": _DECODED}.get(name)
             if progress is not None:
                 self.store.set_progress(job.id, progress)
+
+        soundtrack: dict[str, object] = {}
+
+        def on_audio(waveform: np.ndarray, sample_rate: int) -> None:
+            soundtrack.update(audio=waveform, sample_rate=sample_rate)
+            if outputs is not None:
+                outputs.set_audio(waveform, sample_rate)
 
         def on_frames(frames: np.ndarray, first: int, total: int) -> None:
             if outputs is not None:
@@ -355,7 +366,7 @@ class GroupLeader:
             return call
 
         control = SampleControl(poll=poll, on_step=on_step, on_phase=on_phase, on_frames=on_frames,
-                                collect=outputs is None)
+                                on_audio=on_audio, collect=outputs is None)
         control = with_faults(control, request, rank=runtime.state.rank, rules=self._faults)
         control = replace(control, on_step=deferred(control.on_step), on_phase=deferred(control.on_phase),
                           on_frames=deferred(control.on_frames))
@@ -393,7 +404,7 @@ class GroupLeader:
             return
         # NOTE(encode): rank 0's alone, so it runs beside the group: the leader goes back to heartbeats and the
         # next job at once, and no worker waits in a broadcast for as long as an encode takes.
-        self._encoder.submit(self._encode, job, frames, started)
+        self._encoder.submit(self._encode, job, frames, started, soundtrack)
 
     def _commit_stream(self, job: Job, outputs: StreamedOutputs, started: float) -> None:
         if self.store.cancel_requested(job.id):
@@ -409,9 +420,9 @@ class GroupLeader:
         self.generation_seconds.observe(time.monotonic() - started)
         self._finish(job, "completed")
 
-    def _encode(self, job: Job, frames: np.ndarray, started: float) -> None:
+    def _encode(self, job: Job, frames: np.ndarray, started: float, soundtrack: dict) -> None:
         try:
-            self._write_outputs(job, frames)
+            self._write_outputs(job, frames, **soundtrack)
         except Exception as exc:  # noqa: BLE001 -- the group is not involved: fail this job only
             log.exception("job %s: writing the video failed", job.id)
             self._finish(job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
@@ -419,7 +430,8 @@ class GroupLeader:
         self.generation_seconds.observe(time.monotonic() - started)
         self._finish(job, "completed")
 
-    def _write_outputs(self, job: Job, frames: np.ndarray) -> None:
+    def _write_outputs(self, job: Job, frames: np.ndarray, audio: np.ndarray | None = None,
+                       sample_rate: int | None = None) -> None:
         from PIL import Image
 
         from cp_infer.video_io import write_mp4
@@ -429,7 +441,7 @@ class GroupLeader:
             raise RuntimeError(f"the model returned frames of shape {frames.shape}, expected {expected}")
         outputs = []
         mp4 = self.store.path(job.id, ".mp4")
-        write_mp4(frames, mp4.with_suffix(".mp4.tmp"), job.request.fps)
+        write_mp4(frames, mp4.with_suffix(".mp4.tmp"), job.request.fps, audio=audio, sample_rate=sample_rate)
         outputs.append((mp4.with_suffix(".mp4.tmp"), mp4))
         thumb = self.store.path(job.id, ".jpg")
         Image.fromarray(frames[len(frames) // 2]).save(thumb.with_suffix(".jpg.tmp"), format="JPEG", quality=90,

@@ -25,9 +25,9 @@ import numpy as np
 
 from cp_infer import ParallelConfig, ParallelState, all_reduce_max_int, broadcast_object, init_parallel, warmup
 from cp_infer.request import GenerationLimits, GenerationRequest
-from cp_infer.sampler import SampleControl, StepStatus, sample
-from models.loading import load_ltx_video, parse_dtype, resolve_model
-from models.ltx_video import LTXVideoModel
+from cp_infer.sampler import DenoiseModel, SampleControl, StepStatus, sample
+from models.loading import parse_dtype, resolve_model
+from models.registry import open_model
 
 __all__ = [
     "FAULT_ENV",
@@ -49,7 +49,8 @@ class RuntimeConfig:
     """What every rank needs to load the same model the same way."""
 
     model: str | None = None
-    """A local diffusers-format LTX-Video folder; ``None`` serves the embedded default (tiny-ltx-video)."""
+    """A local diffusers-format LTX-Video or LTX-2 folder, or an embedded default's name (``tiny-ltx-video``,
+    ``tiny-ltx2``); ``None`` serves tiny-ltx-video."""
     dtype: str = "fp32"
     """``fp32``, ``bf16`` or ``fp16`` for the transformer, text encoder and VAE."""
     device: str | None = None
@@ -76,7 +77,8 @@ class Command:
 class Runtime:
     config: RuntimeConfig
     state: ParallelState
-    model: LTXVideoModel
+    model: DenoiseModel
+    """``LTXVideoModel`` or ``LTX2Model`` (``models.registry.open_model``)."""
 
     def generate(self, request: GenerationRequest, control: SampleControl | None = None) -> np.ndarray | None:
         """Sample ``request`` on this rank; every rank of the group must call it with the same request."""
@@ -87,8 +89,7 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
     """Join the torchrun group (or run alone), load the model, warm the collectives up."""
     state = init_parallel(ParallelConfig(device=config.device, timeout_s=config.timeout_s))
     path = resolve_model(config.model)
-    components = load_ltx_video(path, dtype=parse_dtype(config.dtype), device=state.device)
-    model = LTXVideoModel(components, state=state)
+    model = open_model(path, dtype=config.dtype, state=state)
     warmup(state)
     if state.is_leader:
         log.info("loaded %s on %d rank(s), device %s, dtype %s", path, state.world_size, state.device, config.dtype)

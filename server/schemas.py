@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cp_infer.request import GenerationLimits, GenerationRequest, check_request
+from cp_infer.request import FAMILY_OPTIONS, GenerationLimits, GenerationRequest, check_request
 from cp_infer.shapes import VideoGeometry
 
 __all__ = [
@@ -40,6 +40,7 @@ JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 # Text tokens the T5 encoder sees; fixed server-side (LTX-Video's training length).
 _TEXT_TOKENS = 128
+_LTX2_FIELDS = tuple(sorted(FAMILY_OPTIONS["ltx2"]))
 
 
 class ApiError(Exception):
@@ -88,6 +89,15 @@ class VideoCreateParams(BaseModel):
     fps: int | None = None
     stream: bool | None = None
     """Extension: respond with the MP4 itself, sent while it is made (also a query parameter)."""
+    # LTX-2 (audio-video) models only; other families refuse them. Unset: LTX2Pipeline's defaults.
+    audio_guidance_scale: float | None = None
+    stg_scale: float | None = None
+    audio_stg_scale: float | None = None
+    modality_scale: float | None = None
+    audio_modality_scale: float | None = None
+    guidance_rescale: float | None = None
+    audio_guidance_rescale: float | None = None
+    stg_blocks: list[int] | None = None
 
 
 class VideoError(BaseModel):
@@ -117,6 +127,14 @@ class VideoJob(BaseModel):
     num_inference_steps: int
     guidance_scale: float
     seed: int
+    audio_guidance_scale: float | None = None
+    stg_scale: float | None = None
+    audio_stg_scale: float | None = None
+    modality_scale: float | None = None
+    audio_modality_scale: float | None = None
+    guidance_rescale: float | None = None
+    audio_guidance_rescale: float | None = None
+    stg_blocks: list[int] | None = None
 
 
 class VideoList(BaseModel):
@@ -151,7 +169,12 @@ def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | N
         "seed": f"an integer in [0, {2**63 - 1}]",
         "fps": f"an integer in [1, {limits.max_fps}]",
         "stream": "true or false",
+        "stg_blocks": "a list of transformer block indices, e.g. [28] (LTX-2 models only)",
+        "guidance_rescale": "a number in [0, 1] (LTX-2 models only)",
+        "audio_guidance_rescale": "a number in [0, 1] (LTX-2 models only)",
     }
+    if name in _LTX2_FIELDS:
+        return hints.get(name, f"a finite number in [0, {limits.max_guidance}] (LTX-2 models only)")
     return hints.get(name, "a valid value")
 
 
@@ -216,7 +239,7 @@ def _param_of(message: str) -> str | None:
 
 
 def build_request(params: VideoCreateParams, *, geometry: VideoGeometry, limits: GenerationLimits,
-                  served_model: str, seed: int) -> GenerationRequest:
+                  served_model: str, seed: int, family: str = "ltx-video") -> GenerationRequest:
     """Resolve the OpenAI-style fields and validate; ``seed`` is used when the client gave none."""
     if params.model is not None and params.model != served_model:
         raise ApiError(400, "model_not_found", f"model={params.model!r} is not served here; use {served_model!r} "
@@ -257,9 +280,10 @@ def build_request(params: VideoCreateParams, *, geometry: VideoGeometry, limits:
         guidance_scale=defaults.guidance_scale if params.guidance_scale is None else params.guidance_scale,
         seed=seed if params.seed is None else params.seed,
         fps=fps, max_sequence_length=_TEXT_TOKENS,
+        **{name: getattr(params, name) for name in _LTX2_FIELDS},
     )
     try:
-        check_request(request, geometry=geometry, limits=limits)
+        check_request(request, geometry=geometry, limits=limits, family=family)
     except ValueError as exc:
         message = str(exc)
         param = _param_of(message)

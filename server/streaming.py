@@ -89,8 +89,11 @@ class StreamedOutputs:
             mp4 = store.path(job_id, ".mp4")
             self._files.append((mp4.with_suffix(".mp4.tmp"), mp4))
             self._mp4 = open(mp4.with_suffix(".mp4.tmp"), "wb")  # noqa: SIM115 -- closed by _close()
-            self._writer = FragmentedMP4Writer(self._emit, width=request.width, height=request.height,
-                                               fps=request.fps)
+            # Opened at the first frames, so that an audio-video model's soundtrack (delivered before them) is in it.
+            self._open_writer = lambda audio, sample_rate: FragmentedMP4Writer(
+                self._emit, width=request.width, height=request.height, fps=request.fps, audio=audio,
+                sample_rate=sample_rate)
+            self._audio: tuple[np.ndarray | None, int | None] = (None, None)
             if keep_frames:
                 raw = store.path(job_id, ".npy")
                 self._files.append((raw.with_suffix(".npy.tmp"), raw))
@@ -106,6 +109,15 @@ class StreamedOutputs:
         self._mp4.write(data)
         self._mp4.flush()  # to the OS, where the response's own descriptor sees it
 
+    def set_audio(self, waveform: np.ndarray, sample_rate: int) -> None:
+        """The soundtrack of an audio-video model, before the first frames; muxed along with them."""
+        self._audio = (waveform, sample_rate)
+
+    def _writer_now(self):
+        if self._writer is None:
+            self._writer = self._open_writer(*self._audio)
+        return self._writer
+
     def write(self, frames: np.ndarray, first: int) -> None:
         """Encode the decoded frames ``[first, first + len(frames))``; never raises (see the module docstring)."""
         if self.error is not None or self._stopped:
@@ -115,7 +127,7 @@ class StreamedOutputs:
                 raise RuntimeError(f"got frames {first}.. of shape {frames.shape} after {self.frames_written} "
                                    f"frames; expected the next ones in order, of shape [F, *{self._shape[1:]}]")
             frames = np.ascontiguousarray(frames, dtype=np.uint8)
-            self._writer.write(frames)
+            self._writer_now().write(frames)
             if self._raw is not None:
                 self._raw.write(frames.data)
             middle = self._shape[0] // 2
@@ -138,7 +150,7 @@ class StreamedOutputs:
         """Finish the MP4 and rename every file into place; raises if anything failed or frames are missing."""
         if self.error is not None:
             raise RuntimeError(self.error)
-        self._writer.close()
+        self._writer_now().close()
         if self.frames_written != self._shape[0]:
             raise RuntimeError(f"the decode delivered {self.frames_written} frames, expected {self._shape[0]}")
         self._close()

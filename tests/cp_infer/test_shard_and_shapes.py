@@ -72,3 +72,11 @@ def test_latent_shape_ltx():
 def test_latent_shape_errors_name_nearest(frames, height, width, message):
     with pytest.raises(ValueError, match=message):
         VideoGeometry().latent_shape(frames, height, width)
+
+
+def test_min_latent_side_refuses_one_latent_pixel():
+    # LTX-2's decoder pads by reflection, which needs two latent pixels: 32 px is one, so 64 is the least.
+    geometry = VideoGeometry(min_latent_side=2)
+    with pytest.raises(ValueError, match=r"height=32 is not a multiple of 32 of at least 64; try 64"):
+        geometry.latent_shape(9, 32, 96)
+    assert geometry.latent_shape(9, 64, 96).height == 2

@@ -1,0 +1,427 @@
+"""LTX-2 (audio and video generated together) on the context-parallel engine.
+
+The model maths is diffusers' (``LTX2VideoTransformer3DModel``, the video and audio VAEs, the vocoder, the text
+connectors and ``LTX2Pipeline``'s own prompt encoding, noise, guidance and post-processing). Parallelism is
+applied from outside by :func:`parallelize_ltx2_transformer`:
+- the video and the audio token sequences are two streams, each sharded by its own :class:`ShardPlan` (they
+  rarely divide the group size, and have nothing to do with each other's length);
+- both self-attentions run through :func:`cp_infer.ulysses_attention` on their own plan, and both cross-modal
+  attentions (audio-to-video: video queries over audio keys; video-to-audio: the reverse) through its
+  cross-sequence form, so every query sees every real key of the other stream and no padded one;
+- RoPE of every kind the model uses (the "interleaved" and the "split" layout, and the cross-modal RoPE) is a
+  pure function of each token's coordinates, so the transformer is handed this rank's shard of the
+  coordinates and computes exactly its tokens' rotations, whatever the layout;
+- text cross-attention is untouched (local queries, replicated text keys). Everything else is per token.
+Guidance is LTX2Pipeline's (CFG, spatio-temporal guidance, modality isolation, CFG rescale); the one
+sequence-wide quantity, the rescale's standard deviation, is reduced over the group from per-shard sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from diffusers import LTX2Pipeline
+from diffusers.models.transformers.transformer_ltx2 import (
+    LTX2Attention,
+    apply_interleaved_rotary_emb,
+    apply_split_rotary_emb,
+)
+from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg, retrieve_timesteps
+
+from cp_infer import ExchangeWorkspace, LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
+from cp_infer.collectives import all_reduce_sum
+from cp_infer.decode import TemporalSplit
+from cp_infer.request import GenerationRequest
+from cp_infer.sampler import Decoder, Prepared
+
+from .ltx_video import _scoped
+from .registry import min_latent_side
+
+__all__ = ["LTX2Model", "LTX2Settings", "fit_duration", "parallelize_ltx2_transformer"]
+
+# (query stream, key/value stream) of every attention that mixes tokens of a sharded stream.
+_SHARDED_ATTENTIONS = {
+    "attn1": ("video", "video"),
+    "audio_attn1": ("audio", "audio"),
+    "audio_to_video_attn": ("video", "audio"),
+    "video_to_audio_attn": ("audio", "video"),
+}
+
+
+@dataclass
+class _ShardContext:
+    """The plans of the forward pass in flight. Owned by one model; set only inside ``LTX2Model.sharded``."""
+
+    state: ParallelState
+    plans: dict[str, ShardPlan] | None = None
+    workspaces: dict[tuple[str, str], ExchangeWorkspace] = field(default_factory=dict)
+    """Exchange buffers per (query, key) stream pair, reused across layers and steps."""
+
+    def workspace(self, pair: tuple[str, str]) -> ExchangeWorkspace:
+        return self.workspaces.setdefault(pair, ExchangeWorkspace())
+
+
+def _rope(attn: LTX2Attention, x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    if attn.rope_type == "interleaved":
+        return apply_interleaved_rotary_emb(x, freqs)
+    if attn.rope_type == "split":
+        return apply_split_rotary_emb(x, freqs)
+    raise ValueError(f"rope_type={attn.rope_type!r} is not supported; LTX-2 uses 'interleaved' or 'split'")
+
+
+class _UlyssesAVProcessor:
+    """One LTX-2 attention whose queries and keys are shards of (possibly different) token streams."""
+
+    def __init__(self, ctx: _ShardContext, q_stream: str, kv_stream: str):
+        self.ctx, self.q_stream, self.kv_stream = ctx, q_stream, kv_stream
+
+    def __call__(self, attn: LTX2Attention, hidden_states: torch.Tensor, encoder_hidden_states=None,
+                 attention_mask=None, query_rotary_emb=None, key_rotary_emb=None, perturbation_mask=None,
+                 all_perturbed=None) -> torch.Tensor:
+        plans = self.ctx.plans
+        if plans is None:
+            raise RuntimeError("the parallel LTX-2 transformer was called outside LTX2Model.sharded()")
+        if attention_mask is not None:
+            raise ValueError("attention masks over sharded streams are not supported (text-to-video needs none)")
+        kv_states = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
+        value = attn.to_v(kv_states)
+        if all_perturbed is None:
+            all_perturbed = bool(torch.all(perturbation_mask == 0)) if perturbation_mask is not None else False
+        if all_perturbed:
+            # Spatio-temporal guidance skips the attention: each token keeps its own value (no communication;
+            # the flag is the same on every rank, so every rank skips the same exchanges).
+            out = value
+        else:
+            query = attn.norm_q(attn.to_q(hidden_states))
+            key = attn.norm_k(attn.to_k(kv_states))
+            if query_rotary_emb is not None:
+                query = _rope(attn, query, query_rotary_emb)
+                key = _rope(attn, key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
+            # B, S_LOCAL, H*D -> B, S_LOCAL, H, D
+            q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
+            kv_plan = None if self.kv_stream == self.q_stream else plans[self.kv_stream]
+            out = ulysses_attention(q, k, v, plan=plans[self.q_stream], kv_plan=kv_plan,
+                                    group=self.ctx.state.cp_group,
+                                    workspace=self.ctx.workspace((self.q_stream, self.kv_stream)))
+            out = out.flatten(2, 3).to(query.dtype)
+            if perturbation_mask is not None:
+                out = torch.lerp(value, out, perturbation_mask)
+        if gate_logits is not None:
+            # B, S_LOCAL, H*D -> B, S_LOCAL, H, D: per-head gates of this rank's query tokens
+            gates = 2.0 * torch.sigmoid(gate_logits)
+            out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def parallelize_ltx2_transformer(transformer: torch.nn.Module, ctx: _ShardContext) -> None:
+    """Apply sequence parallelism to a diffusers ``LTX2VideoTransformer3DModel`` in place."""
+    for block in transformer.transformer_blocks:
+        for name, (q_stream, kv_stream) in _SHARDED_ATTENTIONS.items():
+            getattr(block, name).set_processor(_UlyssesAVProcessor(ctx, q_stream, kv_stream))
+
+
+@dataclass(frozen=True)
+class LTX2Settings:
+    """LTX2Pipeline's guidance settings for one request (its defaults where the request leaves them unset)."""
+
+    guidance_scale: float
+    audio_guidance_scale: float
+    stg_scale: float
+    audio_stg_scale: float
+    modality_scale: float
+    audio_modality_scale: float
+    guidance_rescale: float
+    audio_guidance_rescale: float
+    stg_blocks: tuple[int, ...]
+
+    @classmethod
+    def from_request(cls, request: GenerationRequest) -> LTX2Settings:
+        def pick(value, default):
+            return default if value is None else float(value)
+
+        guidance = float(request.guidance_scale)
+        stg = pick(request.stg_scale, 1.0)
+        modality = pick(request.modality_scale, 3.0)
+        rescale = pick(request.guidance_rescale, 0.7)
+        # NOTE(pipeline-defaults): LTX2Pipeline treats an audio setting of 0 as "unset" (`audio_x or x`); kept so
+        # that equal settings mean equal videos.
+        return cls(
+            guidance_scale=guidance,
+            audio_guidance_scale=pick(request.audio_guidance_scale, 7.0) or guidance,
+            stg_scale=stg,
+            audio_stg_scale=pick(request.audio_stg_scale, 1.0) or stg,
+            modality_scale=modality,
+            audio_modality_scale=pick(request.audio_modality_scale, 3.0) or modality,
+            guidance_rescale=rescale,
+            audio_guidance_rescale=pick(request.audio_guidance_rescale, 0.7) or rescale,
+            stg_blocks=tuple(request.stg_blocks) if request.stg_blocks is not None else (28,),
+        )
+
+    @property
+    def cfg(self) -> bool:
+        return self.guidance_scale > 1.0 or self.audio_guidance_scale > 1.0
+
+    @property
+    def stg(self) -> bool:
+        return self.stg_scale > 0.0 or self.audio_stg_scale > 0.0
+
+    @property
+    def modality(self) -> bool:
+        return self.modality_scale > 1.0 or self.audio_modality_scale > 1.0
+
+
+def _sharded_std(x_local: torch.Tensor, valid: int, *, state: ParallelState) -> torch.Tensor:
+    """``x.std(dim=(1, 2), keepdim=True)`` of the whole sequence, from this rank's ``[B, S_LOCAL, C]`` shard."""
+    x = x_local[:, :valid].double()
+    # B, S_LOCAL, C -> B, 3 (count, sum, sum of squares), summed over the group
+    # A rank may hold no real token of a short stream (9 audio tokens over 4 ranks): it adds zeros, but joins.
+    count = x.new_full((x.shape[0],), float(x.shape[1] * x.shape[2]))
+    stats = torch.stack([count, x.sum(dim=(1, 2)), x.square().sum(dim=(1, 2))], dim=1)
+    stats = all_reduce_sum(stats, group=state.cp_group)
+    n, total, squares = stats.unbind(1)
+    var = (squares - total * total / n) / (n - 1)
+    return var.clamp_min(0).sqrt().to(x_local.dtype)[:, None, None]
+
+
+def fit_duration(waveform: np.ndarray, seconds: float, sample_rate: int) -> np.ndarray:
+    """``[C, S]`` cut or padded with silence at the end to exactly ``seconds`` (the video's duration).
+
+    The vocoder's output is a little shorter than the video (the causal audio VAE decodes ``4k + 1`` mel frames
+    from ``k + 1`` latent frames, e.g. 0.33 s for 9 frames at 24 fps); the soundtrack of an MP4 must end with
+    its video, so the tail is padded with silence, never stretched (stretching would shift every sound).
+    """
+    samples = round(seconds * sample_rate)
+    if waveform.shape[1] >= samples:
+        return np.ascontiguousarray(waveform[:, :samples])
+    return np.pad(waveform, ((0, 0), (0, samples - waveform.shape[1])))
+
+
+class LTX2Model:
+    """An LTX-2 pipeline's components, parallelised, behind the sampler's ``DenoiseModel`` interface."""
+
+    family = "ltx2"
+
+    def __init__(self, components, *, state: ParallelState):
+        self.state = state
+        self.components = components
+        # NOTE(pipeline): the pipeline object is used only for diffusers' own prompt encoding, noise, packing
+        # and post-processing, so that a 1-rank run is the reference implementation step for step.
+        self.pipe = LTX2Pipeline(
+            scheduler=components.scheduler, vae=components.vae, audio_vae=components.audio_vae,
+            text_encoder=components.text_encoder, tokenizer=components.tokenizer,
+            connectors=components.connectors, transformer=components.transformer, vocoder=components.vocoder,
+        )
+        if components.scheduler.config.get("stochastic_sampling", False):
+            raise ValueError("stochastic_sampling schedulers draw per-step noise that would differ per shard; "
+                             "set stochastic_sampling=false in scheduler/scheduler_config.json")
+        cfg = components.transformer.config
+        self.geometry = VideoGeometry(
+            temporal_compression=self.pipe.vae_temporal_compression_ratio,
+            spatial_compression=self.pipe.vae_spatial_compression_ratio,
+            patch_size=cfg.patch_size, patch_size_t=cfg.patch_size_t,
+            min_latent_side=min_latent_side(components.vae.config),
+        )
+        self._ctx = _ShardContext(state=state)
+        parallelize_ltx2_transformer(components.transformer, self._ctx)
+
+    @property
+    def transformer(self):
+        return self.components.transformer
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def sample_rate(self) -> int:
+        vocoder = self.components.vocoder
+        return int(getattr(vocoder.config, "output_sampling_rate", None) or self.pipe.audio_sampling_rate)
+
+    def sharded(self, plans: dict[str, ShardPlan]) -> contextlib.AbstractContextManager[None]:
+        """The transformer's forward passes inside this block run on the shards of ``plans``."""
+        return _scoped(self._ctx, "plans", plans)
+
+    def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared:
+        pipe, device = self.pipe, self.device
+        settings = LTX2Settings.from_request(request)
+        layers = len(self.transformer.transformer_blocks)
+        if settings.stg and any(b >= layers for b in settings.stg_blocks):
+            raise ValueError(f"stg_blocks={list(settings.stg_blocks)} names blocks this model lacks; it has {layers} "
+                             f"(0..{layers - 1}); pass stg_blocks within that range, or stg_scale=0")
+        embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
+            prompt=request.prompt, negative_prompt=request.negative_prompt,
+            do_classifier_free_guidance=settings.cfg, max_sequence_length=request.max_sequence_length,
+            device=device,
+        )
+        if settings.cfg:
+            embeds, mask = torch.cat([neg_embeds, embeds]), torch.cat([neg_mask, mask])
+        padding_side = getattr(pipe.tokenizer, "padding_side", "left")
+        video_ctx, audio_ctx, ctx_mask = pipe.connectors(embeds, mask, padding_side=padding_side)
+        # NOTE(noise): drawn on the CPU from the request's seed, video then audio as LTX2Pipeline draws them, so
+        # that every rank, and every device type, starts from the same latents.
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        cpu = torch.device("cpu")
+        video = pipe.prepare_latents(1, self.transformer.config.in_channels, request.height, request.width,
+                                     request.num_frames, 0.0, torch.float32, cpu, generator)
+        audio_frames = self.audio_latent_frames(request)
+        mel_bins = pipe.audio_vae.config.mel_bins
+        audio = pipe.prepare_audio_latents(1, num_channels_latents=pipe.audio_vae.config.latent_channels,
+                                           audio_latent_length=audio_frames, num_mel_bins=mel_bins,
+                                           noise_scale=0.0, dtype=torch.float32, device=cpu, generator=generator)
+        sigmas = np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps)
+        cfg = pipe.scheduler.config
+        mu = calculate_shift(video.shape[1], cfg.get("base_image_seq_len", 1024), cfg.get("max_image_seq_len", 4096),
+                             cfg.get("base_shift", 0.95), cfg.get("max_shift", 2.05))
+        # Per-request copies: the schedulers are stateful (step index), one per stream as in LTX2Pipeline.
+        schedulers = {name: copy.deepcopy(pipe.scheduler) for name in ("audio", "video")}
+        for name in ("audio", "video"):
+            timesteps, _ = retrieve_timesteps(schedulers[name], request.num_inference_steps, device, sigmas=sigmas,
+                                              mu=mu)
+            schedulers[name].set_begin_index(0)
+        fps = float(request.fps)
+        batch = 2 if settings.cfg else 1
+        video_coords = self.transformer.rope.prepare_video_coords(1, shape.frames, shape.height, shape.width, cpu,
+                                                                  fps=fps)
+        audio_coords = self.transformer.audio_rope.prepare_audio_coords(1, audio_frames, cpu)
+        return Prepared(latents={"video": video.to(device), "audio": audio.to(device)}, timesteps=list(timesteps),
+                        extras=dict(
+            settings=settings, schedulers=schedulers, video_ctx=video_ctx, audio_ctx=audio_ctx, ctx_mask=ctx_mask,
+            coords={"video": video_coords.to(device), "audio": audio_coords.to(device)}, batch=batch,
+            generator=generator, shape=shape, audio_frames=audio_frames, request=request, fps=fps, step=0,
+        ))
+
+    def audio_latent_frames(self, request: GenerationRequest) -> int:
+        """Audio latent frames for the video's duration (LTX2Pipeline's rule)."""
+        pipe = self.pipe
+        per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
+        return round(request.num_frames / float(request.fps) * per_second)
+
+    def _forward(self, latents: dict[str, torch.Tensor], t: torch.Tensor, x: dict, plans: dict[str, ShardPlan], *,
+                 cond_only: bool, isolate: bool = False, stg_blocks: tuple[int, ...] | None = None,
+                 ) -> dict[str, torch.Tensor]:
+        """One transformer pass over this rank's shards; ``cond_only`` drops the unconditional half of CFG."""
+        rank = self.state.cp_rank
+        video_ctx, audio_ctx, ctx_mask = x["video_ctx"], x["audio_ctx"], x["ctx_mask"]
+        batch = x["batch"]
+        if cond_only and batch == 2:
+            video_ctx, audio_ctx, ctx_mask = video_ctx[1:], audio_ctx[1:], ctx_mask[1:]
+            batch = 1
+        dtype = video_ctx.dtype
+        # B, N_DIMS, S, 2 -> B, N_DIMS, S_LOCAL, 2 (same plan as the stream's latents: token i keeps its position)
+        coords = {name: plans[name].shard(c, rank, dim=2).expand(batch, -1, -1, -1)
+                  for name, c in x["coords"].items()}
+        inputs = {name: torch.cat([v] * batch).to(dtype) for name, v in latents.items()}
+        timestep = t.expand(batch)
+        shape: LatentShape = x["shape"]
+        with self.sharded(plans):
+            video, audio = self.transformer(
+                hidden_states=inputs["video"], audio_hidden_states=inputs["audio"],
+                encoder_hidden_states=video_ctx, audio_encoder_hidden_states=audio_ctx, timestep=timestep,
+                sigma=timestep, encoder_attention_mask=ctx_mask, audio_encoder_attention_mask=ctx_mask,
+                num_frames=shape.frames, height=shape.height, width=shape.width, fps=x["fps"],
+                audio_num_frames=x["audio_frames"], video_coords=coords["video"], audio_coords=coords["audio"],
+                isolate_modalities=isolate, spatio_temporal_guidance_blocks=list(stg_blocks) if stg_blocks else None,
+                perturbation_mask=None, use_cross_timestep=True, return_dict=False,
+            )
+        return {"video": video.float(), "audio": audio.float()}
+
+    def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
+                plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
+        x = prepared.extras
+        s: LTX2Settings = x["settings"]
+        i, schedulers = x["step"], x["schedulers"]
+        scales = {"video": (s.guidance_scale, s.stg_scale, s.modality_scale, s.guidance_rescale),
+                  "audio": (s.audio_guidance_scale, s.audio_stg_scale, s.audio_modality_scale,
+                            s.audio_guidance_rescale)}
+
+        def to_x0(name: str, velocity: torch.Tensor) -> torch.Tensor:
+            return self.pipe.convert_velocity_to_x0(latents_local[name], velocity, i, schedulers[name])
+
+        out = self._forward(latents_local, t, x, plans, cond_only=False)
+        guided: dict[str, torch.Tensor] = {}
+        cond: dict[str, torch.Tensor] = {}
+        for name, pred in out.items():
+            if s.cfg:
+                uncond, pred = pred.chunk(2)
+                cond[name] = to_x0(name, pred)
+                guided[name] = cond[name] + (scales[name][0] - 1) * (cond[name] - to_x0(name, uncond))
+            else:
+                cond[name] = guided[name] = to_x0(name, pred)
+        # The extra passes of LTX2Pipeline, on the conditional half only, each adding its own delta.
+        if s.stg:
+            perturbed = self._forward(latents_local, t, x, plans, cond_only=True, stg_blocks=s.stg_blocks)
+            for name, pred in perturbed.items():
+                guided[name] = guided[name] + scales[name][1] * (cond[name] - to_x0(name, pred))
+        if s.modality:
+            isolated = self._forward(latents_local, t, x, plans, cond_only=True, isolate=True)
+            for name, pred in isolated.items():
+                guided[name] = guided[name] + (scales[name][2] - 1) * (cond[name] - to_x0(name, pred))
+        result = {}
+        for name in out:
+            rescale = scales[name][3]
+            g = guided[name]
+            if rescale > 0:
+                g = self._rescale(g, cond[name], rescale, plans[name])
+            result[name] = self.pipe.convert_x0_to_velocity(latents_local[name], g, i, schedulers[name])
+        return result
+
+    def _rescale(self, guided: torch.Tensor, cond: torch.Tensor, rescale: float, plan: ShardPlan) -> torch.Tensor:
+        if plan.world == 1:
+            return rescale_noise_cfg(guided, cond, guidance_rescale=rescale)
+        valid = plan.valid_len(self.state.cp_rank)
+        std_cond = _sharded_std(cond, valid, state=self.state)
+        std_guided = _sharded_std(guided, valid, state=self.state)
+        return rescale * (guided * (std_cond / std_guided)) + (1 - rescale) * guided
+
+    def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
+             latents_local: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, torch.Tensor]:
+        x = prepared.extras
+        x["step"] += 1
+        return {name: x["schedulers"][name].step(noise_pred_local[name], t, latents_local[name],
+                                                 return_dict=False)[0]
+                for name in ("video", "audio")}
+
+    def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
+        """Video: unpack, (timestep-conditioned VAEs) noise, denormalise, decode this rank's range. Audio: the
+        audio VAE's mel spectrogram through the vocoder, on group rank 0."""
+        pipe, vae = self.pipe, self.components.vae
+        x = prepared.extras
+        shape: LatentShape = x["shape"]
+        request: GenerationRequest = x["request"]
+        video = pipe._unpack_latents(latents["video"], shape.frames, shape.height, shape.width,
+                                     pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
+        video = video.to(x["video_ctx"].dtype)
+        timestep = None
+        if vae.config.timestep_conditioning:
+            # Drawn on every rank from the same generator state, so every rank noises the same way.
+            noise = torch.randn(video.shape, generator=x["generator"], dtype=video.dtype).to(video.device)
+            scale = request.decode_timestep if request.decode_noise_scale is None else request.decode_noise_scale
+            timestep = torch.tensor([request.decode_timestep], device=video.device, dtype=video.dtype)
+            video = (1 - scale) * video + scale * noise
+        video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        video = video.to(vae.dtype)
+        # TODO(decode): time-parallel decode of the LTX-2 VAE; until then group rank 0 decodes the whole video.
+        split = TemporalSplit(latent_frames=video.shape[2], world=1,
+                              temporal_compression=self.geometry.temporal_compression)
+
+        def decode_range(a: int, b: int) -> np.ndarray:
+            frames = vae.decode(video[:, :, a:b], timestep, return_dict=False)[0]
+            frames = pipe.video_processor.postprocess_video(frames, output_type="np")[0]
+            return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+
+        def audio() -> tuple[np.ndarray, int]:
+            audio_vae = pipe.audio_vae
+            mel_bins = audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
+            packed = pipe._denormalize_audio_latents(latents["audio"], audio_vae.latents_mean, audio_vae.latents_std)
+            unpacked = pipe._unpack_audio_latents(packed, x["audio_frames"], num_mel_bins=mel_bins)
+            mel = audio_vae.decode(unpacked.to(audio_vae.dtype), return_dict=False)[0]
+            waveform = self.components.vocoder(mel)[0].float().cpu().numpy()
+            return fit_duration(waveform, request.num_frames / request.fps, self.sample_rate), self.sample_rate
+
+        return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
+                       audio=audio)

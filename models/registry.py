@@ -1,0 +1,90 @@
+"""One entry point from a model folder to a parallelised model, for every supported family.
+
+- :func:`describe_model` reads configs only (no weights; the VAE is built on the meta device to ask diffusers
+  its compression), so a front end can check requests before any rank loads anything.
+- :func:`open_model` loads the folder's components and wraps them in the family's adapter.
+The family comes from the folder itself (``detect_family``): the embedded defaults and any local diffusers
+folder go through the same path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cp_infer import ParallelState, VideoGeometry
+
+from .loading import ModelLoadError, detect_family, parse_dtype, resolve_model
+
+__all__ = ["ModelInfo", "describe_model", "min_latent_side", "open_model"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the front end needs to know about a model folder before loading it."""
+
+    path: Path
+    family: str
+    """``ltx-video`` or ``ltx2`` (see ``cp_infer.request.FAMILY_OPTIONS``)."""
+    geometry: VideoGeometry
+
+    @property
+    def has_audio(self) -> bool:
+        return self.family == "ltx2"
+
+
+def _classes(family: str):
+    if family == "ltx-video":
+        from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
+
+        return LTXVideoTransformer3DModel, AutoencoderKLLTXVideo
+    from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+
+    return LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video
+
+
+def min_latent_side(vae_config) -> int:
+    """2 for decoders whose convs pad spatially by reflection (LTX-2's), which needs two latent pixels; else 1."""
+    return 2 if vae_config.get("decoder_spatial_padding_mode") == "reflect" else 1
+
+
+def describe_model(model: str | os.PathLike | None) -> ModelInfo:
+    """Family and video geometry of ``model`` (a folder, or an embedded default's name, or None)."""
+    path = resolve_model(model)
+    family = detect_family(path)
+    transformer_cls, vae_cls = _classes(family)
+    try:
+        transformer = transformer_cls.load_config(path, subfolder="transformer", local_files_only=True)
+        vae_config = vae_cls.load_config(path, subfolder="vae", local_files_only=True)
+        # The compression ratios are diffusers' own arithmetic on the config: build the VAE on the meta
+        # device (no memory, no weights) and ask it.
+        with torch.device("meta"):
+            vae = vae_cls.from_config(vae_config)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ModelLoadError(f"could not read the transformer/ and vae/ configs of {str(path)!r}: {exc}; "
+                             "re-download the model") from exc
+    geometry = VideoGeometry(
+        temporal_compression=vae.temporal_compression_ratio, spatial_compression=vae.spatial_compression_ratio,
+        patch_size=transformer.get("patch_size", 1), patch_size_t=transformer.get("patch_size_t", 1),
+        min_latent_side=min_latent_side(vae_config),
+    )
+    return ModelInfo(path=path, family=family, geometry=geometry)
+
+
+def open_model(model: str | os.PathLike | None, *, dtype: str | torch.dtype, state: ParallelState):
+    """Load ``model`` on ``state.device`` and return its parallel adapter (``LTXVideoModel`` or ``LTX2Model``)."""
+    path = resolve_model(model)
+    family = detect_family(path)
+    dtype = parse_dtype(dtype)
+    if family == "ltx-video":
+        from .loading import load_ltx_video
+        from .ltx_video import LTXVideoModel
+
+        return LTXVideoModel(load_ltx_video(path, dtype=dtype, device=state.device), state=state)
+    from .loading import load_ltx2
+    from .ltx2 import LTX2Model
+
+    return LTX2Model(load_ltx2(path, dtype=dtype, device=state.device), state=state)
