@@ -90,14 +90,22 @@ class Job:
             "error": error, "negative_prompt": r.negative_prompt, "num_frames": r.num_frames, "width": r.width,
             "height": r.height, "fps": r.fps, "num_inference_steps": r.num_inference_steps,
             "guidance_scale": r.guidance_scale, "seed": r.seed,
-            **{name: getattr(r, name) for name in FAMILY_OPTIONS["ltx2"]},
+            **{name: getattr(r, name) for name in sorted(FAMILY_OPTIONS["ltx2"] - {"stg_blocks"})},
+            "stg_blocks": None if r.stg_blocks is None else list(r.stg_blocks),
         }
+
+
+def _request_from_json(text: str) -> GenerationRequest:
+    fields = json.loads(text)
+    if fields.get("stg_blocks") is not None:
+        fields["stg_blocks"] = tuple(fields["stg_blocks"])  # JSON has only lists; the request holds a tuple
+    return GenerationRequest(**fields)
 
 
 def _row_to_job(row: sqlite3.Row) -> Job:
     return Job(
         seq=row["seq"], id=row["id"], status=row["status"], progress=row["progress"], created_at=row["created_at"],
-        completed_at=row["completed_at"], model=row["model"], request=GenerationRequest(**json.loads(row["request"])),
+        completed_at=row["completed_at"], model=row["model"], request=_request_from_json(row["request"]),
         error_code=row["error_code"], error_message=row["error_message"], deleting=bool(row["deleting"]),
     )
 

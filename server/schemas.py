@@ -38,7 +38,8 @@ __all__ = [
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
-# Text tokens the T5 encoder sees; fixed server-side (LTX-Video's training length).
+# Text tokens the text encoder sees; fixed server-side: LTX-Video's T5 training length, and a multiple of 128 as
+# LTX-2's text connectors need.
 _TEXT_TOKENS = 128
 _LTX2_FIELDS = tuple(sorted(FAMILY_OPTIONS["ltx2"]))
 
@@ -155,21 +156,23 @@ def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | N
     """What a field accepts, for error messages."""
     t = geometry.temporal_compression if geometry else 8
     step = geometry.spatial_step if geometry else 32
+    smallest = step * (geometry.min_latent_side if geometry else 1)
     hints = {
         "prompt": f"a non-empty string of at most {limits.max_prompt_chars} characters",
         "negative_prompt": f"a string of at most {limits.max_prompt_chars} characters",
         "model": "a string naming the served model",
         "seconds": "a positive number of seconds, e.g. \"4\"",
-        "size": f"a string \"WxH\" with W and H multiples of {step} up to {limits.max_side}, e.g. \"384x256\"",
+        "size": f"a string \"WxH\" with W and H multiples of {step} in [{smallest}, {limits.max_side}], "
+                "e.g. \"384x256\"",
         "num_frames": f"an integer {t}k+1 in [1, {limits.max_frames}]",
-        "width": f"an integer multiple of {step} in [{step}, {limits.max_side}]",
-        "height": f"an integer multiple of {step} in [{step}, {limits.max_side}]",
+        "width": f"an integer multiple of {step} in [{smallest}, {limits.max_side}]",
+        "height": f"an integer multiple of {step} in [{smallest}, {limits.max_side}]",
         "num_inference_steps": f"an integer in [2, {limits.max_steps}]",
         "guidance_scale": f"a finite number in [0, {limits.max_guidance}]",
         "seed": f"an integer in [0, {2**63 - 1}]",
         "fps": f"an integer in [1, {limits.max_fps}]",
         "stream": "true or false",
-        "stg_blocks": "a list of transformer block indices, e.g. [28] (LTX-2 models only)",
+        "stg_blocks": "a list of transformer block indices, e.g. [28] (a form: \"20,28\"; LTX-2 models only)",
         "guidance_rescale": "a number in [0, 1] (LTX-2 models only)",
         "audio_guidance_rescale": "a number in [0, 1] (LTX-2 models only)",
     }
@@ -208,11 +211,21 @@ def params_from_json(data: Any, *, limits: GenerationLimits, geometry: VideoGeom
 
 def params_from_form(data: dict[str, str], *, limits: GenerationLimits,
                      geometry: VideoGeometry | None) -> VideoCreateParams:
-    """Multipart form fields (all strings) -> params, converting each string to its field's type."""
+    """Form fields (all strings) -> params, converting each string to its field's type; the one list,
+    ``stg_blocks``, is written as on the command line: ``"20,28"``."""
+    blocks = data.get("stg_blocks")
     try:
-        return VideoCreateParams.model_validate_strings(data, strict=False)
+        params = VideoCreateParams.model_validate_strings(
+            {k: v for k, v in data.items() if k != "stg_blocks"}, strict=False)
     except ValidationError as exc:
         raise _from_validation_error(exc, limits, geometry) from None
+    if blocks is None:
+        return params
+    # NOTE(forms): pydantic's string validation has no list syntax, so the list is parsed here.
+    if not re.fullmatch(r"\s*\d{1,6}\s*(,\s*\d{1,6}\s*)*", blocks):
+        raise ApiError(400, "invalid_value", f"stg_blocks={blocks[:80]!r} is invalid; expected "
+                       f"{_field_hint('stg_blocks', limits, geometry)}", "stg_blocks")
+    return params.model_copy(update={"stg_blocks": [int(b) for b in blocks.split(",")]})
 
 
 def _parse_seconds(value: str | int | float) -> float:
@@ -271,6 +284,9 @@ def build_request(params: VideoCreateParams, *, geometry: VideoGeometry, limits:
             raise ApiError(400, "invalid_value", f"size={params.size!r} is not \"WxH\"; "
                            f"expected {_field_hint('size', limits, geometry)}", "size")
         width, height = int(match.group(1)), int(match.group(2))
+    ltx2 = {name: getattr(params, name) for name in _LTX2_FIELDS}
+    if ltx2["stg_blocks"] is not None:
+        ltx2["stg_blocks"] = tuple(ltx2["stg_blocks"])  # the request's own (immutable) type
     request = GenerationRequest(
         prompt=params.prompt,
         negative_prompt=defaults.negative_prompt if params.negative_prompt is None else params.negative_prompt,
@@ -280,7 +296,7 @@ def build_request(params: VideoCreateParams, *, geometry: VideoGeometry, limits:
         guidance_scale=defaults.guidance_scale if params.guidance_scale is None else params.guidance_scale,
         seed=seed if params.seed is None else params.seed,
         fps=fps, max_sequence_length=_TEXT_TOKENS,
-        **{name: getattr(params, name) for name in _LTX2_FIELDS},
+        **ltx2,
     )
     try:
         check_request(request, geometry=geometry, limits=limits, family=family)

@@ -38,7 +38,7 @@ _LIMIT_HELP = {"max_frames": "longest video in frames", "max_side": "largest wid
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``serve`` subcommand's options (the CLI calls this on its ``serve`` subparser)."""
     from cp_infer.request import GenerationLimits
-    from server.cli import add_runtime_arguments
+    from server.cli_common import add_runtime_arguments
 
     add_runtime_arguments(parser)
     group = parser.add_argument_group("server")

@@ -21,7 +21,9 @@ from cp_infer.request import GenerationLimits
 from cp_infer.sampler import JobFailed
 from cp_infer.video_io import read_frames_dir, read_mp4, write_mp4
 from models.default import ensure_default_model
-from server import cli
+from models.registry import ModelInfo
+from server import batch, cli
+from server.cli_common import Generated
 from server.launch import leader_exit_code, strip_nproc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -143,6 +145,17 @@ def test_generate_bad_frames_exits_2_before_starting(nothing_starts, tmp_path, c
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags", [["--stg", "1"], ["--stg-blocks", "0,1"], ["--audio-guidance", "5"]],
+                         ids=["stg", "stg-blocks", "audio-guidance"])
+def test_generate_ltx2_option_on_ltx_video_exits_2_before_starting(nothing_starts, tmp_path, capsys, flags):
+    out = tmp_path / "x.mp4"
+    code = cli.main(["generate", "--prompt", "a fox", *flags, "--nproc", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists()
+    assert f"error: {flags[0]}: " in err and "applies to ltx2 models only" in err and "Traceback" not in err, err
+
+
+@pytest.mark.timeout(120)
 def test_generate_bad_model_fails_clearly(nothing_starts, tmp_path, capsys):
     code = cli.main(["generate", "--prompt", "a fox", "--model", "/nonexistent/model", "--nproc", "2",
                      "--out", str(tmp_path / "m.mp4")])
@@ -194,7 +207,8 @@ def test_batch_failed_job_is_reported_and_the_rest_continue(tmp_path):
     (out_dir / "00003").write_text("a file where line 3's frames folder must go")
     args = cli.build_parser(["batch"]).parse_args(["batch", str(prompts), "--out-dir", str(out_dir),
                                                    "--ext", "frames"])
-    items = cli._plan_batch(args, VideoGeometry(), GenerationLimits())
+    info = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry())
+    items = batch._plan_batch(args, info, GenerationLimits())
     rng = np.random.default_rng()
 
     class FakeLeader:
@@ -203,13 +217,14 @@ def test_batch_failed_job_is_reported_and_the_rest_continue(tmp_path):
         def generate(self, request, job_id):
             if request.prompt == "two":
                 raise JobFailed("rank 1: RuntimeError: out of memory")
-            return rng.integers(0, 256, size=(request.num_frames, request.height, request.width, 3), dtype=np.uint8)
+            return Generated(rng.integers(0, 256, size=(request.num_frames, request.height, request.width, 3),
+                                          dtype=np.uint8))
 
         def stop(self):
             self.stops += 1
 
     leader = FakeLeader()
-    assert cli._lead_batch(leader, items, args) == 1
+    assert batch._lead_batch(leader, items, args) == 1
     assert [(i.name, i.status) for i in items] == [("00001", "ok"), ("00002", "failed"), ("00003", "failed"),
                                                    ("00004", "ok")]
     assert "out of memory" in items[1].message and "could not write" in items[2].message
@@ -217,6 +232,29 @@ def test_batch_failed_job_is_reported_and_the_rest_continue(tmp_path):
     assert sorted(p.name for p in out_dir.iterdir()) == ["00001", "00003", "00004"]
     assert (out_dir / "00003").is_file()
     assert read_frames_dir(out_dir / "00004")[0].shape == (9, 32, 32, 3)
+
+
+def test_batch_lines_with_ltx2_options(tmp_path):
+    """LTX-2's options in a prompts file: checked against the model's family (and its geometry) line by line."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(line) for line in (
+        {"prompt": "rain", "frames": 9, "height": 64, "width": 96, "stg_scale": 1.5, "stg_blocks": [0, 1]},
+        {"prompt": "wind", "frames": 9, "height": 32, "width": 96},
+        {"prompt": "surf", "frames": 9, "height": 64, "width": 64, "guidance_rescale": 2},
+    )) + "\n")
+    args = cli.build_parser(["batch"]).parse_args(["batch", str(prompts), "--out-dir", str(tmp_path / "o"),
+                                                   "--audio-guidance", "5"])
+    ltx2 = ModelInfo(path=tmp_path, family="ltx2", geometry=VideoGeometry(min_latent_side=2))
+    items = batch._plan_batch(args, ltx2, GenerationLimits())
+    assert [i.status for i in items] == ["todo", "invalid", "invalid"], items
+    assert items[0].request.stg_blocks == (0, 1) and items[0].request.stg_scale == 1.5
+    assert items[0].request.audio_guidance_scale == 5  # the command's default
+    assert "height=32 is not a multiple of 32 of at least 64" in items[1].message
+    assert "guidance_rescale=2 is out of range" in items[2].message
+    ltx_video = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry())
+    items = batch._plan_batch(args, ltx_video, GenerationLimits())
+    assert [i.status for i in items] == ["invalid"] * 3
+    assert all("audio_guidance_scale applies to ltx2 models only" in i.message for i in items), items
 
 
 def test_strip_nproc():

@@ -64,6 +64,13 @@ BODIES = [
     ("not-utf8", b'{"prompt": "\xff\xfe"}', 400, "invalid_json", None, "not valid JSON"),
     ("deep-nesting", b"[" * 7000 + b"]" * 7000, 400, "invalid_json", None, "not valid JSON"),
     ("huge-body", json.dumps(tiny("y" * BIG)).encode(), 413, "request_too_large", None, "16384"),
+    # LTX-2's options on this LTX-Video model: refused, never silently ignored.
+    ("stg-on-ltx-video", tiny(stg_scale=1.0), 400, "invalid_value", "stg_scale", "applies to ltx2 models only"),
+    ("audio-guidance-on-ltx-video", tiny(audio_guidance_scale=5.0), 400, "invalid_value", "audio_guidance_scale",
+     "applies to ltx2 models only"),
+    ("stg-blocks-on-ltx-video", tiny(stg_blocks=[0]), 400, "invalid_value", "stg_blocks",
+     "applies to ltx2 models only"),
+    ("stg-blocks-not-a-list", tiny(stg_blocks=0), 400, "invalid_type", "stg_blocks", "list of transformer block"),
 ]
 
 
@@ -110,6 +117,8 @@ def test_huge_body_without_content_length_is_cut_off(api_server, baseline):
     ("application/x-www-form-urlencoded", b"prompt=a+cat&colour=red", 400, "unknown_parameter", "colour"),
     ("application/x-www-form-urlencoded", b"prompt=a+cat&guidance_scale=nan", 400, "invalid_value",
      "guidance_scale"),
+    ("application/x-www-form-urlencoded", b"prompt=a+cat&stg_blocks=20%2C28", 400, "invalid_value", "stg_blocks"),
+    ("application/x-www-form-urlencoded", b"prompt=a+cat&stg_blocks=%5B28%5D", 400, "invalid_value", "stg_blocks"),
 ])
 def test_bad_forms_and_media_types(api_server, baseline, ctype, body, status, code, param):
     r = api_server.client.post("/v1/videos", content=body, headers={"Content-Type": ctype})

@@ -1,0 +1,231 @@
+"""``cp-infer batch``: generate every prompt of a JSONL file with the model loaded once.
+
+Invariants:
+- Only rank 0 (the leader) reads the prompts file. Every line is checked (JSON, keys, name, the request against the
+  model's limits, family and geometry) before the group forms; a bad line is reported ``invalid`` and the rest run.
+- Outputs appear under their final name only once complete (``write_output`` renames them into place), so an
+  existing output means a finished one: a rerun skips it, and resumes where the last run stopped. Outside torchrun
+  nothing is started when nothing is left to do.
+- A job that fails (``JobFailed``: every rank left it at the same step) or whose output cannot be written is
+  reported ``failed`` and the batch goes on; any other exception from the group aborts it, after the summary.
+- Exit code: 0 when every line is ``ok`` or ``skipped``, else 1; 2 for a bad argument or an unreadable file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cp_infer.request import GenerationRequest, check_request
+from server.cli_common import (
+    LTX2_FIELDS,
+    REQUEST_FLAGS,
+    Leader,
+    UsageError,
+    WriteError,
+    add_request_arguments,
+    add_runtime_arguments,
+    check_device,
+    model_info,
+    quiet_libraries,
+    result_writer,
+    run_group,
+    runtime_config_from_args,
+)
+from server.launch import group_size, in_torchrun, relaunch_under_torchrun
+
+__all__ = ["add_batch_parser", "run_batch"]
+
+log = logging.getLogger("cp_infer.cli")
+
+# Batch line key -> request field (aliases: the CLI flag spelling and the request field spelling).
+_BATCH_KEYS = {"prompt": "prompt", "negative_prompt": "negative_prompt", "frames": "num_frames",
+               "num_frames": "num_frames", "height": "height", "width": "width", "steps": "num_inference_steps",
+               "num_inference_steps": "num_inference_steps", "guidance": "guidance_scale",
+               "guidance_scale": "guidance_scale", "seed": "seed", "fps": "fps",
+               **{f: f for f in LTX2_FIELDS}}
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def add_batch_parser(commands) -> argparse.ArgumentParser:
+    """The ``batch`` subcommand on the CLI's subparsers."""
+    batch = commands.add_parser(
+        "batch", help="generate every prompt of a JSONL file",
+        description="One JSON object per line: 'prompt' (required), optional 'name' (the output's stem, default "
+                    "the line number) and any generation option by name (negative_prompt, frames|num_frames, "
+                    "height, width, steps|num_inference_steps, guidance|guidance_scale, seed, fps; for LTX-2 "
+                    f"models also {', '.join(LTX2_FIELDS)}). The model is loaded once; outputs that already "
+                    "exist are skipped, so a rerun resumes.")
+    batch.add_argument("prompts", type=Path, metavar="PROMPTS.jsonl", help="one JSON object per line")
+    batch.add_argument("--out-dir", type=Path, required=True, metavar="DIR", help="where outputs go (created)")
+    batch.add_argument("--ext", choices=("mp4", "frames"), default="mp4",
+                       help="NAME.mp4, or a NAME/ folder of PNG frames (and audio.wav for LTX-2) (default mp4)")
+    add_request_arguments(batch, batch=True)
+    add_runtime_arguments(batch)
+    return batch
+
+
+@dataclass
+class _Item:
+    line: int
+    name: str
+    status: str
+    """``todo`` until run, then ``ok`` or ``failed``; or ``skipped`` / ``invalid`` from the start."""
+    request: GenerationRequest | None = None
+    message: str = ""
+    seconds: float | None = None
+
+
+class _LineError(ValueError):
+    def __init__(self, message: str, name: str = ""):
+        super().__init__(message)
+        self.name = name
+
+
+def _batch_output(out_dir: Path, name: str, ext: str) -> Path:
+    return out_dir / (f"{name}.mp4" if ext == "mp4" else name)
+
+
+def _output_done(path: Path, ext: str) -> bool:
+    from cp_infer.video_io import VIDEO_JSON
+
+    # Outputs are renamed into place complete (a frames folder: video.json last), so existing == done.
+    return path.is_file() if ext == "mp4" else (path / VIDEO_JSON).is_file()
+
+
+def _parse_line(text: str, line: int, defaults: dict[str, Any]) -> tuple[str, GenerationRequest]:
+    """One JSONL line -> (output name, request); ``_LineError`` (carrying ``name`` once known) if it is bad."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _LineError(f"invalid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise _LineError(f"expected a JSON object, got {type(obj).__name__}")
+    name = obj.get("name", f"{line:05d}")
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise _LineError(f"name={name!r} must be 1-128 of A-Z a-z 0-9 . _ - (not starting with . _ -)")
+    unknown = sorted(set(obj) - set(_BATCH_KEYS) - {"name"})
+    if unknown:
+        raise _LineError(f"unknown key(s) {', '.join(map(repr, unknown))}; known: name, {', '.join(_BATCH_KEYS)}",
+                         name)
+    if "prompt" not in obj:
+        raise _LineError("missing 'prompt'", name)
+    values = dict(defaults)
+    seen: dict[str, str] = {}
+    for key, value in obj.items():
+        if key == "name":
+            continue
+        field = _BATCH_KEYS[key]
+        if field in seen:
+            raise _LineError(f"both {seen[field]!r} and {key!r} set {field}; keep one", name)
+        seen[field] = key
+        values[field] = value
+    if isinstance(values.get("stg_blocks"), list):
+        values["stg_blocks"] = tuple(values["stg_blocks"])  # the request's own type (JSON has only lists)
+    return name, GenerationRequest(**values)
+
+
+def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
+    """Every non-blank line of the prompts file, checked against the model ``info`` (``models.registry.ModelInfo``):
+    ``todo``, ``skipped`` (output exists) or ``invalid``."""
+    try:
+        text = args.prompts.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read the prompts file {str(args.prompts)!r}: {exc}") from exc
+    defaults = {f: getattr(args, f) for f in REQUEST_FLAGS if f != "prompt" and getattr(args, f) is not None}
+    items: list[_Item] = []
+    names: dict[str, int] = {}
+    for line, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            name, request = _parse_line(raw, line, defaults)
+            if name in names:
+                raise _LineError(f"name {name!r} is already used on line {names[name]}", name)
+            names[name] = line
+            try:
+                check_request(request, geometry=info.geometry, limits=limits, family=info.family)
+            except (ValueError, TypeError) as exc:
+                raise _LineError(str(exc), name) from exc
+        except _LineError as exc:
+            items.append(_Item(line, exc.name, "invalid", message=str(exc)))
+            continue
+        if _output_done(_batch_output(args.out_dir, name, args.ext), args.ext):
+            items.append(_Item(line, name, "skipped", message="output exists"))
+        else:
+            items.append(_Item(line, name, "todo", request=request))
+    return items
+
+
+def _summary(items: list[_Item]) -> int:
+    rows = [("line", "name", "status", "seconds", "message")]
+    rows += [(str(i.line), i.name or "-", i.status, "" if i.seconds is None else f"{i.seconds:.1f}", i.message)
+             for i in items]
+    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4])
+    counts = {s: sum(i.status == s for i in items) for s in ("ok", "skipped", "invalid", "failed")}
+    print(", ".join(f"{n} {s}" for s, n in counts.items()), flush=True)
+    return 0 if all(i.status in ("ok", "skipped") for i in items) else 1
+
+
+def _lead_batch(leader: Leader, items: list[_Item], args: argparse.Namespace) -> int:
+    from cp_infer.sampler import JobFailed
+
+    write_output = result_writer()
+    for item in items:
+        if item.status == "invalid":
+            log.warning("line %d: invalid: %s", item.line, item.message)
+    try:
+        for item in items:
+            if item.status != "todo":
+                continue
+            started = time.perf_counter()
+            path = _batch_output(args.out_dir, item.name, args.ext)
+            # NOTE(group): JobFailed ends the job on every rank at the same step, and a write error happens
+            # after the group is done with the job: either way the workers are back waiting for a command.
+            # Any other exception from the group leaves it in an unknown state and aborts the batch.
+            try:
+                result = leader.generate(item.request, item.name)
+                write_output(result, f"{path}/" if args.ext == "frames" else path, item.request.fps)
+                item.status, item.message = "ok", str(path)
+            except (JobFailed, WriteError) as exc:
+                item.status = "failed"
+                item.message = str(exc) if isinstance(exc, WriteError) else f"generation failed: {exc}"
+                log.warning("line %d (%s): failed: %s", item.line, item.name, item.message)
+            item.seconds = time.perf_counter() - started
+    except BaseException:
+        for item in items:
+            if item.status == "todo":
+                item.status, item.message = "failed", "not run: the batch was aborted"
+        _summary(items)
+        raise
+    leader.stop()
+    return _summary(items)
+
+
+def run_batch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run ``cp-infer batch`` on this rank; returns the exit code (``UsageError`` for exit code 2)."""
+    config = runtime_config_from_args(args)
+    nproc = group_size(args.nproc)
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        raise UsageError(f"--out-dir {args.out_dir}: is a file, not a folder")
+    quiet_libraries()
+    check_device(config)
+    info = model_info(config)
+    items = _plan_batch(args, info, config.limits) if int(os.environ.get("RANK", "0")) == 0 else []
+    # Outside torchrun nothing is started when nothing is left to do. Under torchrun every rank must join
+    # the group whatever the leader found (the workers cannot know), so the leader then just sends stop.
+    if not in_torchrun() and not any(i.status == "todo" for i in items):
+        return _summary(items)
+    if nproc > 1 and not in_torchrun():
+        return relaunch_under_torchrun(nproc, argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    return run_group(config, lambda leader: _lead_batch(leader, items, args))

@@ -1,0 +1,292 @@
+"""What ``cp-infer generate`` and ``cp-infer batch`` share: their arguments, the checks that run before any process
+group forms, and the leader's side of a run (:class:`Leader`, :func:`run_group`).
+
+Invariants:
+- Request arguments map one to one onto :class:`GenerationRequest` fields (``REQUEST_FLAGS``); a request error
+  names the flag the user typed (:func:`field_error`).
+- The model is described from its config files alone (:func:`model_info`: family and geometry, no weights), so a
+  bad request is refused, with exit code 2, before any rank loads anything.
+- Every job the leader runs is broadcast to every rank before it runs, and every path that leaves the group in step
+  ends with ``stop`` (:meth:`Leader.stop`); ``run_group`` tears the group down on every rank.
+- Writing an output never raises anything but :class:`WriteError` (the job itself succeeded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from cp_infer.request import FAMILY_OPTIONS, GenerationRequest
+from server.launch import leader_exit_code
+
+__all__ = [
+    "LTX2_FIELDS",
+    "PROG",
+    "REQUEST_FLAGS",
+    "USAGE_ERROR",
+    "Generated",
+    "Leader",
+    "UsageError",
+    "WriteError",
+    "add_request_arguments",
+    "add_runtime_arguments",
+    "check_device",
+    "field_error",
+    "model_info",
+    "quiet_libraries",
+    "result_writer",
+    "run_group",
+    "runtime_config_from_args",
+]
+
+log = logging.getLogger("cp_infer.cli")
+
+PROG = "cp-infer"
+USAGE_ERROR = 2
+_DEFAULTS = {f.name: f.default for f in fields(GenerationRequest)}
+# Request field -> CLI flag, to point error messages at what the user typed.
+REQUEST_FLAGS = {"prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_frames": "--frames",
+                 "height": "--height", "width": "--width", "num_inference_steps": "--steps",
+                 "guidance_scale": "--guidance", "seed": "--seed", "fps": "--fps",
+                 # LTX-2 only (the loaded model's family decides; others refuse them)
+                 "audio_guidance_scale": "--audio-guidance", "stg_scale": "--stg", "audio_stg_scale": "--audio-stg",
+                 "modality_scale": "--modality", "audio_modality_scale": "--audio-modality",
+                 "guidance_rescale": "--guidance-rescale", "audio_guidance_rescale": "--audio-guidance-rescale",
+                 "stg_blocks": "--stg-blocks"}
+LTX2_FIELDS = tuple(f for f in REQUEST_FLAGS if f in FAMILY_OPTIONS["ltx2"])
+assert set(LTX2_FIELDS) == FAMILY_OPTIONS["ltx2"], "every LTX-2 request option needs a CLI flag"
+
+
+class UsageError(ValueError):
+    """A bad argument, request or file: reported in one line, exit code 2, nothing started."""
+
+
+# ------------------------------------------------------------------------------------------------- arguments
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every rank needs to load the same model the same way (shared with ``serve``)."""
+    group = parser.add_argument_group("model and parallelism")
+    group.add_argument("--model", default=None, help="a diffusers-format LTX-Video or LTX-2 folder, or an embedded "
+                                                    "default: tiny-ltx-video (the default) or tiny-ltx2 (audio + "
+                                                    "video)")
+    group.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    group.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when available")
+    group.add_argument("--nproc", type=int, default=None, metavar="N",
+                       help="ranks of the sequence-parallel group; N > 1 relaunches under torchrun (default 1, "
+                            "or the torchrun world size)")
+
+
+def runtime_config_from_args(args: argparse.Namespace):
+    from server.runtime import RuntimeConfig
+
+    return RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device)
+
+
+def add_request_arguments(parser: argparse.ArgumentParser, *, batch: bool) -> None:
+    """The generation options; for ``batch`` they are defaults (no ``--prompt``, unset unless given)."""
+    group = parser.add_argument_group("generation" + (" defaults (a line's own keys win)" if batch else ""))
+
+    def add(flag: str, field: str, kind: type, help_text: str, metavar: str | None = None) -> None:
+        default = None if batch else _DEFAULTS[field]
+        group.add_argument(flag, dest=field, type=kind, default=default, metavar=metavar or flag[2:].upper(),
+                           help=f"{help_text} (default {_DEFAULTS[field]!r})")
+
+    if not batch:
+        group.add_argument("--prompt", required=True, metavar="TEXT", help="what the video shows")
+    add("--negative-prompt", "negative_prompt", str, "what it should not show", "TEXT")
+    add("--frames", "num_frames", int, "number of frames, 8k+1")
+    add("--height", "height", int, "pixels, a multiple of 32 (LTX-2: at least 64)")
+    add("--width", "width", int, "pixels, a multiple of 32 (LTX-2: at least 64)")
+    add("--steps", "num_inference_steps", int, "denoising steps")
+    add("--guidance", "guidance_scale", float, "classifier-free guidance scale; <= 1 turns it off")
+    add("--seed", "seed", int, "noise seed")
+    add("--fps", "fps", int, "frames per second (conditions the model and sets the output rate)")
+    ltx2 = parser.add_argument_group("LTX-2 guidance (audio-video models only; default: LTX2Pipeline's)")
+    for flag, field, help_text in (
+        ("--audio-guidance", "audio_guidance_scale", "CFG scale of the soundtrack (7)"),
+        ("--stg", "stg_scale", "spatio-temporal guidance of the video (1; 0 = off)"),
+        ("--audio-stg", "audio_stg_scale", "spatio-temporal guidance of the soundtrack (1)"),
+        ("--modality", "modality_scale", "modality-isolation guidance of the video (3; 1 = off)"),
+        ("--audio-modality", "audio_modality_scale", "modality-isolation guidance of the soundtrack (3)"),
+        ("--guidance-rescale", "guidance_rescale", "CFG rescale of the video, 0..1 (0.7)"),
+        ("--audio-guidance-rescale", "audio_guidance_rescale", "CFG rescale of the soundtrack, 0..1 (0.7)"),
+    ):
+        ltx2.add_argument(flag, dest=field, type=float, default=None, metavar="X", help=help_text)
+    ltx2.add_argument("--stg-blocks", dest="stg_blocks", type=_block_list, default=None, metavar="I,J",
+                      help="transformer blocks that spatio-temporal guidance perturbs (28)")
+
+
+def _block_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of block indices, "
+                                         "e.g. 20,28") from None
+
+
+# -------------------------------------------------------------------------------------- checks before a group
+
+
+def quiet_libraries() -> None:
+    import diffusers.utils.logging as diffusers_logging
+    import transformers
+
+    diffusers_logging.set_verbosity_error()
+    diffusers_logging.disable_progress_bar()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", module=r"(diffusers|transformers)(\.|$)")
+    # NOTE(warnings): torch deprecates all_gather_into_tensor (used by the engine's gather) once per rank;
+    # engine business, not the CLI user's.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed(\.|$)")
+
+
+def field_error(exc: ValueError) -> UsageError:
+    """Prefix a request error with the flag that sets the field it names."""
+    message = str(exc)
+    match = re.match(r"(\w+)[=\s]", message)
+    flag = REQUEST_FLAGS.get(match.group(1)) if match else None
+    return UsageError(f"{flag}: {message}" if flag else message)
+
+
+def model_info(config):
+    """The model's family and video geometry from its config files only (no weights), so requests are checked
+    first."""
+    from models.registry import describe_model
+
+    return describe_model(config.model)
+
+
+def check_device(config) -> None:
+    import torch
+
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu")
+
+
+# ------------------------------------------------------------------------------------------- the leader's side
+
+
+class _Progress:
+    """A tqdm bar on stderr for one job: steps, then "decode"."""
+
+    def __init__(self, label: str, steps: int):
+        from tqdm import tqdm
+
+        self.label = label
+        self.bar = tqdm(total=steps, desc=label, unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
+
+    def control(self):
+        from cp_infer.sampler import SampleControl
+
+        return SampleControl(on_step=self._step, on_phase=self._phase, on_frames=self.frames)
+
+    def _step(self, done: int, total: int, _seconds: float) -> None:
+        self.bar.total = total
+        self.bar.update(done - self.bar.n)
+
+    def _phase(self, phase: str) -> None:
+        if phase in ("decode", "done"):
+            self.bar.set_description(f"{self.label} [{phase}]")
+
+    def frames(self, frames, first: int, total: int) -> None:
+        self.bar.set_description(f"{self.label} [decode {first + len(frames)}/{total} frames]")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@dataclass
+class Generated:
+    """One finished job on the leader."""
+
+    frames: Any = None
+    """uint8 ``[F, H, W, 3]``, or None when the frames were streamed."""
+    audio: Any = None
+    """float ``[C, S]`` waveform of audio-video models, else None."""
+    sample_rate: int | None = None
+
+
+@dataclass
+class Leader:
+    """Rank 0's side of the group: every job is broadcast before it runs; ``stop`` ends the workers."""
+
+    runtime: Any
+
+    def generate(self, request: GenerationRequest, job_id: str, *, on_frames: Callable[..., None] | None = None,
+                 on_audio: Callable[..., None] | None = None) -> Generated:
+        """The frames (``None`` with ``on_frames``, called with each decoded piece in order: no rank then holds the
+        whole video) and, for audio-video models, the soundtrack (also handed to ``on_audio`` before the frames)."""
+        from cp_infer import broadcast_object
+        from server.runtime import Command
+
+        broadcast_object(Command("generate", request, job_id), state=self.runtime.state)
+        progress = _Progress(job_id, request.num_inference_steps)
+        result = Generated()
+
+        def keep_audio(waveform, sample_rate: int) -> None:
+            result.audio, result.sample_rate = waveform, sample_rate
+            if on_audio is not None:
+                on_audio(waveform, sample_rate)
+
+        control = replace(progress.control(), on_audio=keep_audio)
+        if on_frames is not None:
+            def both(frames, first: int, total: int) -> None:
+                on_frames(frames, first, total)
+                progress.frames(frames, first, total)
+
+            control = replace(control, on_frames=both, collect=False)
+        try:
+            result.frames = self.runtime.generate(request, control)
+        finally:
+            progress.close()
+        return result
+
+    def stop(self) -> None:
+        from cp_infer import broadcast_object
+        from server.runtime import Command
+
+        broadcast_object(Command("stop"), state=self.runtime.state)
+
+
+def run_group(config, lead: Callable[[Leader], int]) -> int:
+    """Form the group and load the model on every rank; the leader runs ``lead``, the others follow."""
+    from cp_infer import destroy_parallel
+    from server.runtime import start_runtime, worker_loop
+
+    runtime = start_runtime(config)
+    try:
+        if not runtime.state.is_leader:
+            worker_loop(runtime)
+            return 0
+        return leader_exit_code(lead(Leader(runtime)))
+    finally:
+        destroy_parallel(runtime.state)
+
+
+class WriteError(RuntimeError):
+    """The video was generated but could not be written (disk full, permissions, ...)."""
+
+
+def result_writer() -> Callable[[Generated, Any, int], Path]:
+    """``write_output`` (frames and soundtrack) with its failures (the job itself succeeded) raised as
+    ``WriteError``."""
+    import av
+
+    from cp_infer.video_io import write_output
+
+    def write(result: Generated, out, fps) -> Path:
+        try:
+            return write_output(result.frames, out, fps, audio=result.audio, sample_rate=result.sample_rate)
+        except (OSError, ValueError, av.FFmpegError) as exc:
+            raise WriteError(f"could not write {out}: {type(exc).__name__}: {exc}") from exc
+
+    return write
