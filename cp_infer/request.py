@@ -102,7 +102,8 @@ def _check_number(name: str, value: object, lo: float, hi: float) -> None:
         raise ValueError(f"{name}={value} is out of range; use a value in [{lo}, {hi}]")
 
 
-def _check_family_options(request: GenerationRequest, family: str, limits: GenerationLimits) -> None:
+def _check_family_options(request: GenerationRequest, family: str, limits: GenerationLimits,
+                          layers: int | None) -> None:
     if family not in FAMILY_OPTIONS:
         raise ValueError(f"model family {family!r} is unknown; known: {', '.join(FAMILY_OPTIONS)}")
     accepted = FAMILY_OPTIONS[family]
@@ -120,16 +121,21 @@ def _check_family_options(request: GenerationRequest, family: str, limits: Gener
         if name == "stg_blocks":
             if not isinstance(value, (tuple, list)) or not value or len(value) > 256:
                 raise ValueError(f"stg_blocks={value!r} must be a non-empty list of block indices")
+            top = 1023 if layers is None else layers - 1
             for block in value:
-                _check_int("stg_blocks[]", block, 0, 1023)
+                if layers is not None and isinstance(block, int) and block >= layers:
+                    raise ValueError(f"stg_blocks={list(value)} names block {block}, but the model has {layers} "
+                                     f"transformer blocks; use indices in [0, {layers - 1}]")
+                _check_int("stg_blocks[]", block, 0, top)
         else:
             hi = 1.0 if name.endswith("rescale") else limits.max_guidance
             _check_number(name, value, 0.0, hi)
 
 
 def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits: GenerationLimits,
-                  family: str = "ltx-video") -> LatentShape:
-    """Validate ``request`` for a model of ``family`` with ``geometry``; return its latent shape."""
+                  family: str = "ltx-video", layers: int | None = None) -> LatentShape:
+    """Validate ``request`` for a model of ``family`` with ``geometry`` and ``layers`` transformer blocks (when
+    known; block indices are then checked); return its latent shape."""
     for name in ("prompt", "negative_prompt"):
         text = getattr(request, name)
         if not isinstance(text, str):
@@ -149,7 +155,7 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     _check_int("max_sequence_length", request.max_sequence_length, 1, 1024)
     for name, lo, hi in (("guidance_scale", 0.0, limits.max_guidance), ("decode_timestep", 0.0, 1.0)):
         _check_number(name, getattr(request, name), lo, hi)
-    _check_family_options(request, family, limits)
+    _check_family_options(request, family, limits, layers)
     scale = request.decode_noise_scale
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or not 0.0 <= scale <= 1.0):

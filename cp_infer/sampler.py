@@ -75,6 +75,8 @@ class DenoiseModel(Protocol):
     geometry: VideoGeometry
     family: str
     """Which request options apply (``cp_infer.request.FAMILY_OPTIONS``)."""
+    layers: int
+    """Transformer blocks (request options may name them)."""
 
     def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared: ...
 
@@ -177,8 +179,13 @@ def sample(
 ) -> np.ndarray | None:
     """Generate one video. Returns uint8 frames ``[F, H, W, 3]`` on group rank 0, ``None`` on the others."""
     control = control or SampleControl()
-    shape = check_request(request, geometry=model.geometry, limits=limits or GenerationLimits(), family=model.family)
-    prepared = model.prepare(request, shape)
+    shape = check_request(request, geometry=model.geometry, limits=limits or GenerationLimits(), family=model.family,
+                          layers=model.layers)
+    # Preparing (text encoding, noise, schedule) is local to each rank: agreed on like a step, so that a failure on
+    # any rank fails the job on every rank instead of leaving the others in the first exchange.
+    prepared_box: list[Prepared] = []
+    _agree(*_run_hook(lambda: prepared_box.append(model.prepare(request, shape))), state=state)
+    prepared = prepared_box[0]
     plans = {name: ShardPlan(orig_len=x.shape[1], world=state.cp_size) for name, x in prepared.latents.items()}
     latents = {name: plans[name].shard(x, state.cp_rank).to(state.device) for name, x in prepared.latents.items()}
     total = len(prepared.timesteps)

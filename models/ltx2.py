@@ -140,7 +140,9 @@ class LTX2Settings:
     stg_blocks: tuple[int, ...]
 
     @classmethod
-    def from_request(cls, request: GenerationRequest) -> LTX2Settings:
+    def from_request(cls, request: GenerationRequest, *, layers: int) -> LTX2Settings:
+        """``layers``: the transformer's block count. LTX2Pipeline perturbs block 28 by default (of 48 in
+        LTX-2.0); a smaller model gets its last block instead, rather than an STG pass that perturbs nothing."""
         def pick(value, default):
             return default if value is None else float(value)
 
@@ -159,7 +161,7 @@ class LTX2Settings:
             audio_modality_scale=pick(request.audio_modality_scale, 3.0) or modality,
             guidance_rescale=rescale,
             audio_guidance_rescale=pick(request.audio_guidance_rescale, 0.7) or rescale,
-            stg_blocks=tuple(request.stg_blocks) if request.stg_blocks is not None else (28,),
+            stg_blocks=tuple(request.stg_blocks) if request.stg_blocks is not None else (min(28, layers - 1),),
         )
 
     @property
@@ -234,6 +236,10 @@ class LTX2Model:
         return self.components.transformer
 
     @property
+    def layers(self) -> int:
+        return len(self.transformer.transformer_blocks)
+
+    @property
     def device(self) -> torch.device:
         return self.state.device
 
@@ -248,11 +254,10 @@ class LTX2Model:
 
     def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared:
         pipe, device = self.pipe, self.device
-        settings = LTX2Settings.from_request(request)
-        layers = len(self.transformer.transformer_blocks)
-        if settings.stg and any(b >= layers for b in settings.stg_blocks):
-            raise ValueError(f"stg_blocks={list(settings.stg_blocks)} names blocks this model lacks; it has {layers} "
-                             f"(0..{layers - 1}); pass stg_blocks within that range, or stg_scale=0")
+        settings = LTX2Settings.from_request(request, layers=self.layers)
+        if settings.stg and any(b >= self.layers for b in settings.stg_blocks):
+            raise ValueError(f"stg_blocks={list(settings.stg_blocks)} names blocks this model lacks; it has "
+                             f"{self.layers} (0..{self.layers - 1}); pass stg_blocks within that range, or stg_scale=0")
         embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
             prompt=request.prompt, negative_prompt=request.negative_prompt,
             do_classifier_free_guidance=settings.cfg, max_sequence_length=request.max_sequence_length,

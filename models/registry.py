@@ -30,6 +30,8 @@ class ModelInfo:
     family: str
     """``ltx-video`` or ``ltx2`` (see ``cp_infer.request.FAMILY_OPTIONS``)."""
     geometry: VideoGeometry
+    layers: int
+    """Transformer blocks (``stg_blocks`` must name existing ones)."""
 
     @property
     def has_audio(self) -> bool:
@@ -71,7 +73,7 @@ def describe_model(model: str | os.PathLike | None) -> ModelInfo:
         patch_size=transformer.get("patch_size", 1), patch_size_t=transformer.get("patch_size_t", 1),
         min_latent_side=min_latent_side(vae_config),
     )
-    return ModelInfo(path=path, family=family, geometry=geometry)
+    return ModelInfo(path=path, family=family, geometry=geometry, layers=int(transformer.get("num_layers", 0)))
 
 
 def open_model(model: str | os.PathLike | None, *, dtype: str | torch.dtype, state: ParallelState):

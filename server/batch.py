@@ -151,7 +151,8 @@ def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
                 raise _LineError(f"name {name!r} is already used on line {names[name]}", name)
             names[name] = line
             try:
-                check_request(request, geometry=info.geometry, limits=limits, family=info.family)
+                check_request(request, geometry=info.geometry, limits=limits, family=info.family,
+                              layers=info.layers)
             except (ValueError, TypeError) as exc:
                 raise _LineError(str(exc), name) from exc
         except _LineError as exc:

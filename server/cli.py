@@ -181,7 +181,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     check_device(config)
     info = model_info(config)
     try:
-        check_request(request, geometry=info.geometry, limits=config.limits, family=info.family)
+        check_request(request, geometry=info.geometry, limits=config.limits, family=info.family, layers=info.layers)
     except ValueError as exc:
         raise field_error(exc) from exc
     if nproc > 1 and not in_torchrun():

@@ -152,6 +152,8 @@ class GroupLeader:
         self.geometry = None
         self.family: str | None = None
         """The served model's family (set before ``geometry``, which marks the group ready)."""
+        self.layers: int | None = None
+        """The served model's transformer blocks (set before ``geometry``)."""
         self.world_size: int | None = None
         self.pids: list[int] = []
         self.loaded = False
@@ -233,6 +235,7 @@ class GroupLeader:
             self.world_size = runtime.state.world_size
             self._write_group_file()
             self.family = runtime.model.family
+            self.layers = runtime.model.layers
             self.geometry = runtime.model.geometry
             self._ping(runtime)
             self.loaded = True
@@ -310,7 +313,7 @@ class GroupLeader:
         request = job.request
         try:
             check_request(request, geometry=runtime.model.geometry, limits=self.config.limits,
-                          family=runtime.model.family)
+                          family=runtime.model.family, layers=runtime.model.layers)
         except ValueError as exc:
             self._finish(job, "failed", "invalid_request", f"no longer valid under this server's limits: {exc}")
             return

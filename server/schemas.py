@@ -252,7 +252,8 @@ def _param_of(message: str) -> str | None:
 
 
 def build_request(params: VideoCreateParams, *, geometry: VideoGeometry, limits: GenerationLimits,
-                  served_model: str, seed: int, family: str = "ltx-video") -> GenerationRequest:
+                  served_model: str, seed: int, family: str = "ltx-video",
+                  layers: int | None = None) -> GenerationRequest:
     """Resolve the OpenAI-style fields and validate; ``seed`` is used when the client gave none."""
     if params.model is not None and params.model != served_model:
         raise ApiError(400, "model_not_found", f"model={params.model!r} is not served here; use {served_model!r} "
@@ -299,7 +300,7 @@ def build_request(params: VideoCreateParams, *, geometry: VideoGeometry, limits:
         **ltx2,
     )
     try:
-        check_request(request, geometry=geometry, limits=limits, family=family)
+        check_request(request, geometry=geometry, limits=limits, family=family, layers=layers)
     except ValueError as exc:
         message = str(exc)
         param = _param_of(message)

@@ -207,7 +207,8 @@ def videos_router(engine, *, max_body_bytes: int) -> APIRouter:
         if engine.geometry is None:
             raise ApiError(503, "not_ready", "the worker group is still starting; retry shortly",
                            headers={"Retry-After": "5"})
-        generation = build_request(params, geometry=engine.geometry, family=engine.family, limits=engine.limits,
+        generation = build_request(params, geometry=engine.geometry, family=engine.family, layers=engine.layers,
+                                   limits=engine.limits,
                                    served_model=engine.served_model, seed=secrets.randbelow(2**31))
         try:
             if streamed:

@@ -207,7 +207,7 @@ def test_batch_failed_job_is_reported_and_the_rest_continue(tmp_path):
     (out_dir / "00003").write_text("a file where line 3's frames folder must go")
     args = cli.build_parser(["batch"]).parse_args(["batch", str(prompts), "--out-dir", str(out_dir),
                                                    "--ext", "frames"])
-    info = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry())
+    info = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry(), layers=2)
     items = batch._plan_batch(args, info, GenerationLimits())
     rng = np.random.default_rng()
 
@@ -244,14 +244,14 @@ def test_batch_lines_with_ltx2_options(tmp_path):
     )) + "\n")
     args = cli.build_parser(["batch"]).parse_args(["batch", str(prompts), "--out-dir", str(tmp_path / "o"),
                                                    "--audio-guidance", "5"])
-    ltx2 = ModelInfo(path=tmp_path, family="ltx2", geometry=VideoGeometry(min_latent_side=2))
+    ltx2 = ModelInfo(path=tmp_path, family="ltx2", geometry=VideoGeometry(min_latent_side=2), layers=2)
     items = batch._plan_batch(args, ltx2, GenerationLimits())
     assert [i.status for i in items] == ["todo", "invalid", "invalid"], items
     assert items[0].request.stg_blocks == (0, 1) and items[0].request.stg_scale == 1.5
     assert items[0].request.audio_guidance_scale == 5  # the command's default
     assert "height=32 is not a multiple of 32 of at least 64" in items[1].message
     assert "guidance_rescale=2 is out of range" in items[2].message
-    ltx_video = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry())
+    ltx_video = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry(), layers=2)
     items = batch._plan_batch(args, ltx_video, GenerationLimits())
     assert [i.status for i in items] == ["invalid"] * 3
     assert all("audio_guidance_scale applies to ltx2 models only" in i.message for i in items), items

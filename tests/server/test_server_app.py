@@ -25,6 +25,7 @@ class StubEngine:
         self.store = JobStore(data_dir, max_queue=4)
         self.limits = GenerationLimits()
         self.geometry = VideoGeometry()
+        self.family, self.layers = "ltx-video", 2
         self.served_model = "tiny-ltx-video"
         self.config = type("Config", (), {"keep_frames": False})()
         self.world_size, self.last_ping_rtt_s, self.broadcasts, self.restart_count = 2, 0.001, 0, 0
