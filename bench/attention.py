@@ -142,7 +142,8 @@ _SDPA_OUT: dict[tuple, torch.Tensor] = {}
 
 def _sdpa_identity(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **_: Any) -> torch.Tensor:
     # NOTE(isolation): real CPU SDPA returns a fresh *dense* tensor in the query's dimension order (checked: for
-    # the fused path's strided query view that is B, S, H, D memory). Return a tensor with exactly that layout,
+    # the fused path's token-major query view that is S, B, H, D memory, which at batch 1 is B, S, H, D memory, the
+    # original path's). Return a tensor with exactly that layout,
     # allocated once, so the output exchange copies exactly what it copies in the real layer and SDPA's own
     # output allocation is not counted as exchange time. Its values are not used.
     order = sorted(range(query.ndim), key=lambda d: -query.stride(d))
@@ -228,7 +229,8 @@ def _bench_degree2(state: ParallelState, config: BenchConfig, length: int) -> di
     plan = ShardPlan(orig_len=length, world=state.cp_size)
     q_full, k_full, v_full = _inputs(length)
     q, k, v = (plan.shard(t, rank) for t in (q_full, k_full, v_full))
-    # As the model adapter runs it: one workspace reused by every layer (inference).
+    # Kept exchange buffers (one workspace reused by every call): the exchange itself, without the page faults of
+    # fresh buffers. (The LTX-Video adapter runs without one, trading those page faults for memory.)
     workspace = ExchangeWorkspace()
     fused = lambda: ulysses_attention(q, k, v, plan=plan, group=group, workspace=workspace)
     original = lambda sdpa: _original_attention(q, k, v, plan=plan, group=group, sdpa=sdpa)

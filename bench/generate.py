@@ -49,10 +49,9 @@ round starts is in the table.
   ``echo 5 > /proc/self/clear_refs``; max over ranks. "1st gen": the first generation after loading, peak minus
   RSS after loading, read after the last denoising step ("denoise") and at its end ("e2e", adding the VAE
   decode). "steady": the second generation, peak after its last step minus RSS just before it, i.e. without
-  what the first generation allocates once and keeps: MKL/oneDNN workspaces (~30 MiB at any N) and, at N>1,
-  ``cp_infer``'s ``ExchangeWorkspace`` (the packed q/k/v send and receive buffers and the output receive
-  buffer, kept for the model's lifetime). "1st gen" is the per-rank activation memory a request really needs;
-  "steady" shows the part that is allocated and freed within each generation.
+  what the first generation allocates once and keeps, such as MKL/oneDNN workspaces (~20-30 MiB at any N; our
+  LTX-Video adapter keeps no exchange buffers between layers). "1st gen" is the per-rank activation memory a
+  request really needs; "steady" shows the part that is allocated and freed within each generation.
   NOTE(malloc): during loading and the warm-ups glibc's ``M_MMAP_THRESHOLD``/``M_TRIM_THRESHOLD`` are set to
   1 MiB, so tensors of 1 MiB and more are mmapped and unmapped when freed and RSS follows the live tensors
   (with glibc's default dynamic threshold, freed blocks stay in the heap and the peak depends on allocation
@@ -548,7 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="transformer layers (default 2, --quick 1)")
     parser.add_argument("--heads", type=int, default=None, help="attention heads of 64 dims (default 16, --quick 8)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report to this markdown file")
+    parser.add_argument("--family", choices=("all", "ltx-video", "ltx2"), default="all",
+                        help="LTX-Video (the tables above), LTX-2 (bench/_ltx2.py: audio and video), or both")
     args = parser.parse_args(argv)
+    if args.family == "ltx2":
+        return _ltx2_main(args)
     command = shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv])
     config = BenchConfig(
         model=ModelSize(layers=args.layers or (1 if args.quick else 2), heads=args.heads or (8 if args.quick else 16)),
@@ -592,11 +595,32 @@ def main(argv: list[str] | None = None) -> int:
         f"ours N=2 matches ours N=1 (latents within {_LATENT_TOL}, frames within 1 level): {not failures}.",
         *(f"CHECK FAILED: {failure}" for failure in failures),
     ]
+    if args.family == "all":
+        ltx2_lines = _ltx2_lines(args)
+        lines += ["", "LTX-2 (audio + video):", "", *ltx2_lines]
+        failures += [line for line in ltx2_lines if line.startswith("CHECK FAILED")]
     report = "\n".join(lines) + "\n"
     print(report, end="")
     if args.out is not None:
         args.out.write_text(report)
     return 1 if failures else 0
+
+
+def _ltx2_lines(args: argparse.Namespace) -> list[str]:
+    # Imported here: bench/_ltx2.py is a sibling script, loaded by path so this works from any directory.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _ltx2
+
+    return _ltx2.run(argparse.Namespace(quick=args.quick, steps=None, rounds=None, n1_threads=None))
+
+
+def _ltx2_main(args: argparse.Namespace) -> int:
+    lines = _ltx2_lines(args)
+    report = "\n".join(lines) + "\n"
+    print(report, end="")
+    if args.out is not None:
+        args.out.write_text(report)
+    return 1 if any(line.startswith("CHECK FAILED") for line in lines) else 0
 
 
 if __name__ == "__main__":

@@ -1,16 +1,25 @@
 """Ulysses attention: sequence-sharded in, head-sharded attention over the full sequence, sequence-sharded out.
 
 Invariants:
-- Inputs are ``[B, S_LOCAL, H, D]`` shards laid out by a :class:`ShardPlan`; the result equals
-  ``scaled_dot_product_attention`` over the unpadded full sequence, restricted to this rank's queries.
+- Queries are ``[B, S_LOCAL, H, D]`` shards of a sequence laid out by ``plan``; keys and values are shards of the
+  same sequence (self-attention) or of another one laid out by ``kv_plan`` (cross-sequence attention, e.g. video
+  queries over audio keys: its own length, its own padding). The result equals ``scaled_dot_product_attention``
+  of this rank's queries over every unpadded key, whichever sequence the keys come from.
 - Exactly two collectives per call: one ``all_to_all_single`` carries q, k and v together (packed into one
   buffer), one carries the output back.
-- Padded keys never take part: padding sits at the end of the gathered sequence, so keys and values are
-  cut to ``orig_len`` before attention (no mask is needed, which keeps SDPA on its fast kernels).
+- Padded keys never take part: padding sits at the end of each gathered sequence, so keys and values are cut to
+  ``kv_plan.orig_len`` before attention (no mask is needed, which keeps SDPA on its fast kernels).
 - Heads that do not divide the group size are padded with zero heads whose output is dropped.
+- Memory (inference): q, k and v may be handed over as producers, called one at a time and packed straight into
+  the send buffer, so at most one of them is alive next to it. Self-attention then runs on views of the receive
+  buffer, and the output exchange sends SDPA's output as it is and receives into the dead receive buffer: a call
+  allocates the two exchange buffers (or takes them from a workspace), SDPA's output and its result, and
+  nothing else (cross-sequence attention: the send buffer also takes the gathered q and k/v).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,29 +28,44 @@ import torch.nn.functional as F
 from .collectives import all_to_all, group_size
 from .shard import ShardPlan
 
-__all__ = ["ExchangeWorkspace", "ulysses_attention", "local_attention", "padded_heads"]
+__all__ = ["ExchangeWorkspace", "AttentionInput", "ulysses_attention", "local_attention", "padded_heads"]
+
+AttentionInput = torch.Tensor | Callable[[], torch.Tensor]
+"""A q/k/v input of :func:`ulysses_attention`: the tensor, or a zero-argument callable that returns it (called
+once, when that input is packed, so the caller need not hold q, k and v at once)."""
 
 
 class ExchangeWorkspace:
-    """Exchange buffers reused from one attention layer to the next (inference only).
+    """The two exchange buffers (send and receive side), kept from one attention call to the next (inference only).
 
-    Owned by the caller (one per model), passed keyword-only. Large fresh CPU allocations are returned to the
-    OS when freed and page-faulted in again on the next call, which costs about as much as the exchange
-    itself; reusing four buffers removes that. Ignored when autograd records the call: a backward pass
-    needs the buffers of every layer alive at once. On CUDA the caching allocator already reuses memory.
+    Owned by the caller, passed keyword-only. Large fresh CPU allocations are returned to the OS when freed and
+    page-faulted in again on the next call; keeping the buffers removes that, at the price of holding them between
+    calls (about twice the packed q/k/v of the largest call: a model's activations peak elsewhere, in the
+    feed-forward, and the buffers add to that peak). They grow to the largest call seen and serve calls of any
+    shape, so self- and cross-sequence attentions of several streams can share one workspace. Ignored when
+    autograd records the call: a backward pass needs the buffers of every layer alive at once. On CUDA the
+    caching allocator already reuses memory.
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(name)
-        if buf is None or buf.shape != shape or buf.dtype != like.dtype or buf.device != like.device:
-            buf = self._buffers[name] = like.new_empty(shape)
-        return buf
+    def buffers(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two flat buffers of ``numel`` elements of ``like``'s dtype and device."""
+        bufs = self._buffers
+        # NOTE(inference-mode): buffers made under inference_mode cannot be written outside it; make new ones then.
+        if (bufs is None or bufs[0].numel() < numel or bufs[0].dtype != like.dtype or bufs[0].device != like.device
+                or (bufs[0].is_inference() and not torch.is_inference_mode_enabled())):
+            self._buffers = bufs = None  # free the old pair before allocating the new one
+            self._buffers = bufs = (like.new_empty(numel), like.new_empty(numel))
+        return bufs[0][:numel], bufs[1][:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffers is None else sum(b.numel() * b.element_size() for b in self._buffers)
 
     def clear(self) -> None:
-        self._buffers.clear()
+        self._buffers = None
 
 
 def padded_heads(heads: int, world: int) -> int:
@@ -74,75 +98,150 @@ def local_attention(
     return out.transpose(1, 2)
 
 
+def _produce(x: AttentionInput) -> torch.Tensor:
+    return x() if callable(x) else x
+
+
+def _check_input(name: str, t: torch.Tensor, expected: tuple[int, ...], what: str) -> torch.Tensor:
+    if tuple(t.shape) != expected:
+        raise ValueError(f"{name} must be [B, {what}, H, D] = {list(expected)}; got {list(t.shape)}")
+    return t
+
+
+def _pack(slot: torch.Tensor, t: torch.Tensor, n: int, h_pad: int) -> None:
+    """Scatter ``t``'s heads over the ranks' chunks of the send buffer (``slot``: ``[N, S_LOCAL, B, H_LOCAL, D]``)."""
+    batch, s_local, heads, head_dim = t.shape
+    if h_pad != heads:
+        t = F.pad(t, (0, 0, 0, h_pad - heads))
+    # B, S_LOCAL, H, D -> N, S_LOCAL, B, H_LOCAL, D (chunk j = the heads rank j attends)
+    slot.copy_(t.reshape(batch, s_local, n, h_pad // n, head_dim).permute(2, 1, 0, 3, 4))
+
+
 def ulysses_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    q: AttentionInput,
+    k: AttentionInput,
+    v: AttentionInput,
     *,
     plan: ShardPlan,
     group: dist.ProcessGroup | None,
+    kv_plan: ShardPlan | None = None,
     key_mask: torch.Tensor | None = None,
     scale: float | None = None,
     workspace: ExchangeWorkspace | None = None,
 ) -> torch.Tensor:
-    """Self-attention over a sequence sharded by ``plan``.
+    """Attention of queries sharded by ``plan`` over keys/values sharded by ``kv_plan`` (default: ``plan``).
 
-    ``q``, ``k``, ``v``: ``[B, S_LOCAL, H, D]`` (this rank's ``plan.local_len`` tokens, padding included).
-    ``key_mask``: optional bool ``[B, plan.orig_len]`` over the whole unpadded sequence, True = attend.
-    Returns ``[B, S_LOCAL, H, D]``; rows of padding queries hold finite values the caller discards.
-    ``workspace``: reuse exchange buffers across calls (see :class:`ExchangeWorkspace`).
+    ``q``: ``[B, plan.local_len, H, D]``; ``k``, ``v``: ``[B, kv_plan.local_len, H, D]`` (this rank's shards,
+    padding included; same ``B``, ``H`` and ``D`` as ``q``). Each may be a tensor or a zero-argument callable
+    returning it (see :data:`AttentionInput`); callables are called in the order q, k, v.
+    ``kv_plan``: for cross-sequence attention, the plan of the sequence the keys and values come from; ``None``
+    (or ``plan`` itself) is self-attention.
+    ``key_mask``: optional bool ``[B, kv_plan.orig_len]`` over the other sequence's unpadded tokens, True = attend.
+    Returns ``[B, plan.local_len, H, D]``; rows of padding queries hold finite values the caller discards.
+    ``workspace``: keep the exchange buffers across calls (see :class:`ExchangeWorkspace`).
     """
     n = group_size(group)
-    if n != plan.world:
-        raise ValueError(f"plan is for {plan.world} ranks but the group has {n}")
+    kv_plan = plan if kv_plan is None else kv_plan
+    for name, p in (("plan", plan), ("kv_plan", kv_plan)):
+        if p.world != n:
+            raise ValueError(f"{name} is for {p.world} ranks but the group has {n}")
+    # Callables may return tensors that require grad: assume so when autograd is on.
+    recording = torch.is_grad_enabled() and any(callable(t) or t.requires_grad for t in (q, k, v))
+    q = _produce(q)
+    if q.ndim != 4 or q.shape[1] != plan.local_len:
+        raise ValueError(f"q must be [B, local_len={plan.local_len}, H, D]; got {list(q.shape)}")
     batch, s_local, heads, head_dim = q.shape
-    if s_local != plan.local_len or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q/k/v must all be [B, local_len={plan.local_len}, H, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    mask = _sdpa_mask(key_mask, batch, plan.orig_len)
+    kv_local = kv_plan.local_len
+    kv_shape = (batch, kv_local, heads, head_dim)
+    kv_what = f"{'kv_plan.' if kv_plan is not plan else ''}local_len={kv_local}"
+    mask = _sdpa_mask(key_mask, batch, kv_plan.orig_len)
     if n == 1:
-        k, v = k[:, : plan.orig_len], v[:, : plan.orig_len]
+        k = _check_input("k", _produce(k), kv_shape, kv_what)[:, : kv_plan.orig_len]
+        v = _check_input("v", _produce(v), kv_shape, kv_what)[:, : kv_plan.orig_len]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, scale=scale)
         return out.transpose(1, 2)
 
     h_pad = padded_heads(heads, n)
     h_local = h_pad // n
-    # NOTE(layout): q, k and v are interleaved per token ([..., S_LOCAL, 3, H_LOCAL, D]) so that after the
-    # exchange each of them is a strided *view* of the receive buffer (no unpack copy at B=1), and SDPA, which
-    # accepts strided inputs on every backend, returns its output in the query's [B, S, H, D] memory order,
-    # which makes the output pack free at B=1 too.
-    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    reuse = workspace is not None and not recording
-    shape = (n, batch, s_local, 3, h_local, head_dim)
-    send = workspace.get("send", shape, q) if reuse else q.new_empty(shape)
-    for i, t in enumerate((q, k, v)):
-        if h_pad != heads:
-            t = F.pad(t, (0, 0, 0, h_pad - heads))
-        # B, S_LOCAL, H, D -> N, B, S_LOCAL, H_LOCAL, D (chunk j = the heads rank j attends)
-        send[:, :, :, i].copy_(t.view(batch, s_local, n, h_local, head_dim).permute(2, 0, 1, 3, 4))
-    if reuse:
-        recv = workspace.get("recv", shape, q)
-        dist.all_to_all_single(recv, send, group=group)
+    like = q.new_empty(())  # dtype and device, once q itself is dropped
+    # NOTE(layout): buffers are token-major, [S, B, ...]: each rank's chunk of the send buffer is its tokens for
+    # the heads the receiving rank attends, [S_LOCAL, B, 3, H_LOCAL, D] with q, k and v interleaved per token
+    # (self-attention), so the received chunks concatenate into the gathered sequence and q, k and v are strided
+    # *views* of the receive buffer at any batch size (no unpack copy). SDPA accepts strided inputs on every
+    # backend and returns its output in the query's memory order, [S, B, H_LOCAL, D]: already the output
+    # exchange's layout (no pack copy). Across two sequences a chunk is [q: S_LOCAL, B, H_LOCAL, D | k, v:
+    # S_KV_LOCAL, B, 2, H_LOCAL, D], and q and k/v are gathered with one copy each.
+    self_attention = kv_plan == plan
+    q_numel = s_local * batch * h_local * head_dim  # per rank's chunk
+    chunk = 3 * q_numel if self_attention else q_numel + kv_local * batch * 2 * h_local * head_dim
+    if recording:
+        send, recv = like.new_empty(n * chunk), None
+    elif workspace is not None:
+        send, recv = workspace.buffers(n * chunk, like)
     else:
-        recv = all_to_all(send, group=group)
-    # N, B, S_LOCAL, 3, H_LOCAL, D (chunk j = rank j's tokens) -> B, S_PAD, 3, H_LOCAL, D
-    qkv = recv.transpose(0, 1).reshape(batch, n * s_local, 3, h_local, head_dim)
-    # B, S, H_LOCAL, D -> B, H_LOCAL, S, D (views); keys and values cut to the real tokens
-    q_h = qkv[:, :, 0].transpose(1, 2)
-    k_h = qkv[:, : plan.orig_len, 1].transpose(1, 2)
-    v_h = qkv[:, : plan.orig_len, 2].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask, scale=scale)
+        send, recv = like.new_empty(n * chunk), like.new_empty(n * chunk)
 
-    # B, H_LOCAL, S_PAD, D -> N, B, S_LOCAL, H_LOCAL, D (chunk j = rank j's tokens)
-    send_out = out.transpose(1, 2).reshape(batch, n, s_local, h_local, head_dim).transpose(0, 1).contiguous()
-    if reuse:
-        recv_out = workspace.get("recv_out", tuple(send_out.shape), q)
-        dist.all_to_all_single(recv_out, send_out, group=group)
+    def views(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q ``[N, S_LOCAL, B, H_LOCAL, D]``, k/v ``[N, S_KV_LOCAL, B, 2, H_LOCAL, D]``) parts of a buffer."""
+        if self_attention:
+            qkv = flat.view(n, s_local, batch, 3, h_local, head_dim)
+            return qkv[:, :, :, 0], qkv[:, :, :, 1:]
+        rows = flat.view(n, chunk)
+        return (rows[:, :q_numel].view(n, s_local, batch, h_local, head_dim),
+                rows[:, q_numel:].view(n, kv_local, batch, 2, h_local, head_dim))
+
+    send_q, send_kv = views(send)
+    _pack(send_q, q, n, h_pad)
+    del q  # with producers, nothing but the send buffer holds q from here on
+    _pack(send_kv[:, :, :, 0], _check_input("k", _produce(k), kv_shape, kv_what), n, h_pad)
+    _pack(send_kv[:, :, :, 1], _check_input("v", _produce(v), kv_shape, kv_what), n, h_pad)
+    del k, v, send_q, send_kv
+    if recording:
+        recv = all_to_all(send.view(n, chunk), group=group)
     else:
-        recv_out = all_to_all(send_out, group=group)
-    # N, B, S_LOCAL, H_LOCAL, D (chunk j = heads of rank j) -> B, S_LOCAL, H, D
-    out = recv_out.permute(1, 2, 0, 3, 4).reshape(batch, s_local, h_pad, head_dim)
-    if reuse and out.data_ptr() == recv_out.data_ptr():
-        out = out.clone()  # never hand the caller a view of a buffer the next layer overwrites
-    return out[:, :, :heads] if h_pad != heads else out
+        dist.all_to_all_single(recv, send, group=group)
+
+    # N, S_LOCAL, B, ... (chunk j = rank j's tokens) -> S_PAD, B, ...
+    recv_q, recv_kv = views(recv)
+    if self_attention or recording:
+        q_full, kv_full = recv_q.flatten(0, 1), recv_kv.flatten(0, 1)  # views (self-attention) or copies
+    else:
+        # The chunks are not contiguous over the gathered sequence: one copy each, into the dead send buffer.
+        q_full = send[: n * q_numel].view(n, s_local, batch, h_local, head_dim).copy_(recv_q).flatten(0, 1)
+        kv_full = send[n * q_numel:].view(n, kv_local, batch, 2, h_local, head_dim).copy_(recv_kv).flatten(0, 1)
+    # Self-attention: the send buffer is freed here (unless a workspace keeps it), before SDPA.
+    del send, recv_q, recv_kv
+    # S, B, H_LOCAL, D -> B, H_LOCAL, S, D (views); keys and values cut to the other sequence's real tokens
+    q_h = q_full.permute(1, 2, 0, 3)
+    k_h = kv_full[: kv_plan.orig_len, :, 0].permute(1, 2, 0, 3)
+    v_h = kv_full[: kv_plan.orig_len, :, 1].permute(1, 2, 0, 3)
+    out = F.scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask, scale=scale)
+    del q_full, kv_full, q_h, k_h, v_h
+
+    # B, H_LOCAL, S_PAD, D -> N, S_LOCAL, B, H_LOCAL, D (chunk j = rank j's tokens)
+    out_shape = (n, s_local, batch, h_local, head_dim)
+    out_parts = out.permute(2, 0, 1, 3).unflatten(0, (n, s_local))
+    if recording:
+        recv_out = all_to_all(out_parts.contiguous(), group=group)
+        # N, S_LOCAL, B, H_LOCAL, D (chunk j = heads of rank j) -> B, S_LOCAL, H, D
+        result = recv_out.permute(2, 1, 0, 3, 4).reshape(batch, s_local, h_pad, head_dim)
+        return result[:, :, :heads].contiguous()  # dense, see NOTE(dense-result) below
+    # SDPA's output goes out as it is (token-major already); it comes back into the dead receive buffer.
+    send_out = out_parts.contiguous()
+    del out, out_parts
+    recv_out = recv[: n * q_numel].view(out_shape)
+    dist.all_to_all_single(recv_out, send_out, group=group)
+    del send_out
+    # N, S_LOCAL, B, H_LOCAL, D (chunk j = heads of rank j) -> B, S_LOCAL, H, D, in fresh memory (never hand the
+    # caller a view of a buffer the next call overwrites) and dense: NOTE(dense-result): a view that skips the
+    # padded heads would send the next Linear down another GEMM path, which rounds differently in bf16.
+    result = recv_out.new_empty(batch, s_local, heads, head_dim)
+    if h_pad == heads:
+        result.view(batch, s_local, n, h_local, head_dim).copy_(recv_out.permute(2, 1, 0, 3, 4))
+    else:
+        for j in range(n):  # the padded heads sit at the end of the last chunks: copy the real ones only
+            lo, hi = j * h_local, min((j + 1) * h_local, heads)
+            if hi > lo:
+                result[:, :, lo:hi].copy_(recv_out[j, :, :, : hi - lo].transpose(0, 1))
+    return result

@@ -1,20 +1,25 @@
-"""Parallel VAE decode: the latent video split in time over the ranks, exact through halo exchange.
+"""Parallel, streamed VAE decode: the video cut in time into rounds x ranks pieces, exact through frame exchange.
 
 Invariants:
-- Rank ``r`` of the group decodes a contiguous range of latent frames (``TemporalSplit``). Before every temporal
-  convolution the model adapter calls :func:`exchange_halo`, which swaps the boundary frames with the
-  neighbouring ranks; only the ranks at the two ends of the video pad by replication, as the whole-video
-  decode does. So every rank computes exactly the frames a whole-video decode computes for its range (same
-  inputs to every convolution), for any number of ranks, with two small point-to-point messages per conv.
+- :class:`TemporalSplit` cuts the *output* into pieces of whole latent frames, round-major: round ``k`` is decoded
+  by the ``active`` ranks together, rank ``r`` producing piece ``k * active + r``. Pieces tile the video in
+  temporal order; each holds at least one latent frame and at most ``max(frames_per_rank, 2)`` (more than the
+  window only where a round would otherwise leave an active rank without a frame).
 - A causal video VAE maps latent frame 0 to video frame 0 and latent frame ``k >= 1`` to video frames
   ``T*k - T + 1 .. T*k``; the split converts latent ranges to video ranges with that rule.
-- Group rank 0 delivers the frames in temporal order: its own range first, then each other rank's in turn,
-  so it never holds more than two ranks' shares and the encoder can take each as it lands.
+- :func:`exchange_frames` is the one communication primitive a model adapter needs: a sequence of frames at one
+  stage of the decoder is cut over the ranks; every rank gets exactly the frames it needs (its neighbours'
+  boundary frames, or the previous rounds' last frames, which group rank 0 keeps), by point-to-point messages
+  between the ranks that hold and need them. It does no arithmetic, so the adapter can make every output frame
+  depend on exactly the input frames a whole-video decode uses.
+- :func:`decode_parallel` delivers frames on group rank 0 in temporal order, round by round (its own piece, then
+  each other rank's in turn), so rank 0 holds at most two pieces and the encoder can take each as it lands.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,82 +28,171 @@ import torch.distributed as dist
 
 from .state import ParallelState
 
-__all__ = ["TemporalSplit", "exchange_halo", "decode_parallel"]
+__all__ = ["DEFAULT_FRAMES_PER_RANK", "FrameHistory", "TemporalSplit", "exchange_frames", "decode_parallel"]
+
+DEFAULT_FRAMES_PER_RANK = 2
+"""Latent frames (8 video frames each) a rank decodes per round by default: the unit of decode memory and of
+streaming. Two keep the per-round exchange overhead small against the work while giving a long video several
+rounds (257 frames on 2 ranks: 8 rounds)."""
 
 
 @dataclass(frozen=True)
 class TemporalSplit:
-    """Contiguous latent-frame ranges over ``world`` ranks; ranks past ``active`` get nothing."""
+    """Pieces of whole latent frames over ``rounds`` x ``active`` ranks; ranks past ``active`` get nothing."""
 
     latent_frames: int
     world: int
     temporal_compression: int = 8
+    frames_per_rank: int | None = None
+    """Latent frames each rank outputs per round (bounds its decode memory; 2 where fewer would leave an active rank
+    without a frame); ``None``: the whole video in one round."""
 
     def __post_init__(self) -> None:
         if self.latent_frames < 1 or self.world < 1:
             raise ValueError(f"latent_frames={self.latent_frames} and world={self.world} must both be >= 1")
+        if self.frames_per_rank is not None and self.frames_per_rank < 1:
+            raise ValueError(f"frames_per_rank={self.frames_per_rank} must be >= 1 (or None for one round)")
 
     @property
     def active(self) -> int:
-        """Ranks with at least one latent frame (a rank must hold a frame to pass halos on)."""
+        """Ranks with at least one latent frame in every round."""
         return min(self.world, self.latent_frames)
 
-    def latent_range(self, rank: int) -> tuple[int, int]:
+    @property
+    def rounds(self) -> int:
+        if self.frames_per_rank is None:
+            return 1
+        # At most frames_per_rank per piece, and at least one frame in every piece.
+        return min(math.ceil(self.latent_frames / (self.active * self.frames_per_rank)),
+                   self.latent_frames // self.active)
+
+    def _piece_start(self, piece: int) -> int:
+        base, extra = divmod(self.latent_frames, self.rounds * self.active)
+        return piece * base + min(piece, extra)
+
+    def latent_range(self, rank: int, round: int = 0) -> tuple[int, int]:
+        """The latent frames whose video frames ``rank`` outputs in ``round``."""
         if rank >= self.active:
             return self.latent_frames, self.latent_frames
-        base, extra = divmod(self.latent_frames, self.active)
-        start = rank * base + min(rank, extra)
-        return start, start + base + (1 if rank < extra else 0)
+        if not 0 <= round < self.rounds:
+            raise IndexError(f"round={round} is outside 0..{self.rounds - 1}")
+        piece = round * self.active + rank
+        return self._piece_start(piece), self._piece_start(piece + 1)
+
+    def round_of(self, latent: int) -> int:
+        """The round whose pieces hold latent frame ``latent``."""
+        if not 0 <= latent < self.latent_frames:
+            raise IndexError(f"latent frame {latent} is outside 0..{self.latent_frames - 1}")
+        return next(k for k in range(self.rounds) if latent < self.latent_range(self.active - 1, k)[1])
 
     def _video_index(self, latent: int) -> int:
         t = self.temporal_compression
         return 0 if latent == 0 else t * latent - t + 1
 
-    def video_range(self, rank: int) -> tuple[int, int]:
-        a, b = self.latent_range(rank)
-        if a == b:
-            return (self.video_frames,) * 2
-        return self._video_index(a), self._video_index(b - 1) + (self.temporal_compression if b - 1 > 0 else 1)
+    def video_range(self, rank: int, round: int = 0) -> tuple[int, int]:
+        a, b = self.latent_range(rank, round)
+        return self._video_index(a), self._video_index(b)
+
+    def video_cuts(self, round: int) -> list[int]:
+        """The round's video frame boundaries: rank ``r`` outputs ``[cuts[r], cuts[r + 1])``."""
+        return [self.video_range(r, round)[0] for r in range(self.active)] + [self.video_range(self.active - 1,
+                                                                                                round)[1]]
 
     @property
     def video_frames(self) -> int:
         return (self.latent_frames - 1) * self.temporal_compression + 1
 
 
-def exchange_halo(
-    x: torch.Tensor, *, left: int, right: int, split: TemporalSplit, state: ParallelState, dim: int = 2,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Swap boundary frames with the neighbouring ranks along ``dim``.
+@dataclass
+class FrameHistory:
+    """The last frames of one decoder stage before the current round; held by group rank 0 only."""
 
-    Returns ``(from_left, from_right)``: the last ``left`` frames of the previous rank and the first ``right``
-    frames of the next one; ``None`` at the ends of the video (the caller pads as the whole decode would).
+    start: int = 0
+    frames: torch.Tensor | None = None
+
+
+def exchange_frames(
+    x: torch.Tensor,
+    *,
+    cuts: Sequence[int],
+    needs: Sequence[tuple[int, int]],
+    length: int,
+    history: FrameHistory,
+    keep: int,
+    state: ParallelState,
+    dim: int = 2,
+) -> torch.Tensor:
+    """Give every rank the frames it needs of a sequence cut over the active ranks.
+
+    The sequence (``length`` frames along ``dim``: the whole video at one decoder stage) is cut as ``[cuts[r],
+    cuts[r + 1])`` on rank ``r`` of the ``len(cuts) - 1`` active ranks, which holds it as ``x``; frames before
+    ``cuts[0]`` belong to earlier rounds, of which group rank 0 holds the last ``keep`` in ``history``. Returns
+    frames ``needs[rank]`` (clamped to ``[0, length)``) on this rank, and on rank 0 moves ``history`` on to the
+    last ``keep`` frames before ``cuts[-1]``. Every active rank calls this with the same arguments but ``x``; a
+    rank may need frames of any rank (not only its neighbours') and of the history, but none before
+    ``cuts[0] - keep`` and none after ``cuts[-1]``.
     """
-    rank, active = state.cp_rank, split.active
-    prev_rank = state.cp_ranks[rank - 1] if 0 < rank < active and left else None
-    next_rank = state.cp_ranks[rank + 1] if rank + 1 < active and right else None
-    # What our neighbours need from us: the next rank pads its left side with our last frames, and so on.
-    send_next = rank + 1 < active and left
-    send_prev = 0 < rank < active and right
-    length = x.shape[dim]
-    if (send_next and length < left) or (send_prev and length < right):
-        raise RuntimeError(f"rank {rank} holds {length} frames, fewer than the halo it must pass on")
-    ops, from_left, from_right = [], None, None
-    if prev_rank is not None:
-        from_left = x.new_empty((*x.shape[:dim], left, *x.shape[dim + 1:]))
-        ops.append(dist.P2POp(dist.irecv, from_left, prev_rank, group=state.cp_group))
-    if next_rank is not None:
-        from_right = x.new_empty((*x.shape[:dim], right, *x.shape[dim + 1:]))
-        ops.append(dist.P2POp(dist.irecv, from_right, next_rank, group=state.cp_group))
-    if send_next:
-        ops.append(dist.P2POp(dist.isend, x.narrow(dim, length - left, left).contiguous(),
-                              state.cp_ranks[rank + 1], group=state.cp_group))
-    if send_prev:
-        ops.append(dist.P2POp(dist.isend, x.narrow(dim, 0, right).contiguous(), state.cp_ranks[rank - 1],
-                              group=state.cp_group))
+    active, rank = len(cuts) - 1, state.cp_rank
+    if x.shape[dim] != cuts[rank + 1] - cuts[rank]:
+        raise RuntimeError(f"rank {rank} holds {x.shape[dim]} frames, its cut is {cuts[rank]}..{cuts[rank + 1]}")
+    hist_lo = max(0, cuts[0] - keep)
+    if rank == 0:
+        held = 0 if history.frames is None else history.frames.shape[dim]
+        if cuts[0] > hist_lo and (history.start, held) != (hist_lo, cuts[0] - hist_lo):
+            raise RuntimeError(f"history holds {held} frames from {history.start}, the round needs "
+                               f"{hist_lo}..{cuts[0]}: rounds must run in order")
+    # Holders in temporal order: rank 0's history (slot 0), then each rank's piece (slot r + 1).
+    holders = [(0, hist_lo, cuts[0])] + [(r, cuts[r], cuts[r + 1]) for r in range(active)]
+    wants = []
+    for q in range(active):
+        lo, hi = max(0, needs[q][0]), min(length, needs[q][1])
+        if lo < hi and (lo < hist_lo or hi > cuts[-1]):
+            raise RuntimeError(f"rank {q} needs frames {lo}..{hi}, outside the round {cuts[0]}..{cuts[-1]} and the "
+                               f"{keep} frames kept before it")
+        wants.append([(lo, max(lo, hi))])
+    if keep:
+        wants[0].append((max(0, cuts[-1] - keep), cuts[-1]))  # the next rounds' history
+
+    def held(slot: int, a: int, b: int) -> torch.Tensor:
+        if slot == 0:
+            return history.frames.narrow(dim, a - history.start, b - a)
+        return x.narrow(dim, a - cuts[rank], b - a)
+
+    # Every rank walks the same (receiver, want, holder) order, so sends and receives pair up in order.
+    mine: list[list[tuple[int, int, int, int]]] = [[] for _ in wants[rank]]
+    ops, received = [], {}
+    for q in range(active):
+        for i, (lo, hi) in enumerate(wants[q]):
+            for slot, (holder, a, b) in enumerate(holders):
+                a, b = max(lo, a), min(hi, b)
+                if a >= b:
+                    continue
+                if q == rank:
+                    mine[i].append((holder, slot, a, b))
+                if holder == q:
+                    continue
+                if rank == holder:
+                    ops.append(dist.P2POp(dist.isend, held(slot, a, b).contiguous(), state.cp_ranks[q],
+                                          group=state.cp_group))
+                elif rank == q:
+                    buf = x.new_empty((*x.shape[:dim], b - a, *x.shape[dim + 1:]))
+                    received[i, slot, a] = buf
+                    ops.append(dist.P2POp(dist.irecv, buf, state.cp_ranks[holder], group=state.cp_group))
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
-    return from_left, from_right
+
+    def assemble(i: int) -> torch.Tensor:
+        pieces = [received[i, slot, a] if holder != rank else held(slot, a, b) for holder, slot, a, b in mine[i]]
+        if not pieces:
+            return x.narrow(dim, 0, 0)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+    window = assemble(0)
+    if rank == 0 and keep:
+        # NOTE(history): a copy, so that the kept frames do not pin the whole activation they are a view of.
+        history.start, history.frames = max(0, cuts[-1] - keep), assemble(1).clone()
+    return window
 
 
 def decode_parallel(
@@ -108,31 +202,41 @@ def decode_parallel(
     frame_shape: tuple[int, ...],
     state: ParallelState,
 ) -> Iterator[np.ndarray]:
-    """Decode the video over the group; on group rank 0 yield uint8 frames in temporal order.
+    """Decode the video over the group, round by round; on group rank 0 yield uint8 frames in temporal order.
 
-    ``decode_range(a, b)`` decodes latent frames ``[a, b)`` on this rank (halo exchange inside) and returns the
-    uint8 frames of ``split.video_range(rank)``; every rank calls it, idle ranks with an empty range are not
-    asked. Every rank must exhaust the iterator.
+    ``decode_range(a, b)`` is called on every active rank once per round, rounds in order, with the latent
+    frames ``[a, b) = split.latent_range(rank, round)`` whose video frames this rank outputs in that round
+    (exchanges between ranks inside); it returns those uint8 frames ``[F, H, W, 3]``. Every rank must exhaust the
+    iterator.
     """
     rank = state.cp_rank
-    a, b = split.latent_range(rank)
-    local = decode_range(a, b) if a < b else None
-    if local is not None:
-        v0, v1 = split.video_range(rank)
+    if rank >= split.active:
+        return
+    alone = split.active == 1 or state.cp_group is None
+    sending: tuple[dist.Work, torch.Tensor] | None = None
+    for k in range(split.rounds):
+        a, b = split.latent_range(rank, k)
+        local = decode_range(a, b)
+        v0, v1 = split.video_range(rank, k)
         if local.shape != (v1 - v0, *frame_shape):
-            raise RuntimeError(f"rank {rank} decoded frames of shape {local.shape}, expected {(v1 - v0, *frame_shape)}")
-    if split.active == 1 or state.cp_group is None:
-        if local is not None:
+            raise RuntimeError(f"rank {rank} decoded frames of shape {local.shape} in round {k}, expected "
+                               f"{(v1 - v0, *frame_shape)}")
+        if alone:
             yield local
-        return
-    if rank != 0:
-        if local is not None:
-            dist.send(torch.from_numpy(np.ascontiguousarray(local)).to(state.device), state.cp_ranks[0],
-                      group=state.cp_group)
-        return
-    yield local
-    for src in range(1, split.active):
-        v0, v1 = split.video_range(src)
-        buf = torch.empty((v1 - v0, *frame_shape), dtype=torch.uint8, device=state.device)
-        dist.recv(buf, state.cp_ranks[src], group=state.cp_group)
-        yield buf.cpu().numpy()
+            continue
+        if rank != 0:
+            if sending is not None:
+                sending[0].wait()
+            buf = torch.from_numpy(np.ascontiguousarray(local)).to(state.device)
+            # Non-blocking: this rank goes on to the next round while rank 0 encodes this one.
+            sending = (dist.isend(buf, state.cp_ranks[0], group=state.cp_group), buf)
+            continue
+        yield local
+        del local
+        for src in range(1, split.active):
+            v0, v1 = split.video_range(src, k)
+            buf = torch.empty((v1 - v0, *frame_shape), dtype=torch.uint8, device=state.device)
+            dist.recv(buf, state.cp_ranks[src], group=state.cp_group)
+            yield buf.cpu().numpy()
+    if sending is not None:
+        sending[0].wait()

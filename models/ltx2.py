@@ -34,10 +34,11 @@ from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_nois
 
 from cp_infer import ExchangeWorkspace, LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
 from cp_infer.collectives import all_reduce_sum
-from cp_infer.decode import TemporalSplit
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
+from .ltx_vae_parallel import DecodeContext, decode_round, parallelize_ltx2_decoder
 from .ltx_video import _scoped
 from .registry import min_latent_side
 
@@ -230,6 +231,12 @@ class LTX2Model:
         )
         self._ctx = _ShardContext(state=state)
         parallelize_ltx2_transformer(components.transformer, self._ctx)
+        self._decode_ctx = DecodeContext(state=state)
+        parallelize_ltx2_decoder(components.vae, self._decode_ctx)
+
+    decode_frames_per_rank: int | None = DEFAULT_FRAMES_PER_RANK
+    """Latent frames each rank decodes per streamed round; ``None``: one round (the whole video at once, as
+    diffusers decodes it: bit-identical to LTX2Pipeline, memory growing with the video)."""
 
     @property
     def transformer(self):
@@ -410,12 +417,18 @@ class LTX2Model:
             video = (1 - scale) * video + scale * noise
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         video = video.to(vae.dtype)
-        # TODO(decode): time-parallel decode of the LTX-2 VAE; until then group rank 0 decodes the whole video.
-        split = TemporalSplit(latent_frames=video.shape[2], world=1,
-                              temporal_compression=self.geometry.temporal_compression)
+        # Time-parallel and streamed in rounds, exact (``cp_infer.decode``), as for LTX-Video.
+        split = TemporalSplit(latent_frames=video.shape[2], world=self.state.cp_size,
+                              temporal_compression=self.geometry.temporal_compression,
+                              frames_per_rank=self.decode_frames_per_rank)
 
         def decode_range(a: int, b: int) -> np.ndarray:
-            frames = vae.decode(video[:, :, a:b], timestep, return_dict=False)[0]
+            # NOTE(decode-noise): a VAE that injects noise draws it from the global RNG: seeded from the request,
+            # the same on every rank and in every round, inside a forked RNG (see models.ltx_video).
+            devices = [video.device] if video.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), _scoped(self._decode_ctx, "split", split):
+                torch.manual_seed(request.seed)
+                frames = decode_round(vae, self._decode_ctx, video, a, b, timestep)
             frames = pipe.video_processor.postprocess_video(frames, output_type="np")[0]
             return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 

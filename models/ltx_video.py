@@ -4,9 +4,11 @@ The model maths is diffusers' (``LTXVideoTransformer3DModel``, ``AutoencoderKLLT
 ``LTXPipeline``'s own prompt encoding, latent packing and post-processing). Parallelism is applied from
 outside by :func:`parallelize_ltx_transformer`:
 - every self-attention (``attn1``) gets a processor that runs the projections, QK-norm and RoPE on the local
-  shard and the attention itself through :func:`cp_infer.ulysses_attention`;
-- the RoPE module's (cos, sin) over the whole grid are cut to this rank's shard by a forward hook, with the
-  same :class:`ShardPlan` as the latents;
+  shard and the attention itself through :func:`cp_infer.ulysses_attention`, handing it q, k and v one at a
+  time (each is projected when the exchange packs it, so they are never all alive next to the send buffer);
+- the RoPE module is handed the coordinates of this rank's tokens (same :class:`ShardPlan` as the latents) and
+  computes (cos, sin) for those tokens only, once for the whole batch, never over the whole grid; on one rank
+  it runs unchanged;
 - cross-attention (``attn2``) is untouched: its queries are local and the text keys are replicated, so it
   needs no communication. Everything else in a block is per token.
 """
@@ -14,8 +16,9 @@ outside by :func:`parallelize_ltx_transformer`:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,12 +26,12 @@ from diffusers import LTXPipeline
 from diffusers.models.transformers.transformer_ltx import LTXAttention, apply_rotary_emb
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
 
-from cp_infer import ExchangeWorkspace, LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
-from cp_infer.decode import TemporalSplit
+from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
-from .ltx_vae_parallel import DecodeContext, parallelize_ltx_decoder
+from .ltx_vae_parallel import DecodeContext, decode_round, parallelize_ltx_decoder
 
 __all__ = ["LTXVideoModel", "parallelize_ltx_transformer"]
 
@@ -39,8 +42,6 @@ class _ShardContext:
 
     state: ParallelState
     plan: ShardPlan | None = None
-    workspace: ExchangeWorkspace = field(default_factory=ExchangeWorkspace)
-    """Exchange buffers shared by every layer of this model (reused across layers and steps)."""
 
 
 @contextlib.contextmanager
@@ -66,18 +67,22 @@ class _UlyssesSelfAttnProcessor:
             raise RuntimeError("the parallel LTX transformer was called outside LTXVideoModel.sharded()")
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ValueError("the Ulysses processor serves self-attention only (no encoder states, no mask)")
-        query = attn.norm_q(attn.to_q(hidden_states))
-        key = attn.norm_k(attn.to_k(hidden_states))
-        value = attn.to_v(hidden_states)
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb)
-            key = apply_rotary_emb(key, image_rotary_emb)
-        # B, S_LOCAL, H*D -> B, S_LOCAL, H, D
-        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
-        out = ulysses_attention(query, key, value, plan=plan, group=self.ctx.state.cp_group,
-                                workspace=self.ctx.workspace)
-        out = out.flatten(2, 3).to(query.dtype)
-        return attn.to_out[1](attn.to_out[0](out))
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(2, (attn.heads, -1))  # B, S_LOCAL, H*D -> B, S_LOCAL, H, D
+
+        def rotated(linear: torch.nn.Module, norm: torch.nn.Module) -> torch.Tensor:  # q, k: QK-norm and RoPE
+            x = norm(linear(hidden_states))
+            return heads(x if image_rotary_emb is None else apply_rotary_emb(x, image_rotary_emb))
+
+        # Producers, not tensors: q, k and v are computed one at a time as the exchange packs them.
+        # NOTE(memory): no ExchangeWorkspace. Kept exchange buffers (twice the packed q/k/v) would stay allocated
+        # through the feed-forward, where activations peak: +40% peak activation memory per rank at 4k tokens.
+        # Fresh ones cost a page fault per 4 KiB once they exceed glibc's mmap threshold (32 MiB), a few tens of
+        # ms per layer at 4k tokens, about what the token-major exchange saves on copies.
+        out = ulysses_attention(lambda: rotated(attn.to_q, attn.norm_q), lambda: rotated(attn.to_k, attn.norm_k),
+                                lambda: heads(attn.to_v(hidden_states)), plan=plan, group=self.ctx.state.cp_group)
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3)))
 
 
 def parallelize_ltx_transformer(transformer: torch.nn.Module, ctx: _ShardContext) -> None:
@@ -85,14 +90,44 @@ def parallelize_ltx_transformer(transformer: torch.nn.Module, ctx: _ShardContext
     for block in transformer.transformer_blocks:
         block.attn1.set_processor(_UlyssesSelfAttnProcessor(ctx))
 
-    def shard_rope(_module, _args, output):
-        plan = ctx.plan
-        if plan is None:
-            return output
-        # B, S, D -> B, S_LOCAL, D (same plan as the latents, so token i keeps its position)
-        return tuple(plan.shard(x, ctx.state.cp_rank, dim=1) for x in output)
+    rope = transformer.rope
+    signature = inspect.signature(rope.forward)
 
-    transformer.rope.register_forward_hook(shard_rope)
+    def local_rope(_module, args, kwargs):
+        plan = ctx.plan
+        if plan is None or plan.world == 1:
+            return None  # one rank: diffusers' own (cos, sin) over the whole grid, bit for bit
+        call = signature.bind(*args, **kwargs)
+        call.arguments["video_coords"] = _local_video_coords(rope, call.arguments, plan, ctx.state.cp_rank)
+        return call.args, call.kwargs
+
+    rope.register_forward_pre_hook(local_rope, with_kwargs=True)
+
+
+def _local_video_coords(rope: torch.nn.Module, arguments: dict, plan: ShardPlan, rank: int) -> torch.Tensor:
+    """``[B, 3, S_LOCAL]`` RoPE coordinates of ``rank``'s tokens (``video_coords`` of ``LTXVideoRotaryPosEmbed``).
+
+    Without ``video_coords`` the module builds the coordinates of the whole grid as ``index * scale * patch /
+    base``; given them it computes ``video_coords / base``. These are ``index * scale * patch`` for this rank's
+    token range only, the same float32 operations in the same order, so every token gets the same (cos, sin) as
+    from the whole grid (up to SIMD vs scalar ``cos``/``sin`` on different lanes: an ulp). Batch 1: the rotation is
+    the same for every sample and broadcasts. Padding tokens continue the grid past its end (finite, discarded).
+    """
+    coords = arguments.get("video_coords")
+    if coords is not None:
+        # B, 3, S -> B, 3, S_LOCAL (the caller's own coordinates, cut like the latents)
+        return plan.shard(coords, rank, dim=2)
+    scale = arguments.get("rope_interpolation_scale")
+    if scale is None:
+        raise ValueError("the parallel LTX transformer needs rope_interpolation_scale (LTXPipeline always passes it)")
+    height, width = arguments["height"], arguments["width"]
+    token = torch.arange(rank * plan.local_len, (rank + 1) * plan.local_len,
+                         device=arguments["hidden_states"].device)
+    # S_LOCAL -> 1, 3, S_LOCAL: (frame, row, column) of each token, as the grid's meshgrid(f, h, w) flattens
+    coords = torch.stack([token // (height * width), token // width % height, token % width]).to(torch.float32)[None]
+    for axis, patch in enumerate((rope.patch_size_t, rope.patch_size, rope.patch_size)):
+        coords[:, axis] = coords[:, axis] * scale[axis] * patch
+    return coords
 
 
 class LTXVideoModel:
@@ -128,6 +163,14 @@ class LTXVideoModel:
     @property
     def transformer(self):
         return self.components.transformer
+
+    decode_frames_per_rank: int | None = DEFAULT_FRAMES_PER_RANK
+    """Latent frames each rank decodes per streamed round; ``None``: one round (the whole video at once, as
+    diffusers decodes it: bit-identical to LTXPipeline, memory growing with the video)."""
+
+    @property
+    def layers(self) -> int:
+        return len(self.transformer.transformer_blocks)
 
     @property
     def scheduler(self):
@@ -193,7 +236,8 @@ class LTXVideoModel:
                                              return_dict=False)[0]}
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
-        """Unpack, denormalise and (timestep-conditioned VAEs) noise the latents once; decode this rank's range."""
+        """Unpack, denormalise and (timestep-conditioned VAEs) noise the latents once; decode this rank's piece of
+        each round (``cp_infer.decode``: rounds of ``DEFAULT_FRAMES_PER_RANK`` latent frames per rank)."""
         pipe, vae = self.pipe, self.components.vae
         x = prepared.extras
         shape: LatentShape = x["shape"]
@@ -212,20 +256,23 @@ class LTXVideoModel:
             latents = (1 - scale) * latents + scale * noise
         latents = latents.to(vae.dtype)
         split = TemporalSplit(latent_frames=latents.shape[2], world=self.state.cp_size,
-                              temporal_compression=self.geometry.temporal_compression)
+                              temporal_compression=self.geometry.temporal_compression,
+                              frames_per_rank=self.decode_frames_per_rank)
 
         def decode_range(a: int, b: int) -> np.ndarray:
             # NOTE(decode-noise): real LTX-Video 0.9.1 decoders inject noise from the global RNG (the pipeline
-            # passes no generator); seed it from the request, inside a forked RNG, so a video is reproducible.
+            # passes no generator), the same spatial noise for every frame; seed it from the request, inside a
+            # forked RNG, the same on every rank and in every round, so that each draws the whole decode's noise
+            # and the video is reproducible.
             devices = [latents.device] if latents.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices), self.decode_split(split):
-                torch.manual_seed(request.seed + self.state.cp_rank)
-                video = vae.decode(latents[:, :, a:b], timestep, return_dict=False)[0]
+                torch.manual_seed(request.seed)
+                video = decode_round(vae, self._decode_ctx, latents, a, b, timestep)
             frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
             return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
         return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range)
 
     def decode_split(self, split: TemporalSplit) -> contextlib.AbstractContextManager[None]:
-        """VAE decodes inside this block run time-parallel with ``split``."""
+        """Inside this block, ``decode_round(vae, ..., a, b)`` decodes one round's piece of ``split``."""
         return _scoped(self._decode_ctx, "split", split)

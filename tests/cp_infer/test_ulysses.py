@@ -66,6 +66,7 @@ def _attention_cases(state, seed, lengths, heads_list):
                     local = [plan.shard(t, r).requires_grad_(True) for t in full]
                     out = ulysses_attention(*local, plan=plan, group=state.cp_group, key_mask=key_mask)
                     assert out.shape == local[0].shape, case
+                    assert out.is_contiguous(), case  # dense: the next Linear takes its usual GEMM path
                     assert torch.isfinite(out).all(), case
                     out.backward(plan.shard(grad_out, r))  # zero upstream gradient on padding rows
 
@@ -165,25 +166,32 @@ def test_bad_calls_raise_clear_errors(group):
 
 
 def _workspace_cases(state, seed):
-    """Reused exchange buffers give the same result as fresh ones, and an earlier output is never clobbered."""
+    """Inference calls (kept buffers, fresh buffers, q/k/v producers) equal full-sequence SDPA, agree bit for bit with
+    one another, and an earlier output is never clobbered by a later call."""
     from cp_infer import ExchangeWorkspace
 
     gen = torch.Generator().manual_seed(seed)
     n, r = state.cp_size, state.cp_rank
     workspace = ExchangeWorkspace()
-    for length, heads in ((97, 4), (1000, 6), (97, 4)):
+    # batch 1: q, k and v are views of the receive buffer; batch 2: they are gathered into the send buffer
+    for length, heads, batch in ((97, 4, 1), (1000, 6, 2), (97, 4, 2), (1000, 6, 1)):
         plan = ShardPlan(orig_len=length, world=n)
-        first = [plan.shard(torch.randn(1, length, heads, HEAD_DIM, generator=gen), r) for _ in range(3)]
-        second = [plan.shard(torch.randn(1, length, heads, HEAD_DIM, generator=gen), r) for _ in range(3)]
+        start, stop = plan.token_range(r)
+        full = [[torch.randn(batch, length, heads, HEAD_DIM, generator=gen) for _ in range(3)] for _ in range(2)]
+        first, second = ([plan.shard(t, r) for t in f] for f in full)
         with torch.no_grad():
             out1 = ulysses_attention(*first, plan=plan, group=state.cp_group, workspace=workspace)
             kept = out1.clone()
-            out2 = ulysses_attention(*second, plan=plan, group=state.cp_group, workspace=workspace)
+            producers = [(lambda t=t: t.clone()) for t in second]
+            out2 = ulysses_attention(*producers, plan=plan, group=state.cp_group, workspace=workspace)
             torch.testing.assert_close(out1, kept, rtol=0, atol=0)  # the second call did not overwrite the first
             torch.testing.assert_close(out1, ulysses_attention(*first, plan=plan, group=state.cp_group),
                                        rtol=0, atol=0)
             torch.testing.assert_close(out2, ulysses_attention(*second, plan=plan, group=state.cp_group),
                                        rtol=0, atol=0)
+        for out, f in ((out1, full[0]), (out2, full[1])):
+            torch.testing.assert_close(out[:, : stop - start], _reference(*f, None)[:, start:stop],
+                                       atol=1e-5, rtol=1e-5)
     return True
 
 

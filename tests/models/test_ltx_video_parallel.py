@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from cp_infer import ShardPlan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import sample
 
@@ -62,8 +63,10 @@ def _load(state, cache_dir, dtype=torch.float32):
     return LTXVideoModel(load_ltx_video(ensure_default_model(cache_dir), dtype=dtype), state=state)
 
 
-def _sample_all(state, cache_dir, seed, dtype=torch.float32):
+def _sample_all(state, cache_dir, seed, dtype=torch.float32, frames_per_rank=2):
+    """``frames_per_rank``: latent frames per rank per streamed decode round (None: one round)."""
     model = _load(state, cache_dir, dtype=dtype)
+    model.decode_frames_per_rank = frames_per_rank
     return [sample(model, r, state=state) for r in _requests(seed)]
 
 
@@ -75,7 +78,8 @@ def test_one_rank_equals_diffusers_pipeline(cache_dir):
     from models.loading import load_ltx_video
 
     seed = random.randrange(2**31)
-    ours = _sample_all(single_process_state(), cache_dir, seed)
+    # One decode round, as LTXPipeline decodes: bit-identical (rounds change only the summation order).
+    ours = _sample_all(single_process_state(), cache_dir, seed, frames_per_rank=None)
     c = load_ltx_video(ensure_default_model(cache_dir))
     pipe = LTXPipeline(scheduler=c.scheduler, vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer,
                        transformer=c.transformer)
@@ -121,3 +125,35 @@ def test_n_ranks_equal_one_rank(cache_dir, one_rank, world):
             diff = np.abs(got.astype(np.int16) - exp.astype(np.int16))
             assert diff.max() <= max_levels and diff.mean() < mean_levels, \
                 f"world={world} {dtype} seed={seed} shape={exp.shape}: max {diff.max()} mean {diff.mean()}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_local_rope_equals_the_shard_of_the_whole_grid(world):
+    """Each rank's (cos, sin), computed from its own tokens' coordinates only, equal the rows of diffusers' own
+    whole-grid (cos, sin) that the rank holds. No process group: the coordinates are pure arithmetic."""
+    from diffusers.models.transformers.transformer_ltx import LTXVideoRotaryPosEmbed
+
+    from models.ltx_video import _local_video_coords
+
+    rope = LTXVideoRotaryPosEmbed(dim=96, patch_size=1, patch_size_t=1)
+    frames, height, width = 5, 7, 9  # 315 tokens: uneven shards at 2 and 4 ranks
+    scale = (8 / 24, 32, 32)
+    hidden = torch.randn(2, frames * height * width, 96)
+    full = rope(hidden, frames, height, width, scale)
+    plan = ShardPlan(orig_len=frames * height * width, world=world)
+    for rank in range(world):
+        args = dict(hidden_states=hidden[:, : plan.local_len], num_frames=frames, height=height, width=width,
+                    rope_interpolation_scale=scale, video_coords=None)
+        coords = _local_video_coords(rope, args, plan, rank)
+        local = rope(hidden[:, : plan.local_len], frames, height, width, scale, coords)
+        start, stop = plan.token_range(rank)
+        for got, whole in zip(local, full, strict=True):
+            assert got.shape == (1, plan.local_len, 96)
+            assert torch.isfinite(got).all()
+            # Same float32 operations per element; only cos/sin may take another SIMD lane: within an ulp.
+            torch.testing.assert_close(got[:, : stop - start].expand(2, -1, -1), whole[:, start:stop],
+                                       rtol=0, atol=1e-6)
+        # The caller's own coordinates are cut like the latents.
+        given = torch.randn(2, 3, plan.orig_len)
+        torch.testing.assert_close(_local_video_coords(rope, dict(args, video_coords=given), plan, rank),
+                                   plan.shard(given, rank, dim=2), rtol=0, atol=0)

@@ -1,0 +1,452 @@
+"""Benchmark: LTX-2 (video + audio), ours (Ulysses engine) against diffusers' own context parallelism, in one run.
+
+Run from the repository root: ``python bench/_ltx2.py [--quick] [--steps N] [--rounds N] [--n1-threads N]``.
+From another script: ``run(argparse.Namespace(quick=False, steps=None, rounds=None, n1_threads=None))`` returns the
+report as markdown lines (None = the defaults); a line starting with ``CHECK FAILED`` means ours N=2 does not match
+ours N=1 or the run proves nothing. NOTE(threads): on a loaded 2-core machine a 2-thread process stalls in OpenMP
+barriers (steps 2-20x slower, erratic); ``--n1-threads 1`` then gives a steadier, 1-core N=1 reference.
+
+Model: diffusers' ``LTX2VideoTransformer3DModel``, 2 layers, 8 heads x 64 (audio 8 x 32), weights from
+``models.embedded.init_deterministic``, with the other seven components of ``tiny-ltx2``. RoPE "interleaved"
+everywhere: diffusers' plan splits the RoPE tables on dim 1, which for "split" (``[B, H, S, D/2]``) is the head dim.
+Workload: 41 frames at 320x512 = 960 video + 43 audio + 128 text tokens (``--quick``: 25 at 256x384 = 384 + 26),
+``LTX2Pipeline``'s default guidance (CFG, STG on the last block, modality isolation, rescale): 3 transformer passes
+(batch 2 + 1 + 1) per step. Configurations, each in its own spawned processes (gloo on 127.0.0.1), all loaded at
+once, timed rounds interleaved: ours N=1 and diffusers N=1 (1 process x 2 threads, or ``--n1-threads``), ours N=2
+and diffusers CP N=2 (2 processes x 1 thread). Ours: ``cp_infer.sampler.sample`` over ``models.ltx2.LTX2Model``;
+diffusers: ``LTX2Pipeline.__call__`` as shipped (every rank runs the whole pipeline, decode included).
+
+diffusers' CP on LTX-2 needs the two CPU/gloo patches of ``bench/_diffusers_cp.py`` (device count; the per-head
+text mask narrowed to the local heads, else SDPA cannot broadcast it) and one plan entry: the shipped ``_cp_plan``
+splits the video tokens and the self-attention RoPE (``rope``) but not the cross-modal one (``cross_attn_rope``), so
+audio-to-video attention fails ("The size of tensor a (S/N) must match the size of tensor b (S)"); we add
+``cross_attn_rope``, split like ``rope``, on the transformer instance.
+Audio is not in the plan: every rank holds the whole audio stream and Ulysses all-to-alls it anyway, so each audio
+attention runs over N copies of every audio key (exact, as duplicated keys leave softmax unchanged; N x the work).
+
+Measured: step (3 passes + guidance + scheduler step, slowest rank, median over all timed steps), denoise (the
+median round's steps summed), e2e (text encoding to decoded frames and waveform); peak RSS minus RSS after loading,
+per rank (max over ranks), after the last step ("denoise") and at the end ("e2e") of the first generation after
+loading (``VmHWM`` reset by ``clear_refs``; glibc mmap threshold 1 MiB, as in ``bench/generate.py``); the final
+packed latents (video, audio), uint8 frames and waveform against ours N=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import os
+import platform
+import queue
+import shlex
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+__all__ = ["main", "run"]
+
+_SEED = 1234
+_PROMPT = "a drummer plays on a rainy street at night, close-up, cinematic"
+_NEGATIVE = "silence, blurry, low quality"
+_FPS = 24
+_GUIDANCE = dict(guidance_scale=3.0, audio_guidance_scale=7.0, stg_scale=1.0, audio_stg_scale=1.0, modality_scale=3.0,
+                 audio_modality_scale=3.0, guidance_rescale=0.7, audio_guidance_rescale=0.7)  # LTX2Pipeline's defaults
+_TIMEOUT_S = 900.0
+_WARMUP_STEPS = 2  # NOTE(warm-up-steps): a 1-step schedule with shift_terminal divides by zero (bench/generate.py)
+_LATENT_TOL = 1e-3  # fp32; other row splits and head groupings round differently (~1e-6 per op), see generate.py
+_WAVE_TOL = 1e-4  # as tests/models/test_ltx2_parallel.py
+_MALLOC_MEASURE, _MALLOC_TIMED = (1 << 20, 1 << 20), (32 << 20, 64 << 20)  # (mmap, trim) thresholds, see generate.py
+_LAYERS, _HEADS, _HEAD_DIM = 2, 8, 64  # the benchmark transformer; audio: _HEADS x _HEAD_DIM // 2
+
+
+@dataclass(frozen=True)
+class _Bench:
+    frames: int
+    height: int
+    width: int
+    steps: int
+    rounds: int
+
+    def tokens(self) -> tuple[int, int]:
+        video = ((self.frames - 1) // 8 + 1) * (self.height // 32) * (self.width // 32)
+        return video, round(self.frames / _FPS * 16_000 / 160 / 4)  # LTX2Pipeline's audio latent rate
+
+
+@dataclass(frozen=True)
+class _Setup:
+    impl: str
+    ranks: int
+    threads: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.impl}{' CP' if self.impl == 'diffusers' and self.ranks > 1 else ''} N={self.ranks}"
+
+
+def _setups(n1_threads: int) -> tuple[_Setup, ...]:
+    """ours N=1, ours N=2, diffusers CP N=2, diffusers N=1: N=2 at 1 thread per rank, N=1 at ``n1_threads``."""
+    return _Setup("ours", 1, n1_threads), _Setup("ours", 2, 1), _Setup("diffusers", 2, 1), \
+        _Setup("diffusers", 1, n1_threads)
+
+
+# Inside a rank process.
+
+
+def _status_kib(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(-3, mmap_threshold)) and bool(libc.mallopt(-1, trim_threshold))  # M_MMAP/M_TRIM
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+def _build_components() -> dict[str, Any]:
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from models.default_ltx2 import build_ltx2_components
+    from models.embedded import init_deterministic
+
+    c = build_ltx2_components(rope_type="interleaved")
+    tiny = c["transformer"].config
+    # Audio heads = video heads: the cross-modal attentions use the audio head count on both streams.
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=tiny.in_channels, out_channels=tiny.out_channels, num_attention_heads=_HEADS,
+        attention_head_dim=_HEAD_DIM, cross_attention_dim=_HEADS * _HEAD_DIM, audio_in_channels=tiny.audio_in_channels,
+        audio_out_channels=tiny.audio_out_channels, audio_num_attention_heads=_HEADS,
+        audio_attention_head_dim=_HEAD_DIM // 2, audio_cross_attention_dim=_HEADS * _HEAD_DIM // 2,
+        num_layers=_LAYERS, caption_channels=tiny.caption_channels, rope_type="interleaved")
+    init_deterministic(transformer, _SEED)
+    c["transformer"] = transformer.eval()
+    return c
+
+
+def _request(b: _Bench, steps: int):
+    from cp_infer.request import GenerationRequest
+
+    return GenerationRequest(prompt=_PROMPT, negative_prompt=_NEGATIVE, num_frames=b.frames, height=b.height,
+                             width=b.width, num_inference_steps=steps, seed=_SEED, fps=_FPS,
+                             stg_blocks=(_LAYERS - 1,), **_GUIDANCE)
+
+
+class _Ours:
+    def __init__(self, components: dict[str, Any], *, state: Any) -> None:
+        from models.ltx2 import LTX2Model
+
+        self.state, self.model = state, LTX2Model(SimpleNamespace(**components), state=state)
+        decoder, self.record = self.model.decoder, {}
+
+        def recording_decoder(latents, prepared):  # the full packed latents the sampler hands to the decode
+            self.record.update(latents={k: v.numpy().copy() for k, v in latents.items()})
+            return decoder(latents, prepared)
+
+        self.model.decoder = recording_decoder
+
+    def __call__(self, request: Any, on_last_step: Any) -> dict[str, Any]:
+        from cp_infer.sampler import SampleControl, sample
+
+        self.record = record = {"steps": []}
+
+        def on_step(done: int, total: int, seconds: float) -> None:
+            record["steps"].append(seconds)
+            if done == total:
+                on_last_step()
+
+        control = SampleControl(on_step=on_step, on_audio=lambda w, _sr: record.update(waveform=w))
+        record["frames"] = sample(self.model, request, state=self.state, control=control)
+        return record
+
+
+class _Diffusers:
+    """``LTX2Pipeline.__call__`` as shipped; context-parallel over ``ranks`` when > 1 (see the module docstring)."""
+
+    def __init__(self, components: dict[str, Any], *, ranks: int) -> None:
+        from diffusers import LTX2Pipeline
+        from diffusers.models._modeling_parallel import ContextParallelInput
+
+        from bench._diffusers_cp import enable_diffusers_context_parallel
+
+        self.pipe = pipe = LTX2Pipeline(**components)
+        pipe.set_progress_bar_config(disable=True)
+        t = pipe.transformer
+        if ranks > 1:
+            # NOTE(cp-plan): the one plan change: split the cross-modal video RoPE like the self-attention one.
+            split = {i: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True) for i in (0, 1)}
+            t._cp_plan = {**type(t)._cp_plan, "cross_attn_rope": split}
+            enable_diffusers_context_parallel(t, ulysses_degree=ranks)
+        self._start: float | None = None
+        self.record: dict[str, Any] = {}
+        t.register_forward_pre_hook(self._on_pass)
+        denormalize = pipe._denormalize_audio_latents  # the final packed audio latents pass through here once
+
+        def recording_denormalize(latents, *args, **kwargs):
+            self.record["latents"]["audio"] = latents.numpy().copy()
+            return denormalize(latents, *args, **kwargs)
+
+        pipe._denormalize_audio_latents = recording_denormalize
+
+    def _on_pass(self, _module, _args) -> None:
+        if self._start is None:  # the first of the step's 3 transformer passes starts the step
+            self._start = time.perf_counter()
+
+    def __call__(self, request: Any, on_last_step: Any) -> dict[str, Any]:
+        self.record = record = {"steps": [], "latents": {}}
+
+        def on_step_end(_pipe, i: int, _t, kwargs: dict[str, Any]) -> dict[str, Any]:
+            record["steps"].append(time.perf_counter() - self._start)
+            self._start = None
+            if i == request.num_inference_steps - 1:
+                on_last_step()
+                record["latents"]["video"] = kwargs["latents"].numpy().copy()  # B, S, C: gathered by proj_out's hook
+            return {}
+
+        out = self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.num_frames,
+                        height=request.height, width=request.width, num_inference_steps=request.num_inference_steps,
+                        frame_rate=request.fps, spatio_temporal_guidance_blocks=list(request.stg_blocks),
+                        max_sequence_length=request.max_sequence_length, output_type="np",
+                        generator=torch.Generator("cpu").manual_seed(request.seed), callback_on_step_end=on_step_end,
+                        **_GUIDANCE)
+        record["frames"] = (np.clip(out.frames[0], 0.0, 1.0) * 255.0).round().astype(np.uint8)
+        record["waveform"] = out.audio[0].float().numpy()
+        return record
+
+
+def _worker(rank: int, setup: _Setup, b: _Bench, port: int, inbox, outbox) -> None:
+    """One rank: load, report, then serve ``"warmup"`` / ``"timed"`` commands until ``None``."""
+    try:
+        malloc_ok = _set_malloc(*_MALLOC_MEASURE)
+        torch.set_num_threads(setup.threads)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if setup.ranks > 1:
+            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=setup.ranks,
+                                    timeout=datetime.timedelta(seconds=_TIMEOUT_S))
+        components = _build_components()
+        weights = list(components["transformer"].parameters())
+        if setup.impl == "ours":
+            from cp_infer import ParallelConfig, init_parallel  # builds its groups on the default one above
+
+            state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=_TIMEOUT_S), rank=rank,
+                                  world_size=setup.ranks, local_rank=rank)
+            run = _Ours(components, state=state)
+        else:
+            run = _Diffusers(components, ranks=setup.ranks)
+        barrier = dist.barrier if dist.is_initialized() else (lambda: None)
+        barrier()
+        rss_loaded = _status_kib("VmRSS")
+        outbox.put((rank, "ok", dict(checksum=sum(p.double().sum().item() for p in weights), malloc_ok=malloc_ok,
+                                     params=sum(p.numel() for p in weights))))
+        while (command := inbox.get()) is not None:
+            barrier()
+            if command == "warmup":
+                hwm = []
+                reset = _reset_peak_rss()
+                run(_request(b, _WARMUP_STEPS), lambda hwm=hwm: hwm.append(_status_kib("VmHWM")))
+                reply = dict(peak_reset=reset, act_denoise_mib=(hwm[0] - rss_loaded) / 1024,
+                             act_e2e_mib=(_status_kib("VmHWM") - rss_loaded) / 1024)
+                _set_malloc(*_MALLOC_TIMED)
+            else:
+                started = time.perf_counter()
+                record = run(_request(b, b.steps), lambda: None)
+                reply = dict(e2e_s=time.perf_counter() - started, steps=record["steps"])
+                if rank == 0:
+                    reply.update({k: record[k] for k in ("latents", "frames", "waveform")})
+            outbox.put((rank, "ok", reply))
+    except BaseException:  # noqa: BLE001 -- every failure goes back to the main process with its traceback
+        outbox.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# The main process.
+
+
+class _Group:
+    """The rank processes of one configuration; ``call`` sends a command to every rank and returns the replies."""
+
+    def __init__(self, setup: _Setup, b: _Bench) -> None:
+        ctx = mp.get_context("spawn")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.setup, self.outbox, self.inboxes = setup, ctx.Queue(), [ctx.Queue() for _ in range(setup.ranks)]
+        self.procs = [ctx.Process(target=_worker, args=(r, setup, b, port, self.inboxes[r], self.outbox), daemon=True)
+                      for r in range(setup.ranks)]
+        for p in self.procs:
+            p.start()
+
+    def replies(self) -> list[dict[str, Any]]:
+        got, errors = {}, []
+        while len(got) + len(errors) < self.setup.ranks:
+            try:
+                rank, status, payload = self.outbox.get(timeout=_TIMEOUT_S)
+            except queue.Empty:
+                raise RuntimeError(f"{self.setup.label}: no reply within {_TIMEOUT_S:.0f} s") from None
+            if status == "error":
+                errors.append(f"--- {self.setup.label} rank {rank} ---\n{payload}")
+            else:
+                got[rank] = payload
+        if errors:
+            raise RuntimeError("rank failure:\n" + "\n".join(errors))
+        return [got[r] for r in range(self.setup.ranks)]
+
+    def call(self, command: str) -> list[dict[str, Any]]:
+        for inbox in self.inboxes:
+            inbox.put(command)
+        return self.replies()
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def _measure(b: _Bench, setups: tuple[_Setup, ...]) -> dict[str, dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {s.label: {"rounds": []} for s in setups}
+    with contextlib.ExitStack() as stack:
+        groups = []
+        for setup in setups:
+            groups.append(_Group(setup, b))
+            stack.callback(groups[-1].close)
+        for g in groups:
+            ready, row = g.replies(), rows[g.setup.label]
+            row.update(checksums={r["checksum"] for r in ready}, params=ready[0]["params"],
+                       malloc_ok=all(r["malloc_ok"] for r in ready))
+            warm = g.call("warmup")
+            row.update({k: max(r[k] for r in warm) for k in ("act_denoise_mib", "act_e2e_mib")},
+                       peak_reset=all(r["peak_reset"] for r in warm))
+            print(f"[ltx2] {g.setup.label}: loaded and warmed up", file=sys.stderr, flush=True)
+        for round_ in range(b.rounds):  # round r starts at configuration r: load falls on every one alike
+            for g in groups[round_ % len(groups):] + groups[:round_ % len(groups)]:
+                row = rows[g.setup.label]
+                row.setdefault("load", os.getloadavg()[0])
+                timed = g.call("timed")
+                row["rounds"].append(dict(e2e_s=max(r["e2e_s"] for r in timed),
+                                          steps=[max(r["steps"][i] for r in timed) for i in range(b.steps)]))
+                row.update({k: timed[0][k] for k in ("latents", "frames", "waveform")})
+                print(f"[ltx2] {g.setup.label}: round {round_ + 1}/{b.rounds} e2e {row['rounds'][-1]['e2e_s']:.1f} s",
+                      file=sys.stderr, flush=True)
+    for row in rows.values():
+        rounds = sorted(row["rounds"], key=lambda r: r["e2e_s"])
+        row.update(e2e_s=statistics.median(r["e2e_s"] for r in rounds), denoise_s=sum(rounds[(len(rounds) - 1) // 2][
+            "steps"]), step_s=statistics.median(s for r in rounds for s in r["steps"]),
+                   step_min_s=min(s for r in rounds for s in r["steps"]))
+    return rows
+
+
+def _diff(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+    n = min(row["waveform"].shape[1], ref["waveform"].shape[1])  # ours pads the soundtrack to the video's length
+    return dict(video=float(np.abs(row["latents"]["video"] - ref["latents"]["video"]).max()),
+                audio=float(np.abs(row["latents"]["audio"] - ref["latents"]["audio"]).max()),
+                frames=int(np.abs(row["frames"].astype(np.int16) - ref["frames"].astype(np.int16)).max()),
+                wave=float(np.abs(row["waveform"][:, :n] - ref["waveform"][:, :n]).max()))
+
+
+def run(args: argparse.Namespace) -> list[str]:
+    """Measure every configuration; return the report (model line, table, ratios, checks) as markdown lines."""
+    quick = bool(getattr(args, "quick", False))
+    b = _Bench(frames=25 if quick else 41, height=256 if quick else 320,
+               width=384 if quick else 512, steps=getattr(args, "steps", None) or (2 if quick else 4),
+               rounds=getattr(args, "rounds", None) or (1 if quick else 3))
+    setups = _setups(getattr(args, "n1_threads", None) or 2)
+    rows = _measure(b, setups)
+    o1, o2, c2, d1 = (rows[s.label] for s in setups)
+    video_tokens, audio_tokens = b.tokens()
+    lines = [f"LTX-2: `LTX2VideoTransformer3DModel`, {_LAYERS} layers, {_HEADS} heads x {_HEAD_DIM} (audio "
+             f"{_HEADS} x {_HEAD_DIM // 2}), rope interleaved, {o1['params'] / 1e6:.1f} M params; "
+             f"{b.frames} frames at {b.height}x{b.width}: {video_tokens} video + {audio_tokens} audio + 128 text "
+             f"tokens; {b.rounds} timed round(s) of {b.steps} steps after one {_WARMUP_STEPS}-step warm-up; "
+             "LTX2Pipeline's default guidance (3 transformer passes per step).", "",
+             "| config | ranks x threads | load at start | step median (s) | step min (s) | denoise (s) | e2e (s) "
+             "| peak - loaded RSS / rank: denoise (MiB) | e2e (MiB) | max abs Δ vs ours N=1: video latents "
+             "| audio latents | frames (levels) | waveform |", "|---|---|---|" + "---:|" * 10]
+    for s in setups:
+        r = rows[s.label]
+        d = r["d"] = _diff(r, o1)
+        cells = [s.label, f"{s.ranks} x {s.threads}", f"{r['load']:.1f}", f"{r['step_s']:.3f}",
+                 f"{r['step_min_s']:.3f}", f"{r['denoise_s']:.2f}", f"{r['e2e_s']:.2f}", f"{r['act_denoise_mib']:.0f}",
+                 f"{r['act_e2e_mib']:.0f}", f"{d['video']:.1e}", f"{d['audio']:.1e}", str(d["frames"]),
+                 f"{d['wave']:.1e}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "ratios (< 1: the first is faster / smaller):"]
+    pairs = (("ours N=2 / ours N=1", o2, o1), ("ours N=2 / diffusers CP N=2", o2, c2),
+             ("diffusers CP N=2 / diffusers N=1", c2, d1),
+             ("ours N=1 / diffusers N=1 (same maths: a noise check)", o1, d1))
+    for label, x, y in pairs:
+        q = {k: x[k] / y[k] for k in ("step_s", "step_min_s", "denoise_s", "e2e_s", "act_denoise_mib", "act_e2e_mib")}
+        lines.append(f"- {label}: step {q['step_s']:.3f} (min {q['step_min_s']:.3f}), denoise {q['denoise_s']:.3f}, "
+                     f"e2e {q['e2e_s']:.3f}; peak act. mem / rank: denoise {q['act_denoise_mib']:.3f}, "
+                     f"e2e {q['act_e2e_mib']:.3f}")
+    dd = _diff(c2, d1)
+    lines += ["", f"diffusers CP N=2 vs its own N=1: max abs Δ video latents {dd['video']:.1e}, audio latents "
+              f"{dd['audio']:.1e}, frames {dd['frames']} levels, waveform {dd['wave']:.1e}."]
+    checksums = set().union(*(r["checksums"] for r in rows.values()))
+    if len(checksums) != 1:
+        lines.append(f"CHECK FAILED: transformer weights differ between processes: {sorted(checksums)}")
+    d = o2["d"]
+    if d["video"] > _LATENT_TOL or d["audio"] > _LATENT_TOL or d["frames"] > 1 or d["wave"] > _WAVE_TOL:
+        lines.append(f"CHECK FAILED: ours N=2 differs from ours N=1 beyond latents {_LATENT_TOL}, frames 1 level, "
+                     f"waveform {_WAVE_TOL}: {d}")
+    if float(o1["latents"]["video"].std()) < 0.1 or float(o1["frames"].std()) < 5:
+        lines.append("CHECK FAILED: degenerate reference output: the comparisons would prove nothing")
+    lines.append(f"weights identical in every process: {len(checksums) == 1}; peak reset by clear_refs: "
+                 f"{all(r['peak_reset'] for r in rows.values())}; malloc thresholds set: "
+                 f"{all(r['malloc_ok'] for r in rows.values())}.")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    import diffusers
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="25 frames at 256x384, 1 round of 2 steps")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps per timed generation (default 4)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed generations per configuration (default 3)")
+    parser.add_argument("--n1-threads", type=int, default=None, help="intra-op threads of the N=1 runs (default 2)")
+    args = parser.parse_args(argv)
+    if (args.steps is not None and args.steps < 2) or (args.rounds is not None and args.rounds < 1):
+        raise ValueError(f"steps={args.steps} must be >= 2 and rounds={args.rounds} >= 1")
+    command = shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv])
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    started = time.perf_counter()
+    lines = [f"command: `{command}`", "", f"python {platform.python_version()}, torch {torch.__version__}, diffusers "
+             f"{diffusers.__version__}; {os.cpu_count()} CPU cores; gloo on 127.0.0.1; fp32; load average at the "
+             f"start (1/5/15 min): {load}.", "", *run(args)]
+    lines.append(f"wall time {time.perf_counter() - started:.0f} s; load average at the end (1/5/15 min): "
+                 f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())}.")
+    print("\n".join(lines))
+    return 1 if any(line.startswith("CHECK FAILED") for line in lines) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
