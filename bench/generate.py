@@ -7,17 +7,27 @@ Run from the repository root::
 Every number comes from the same run and is printed as one markdown table, with the command line and the
 environment above it and one PASS/FAIL line per target below it.
 
-Model: diffusers' real ``LTXVideoTransformer3DModel`` at a benchmark size (default 2 layers, 16 heads x 64 head
-dim, 16 latent channels, 42 M parameters: a denoising step at 4096 tokens is seconds of GEMM and SDPA on 2 cores;
-``--quick``: 1 layer x 8 heads; random weights from torch's own init under a fixed seed, so every process builds the
-same weights: a float64 checksum of the parameters is compared across all processes). Text encoder, tokenizer,
-VAE and scheduler are the embedded default model's (``models.default.build_default_components``): a tiny T5 and
-a tiny VAE with LTX-Video's real compression (8x time, 32x space). The transformer does the denoising work.
+Models: diffusers' real ``LTXVideoTransformer3DModel`` at two benchmark sizes, random weights from torch's own init
+under a fixed seed, so every process builds the same weights (a float64 checksum of the parameters is compared
+across the processes of a workload). Text encoder, tokenizer, VAE and scheduler are the embedded default model's
+(``models.default.build_default_components``): a tiny T5 and a tiny VAE with LTX-Video's real compression (8x time,
+32x space). The transformer does the denoising work.
+
+- wide: 2 layers, 16 heads x 64 head dim (inner 1024), 42 M parameters: a step at 4096 tokens is seconds of GEMM
+  and SDPA on 2 cores (``--layers``/``--heads``; ``--quick``: 1 layer x 8 heads);
+- narrow: 8 layers, 2 heads x 64 (inner 128; ``--quick``: 4 layers). NOTE(comm-bound): what makes a step
+  communication-bound is the work per exchanged byte. A layer's GEMMs grow with the square of its width, its
+  exchange (q, k, v out, the output back) linearly, so a wide layer on a slow CPU is compute-bound at any sequence
+  length: on the wide model at 512 tokens ours spends ~2% of a step in its exchanges here. The real LTX-Video
+  layer (inner 2048, bf16) on GPUs with NVLink does ~7,000 FLOP per exchanged byte against a machine balance of
+  ~2,000; this machine does ~140 GFLOP/s per core against a few GB/s over loopback (~50 FLOP/B), and the narrow
+  layer's ~220 FLOP per exchanged byte puts it in the same regime. The table shows the measured share.
 
 Workloads (latent token counts are even, as diffusers' context parallelism requires; text is 128 tokens):
 
-- comm-bound: 25 frames at 256x512 -> 4 x 8 x 16 = 512 latent tokens;
-- compute-bound (the long video): 121 frames at 512x512 -> 16 x 16 x 16 = 4096 latent tokens.
+- comm-bound: 25 frames at 256x512 -> 4 x 8 x 16 = 512 latent tokens, narrow model;
+- short, wide model: the same 512 tokens on the wide model (context only: no target is read off it);
+- compute-bound (the long video): 121 frames at 512x512 -> 16 x 16 x 16 = 4096 latent tokens, wide model.
 
 Configurations, each in its own fresh processes (``torch.multiprocessing`` spawn, gloo on 127.0.0.1, free port):
 
@@ -45,6 +55,10 @@ round starts is in the table.
   median over the rounds.
 - step: one denoising step (transformer with CFG + scheduler step), slowest rank per step; median over all
   timed steps. denoise = the median round's sum over its steps; other = e2e - denoise.
+- collectives / step: tensor all-to-alls and all-gathers issued per denoising step (rank 0); in ours' exchange /
+  step: the wall time ours N=2 spends inside them per step (synchronous on gloo: transfer plus waiting for the
+  peer; median over rounds, slowest rank). diffusers' functional collectives are asynchronous, so only their
+  count is shown.
 - peak activation memory per rank, from ``VmHWM`` and ``VmRSS`` in ``/proc/self/status``, the peak reset with
   ``echo 5 > /proc/self/clear_refs``; max over ranks. "1st gen": the first generation after loading, peak minus
   RSS after loading, read after the last denoising step ("denoise") and at its end ("e2e", adding the VAE
@@ -132,6 +146,9 @@ class Workload:
     frames: int
     height: int
     width: int
+    model: ModelSize
+    target: bool = True
+    """Whether the issue's targets are read off this workload (``False``: reported for context only)."""
 
     def tokens(self) -> int:
         from cp_infer import VideoGeometry
@@ -155,7 +172,6 @@ class Setup:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    model: ModelSize
     workloads: tuple[Workload, ...]
     setups: tuple[Setup, ...]
     steps: int
@@ -171,8 +187,14 @@ class BenchConfig:
                 raise ValueError(f"workload {w.name} has {w.tokens()} latent tokens; diffusers' CP needs an even count")
 
 
-COMM = Workload("comm-bound", frames=25, height=256, width=512)
-COMPUTE = Workload("compute-bound", frames=121, height=512, width=512)
+def _workloads(wide: ModelSize, narrow: ModelSize) -> tuple[Workload, ...]:
+    """comm-bound (narrow model), short sequence on the wide model (context, no target), compute-bound (wide)."""
+    return (Workload(COMM, frames=25, height=256, width=512, model=narrow),
+            Workload(SHORT_WIDE, frames=25, height=256, width=512, model=wide, target=False),
+            Workload(COMPUTE, frames=121, height=512, width=512, model=wide))
+
+
+COMM, SHORT_WIDE, COMPUTE = "comm-bound", "short, wide model", "compute-bound"
 OURS_1, OURS_2 = Setup("ours", 1, 2), Setup("ours", 2, 1)
 DIFF_2, DIFF_1 = Setup("diffusers", 2, 1), Setup("diffusers", 1, 2)
 
@@ -269,6 +291,43 @@ class _OursRunner:
         return record
 
 
+class _CollectiveClock:
+    """Counts the tensor collectives a rank issues and the wall time spent inside them.
+
+    Wraps ``torch.distributed``'s and the functional collectives' all-to-all and all-gather (looked up by attribute
+    at every call by both our engine and diffusers). Ours are synchronous on gloo, so their time is the exchange's
+    (transfer plus waiting for the peer); diffusers' functional collectives return at once and are waited for
+    later, so for them only the count means something.
+    """
+
+    def __init__(self) -> None:
+        self.calls, self.seconds = 0, 0.0
+
+    @classmethod
+    def install(cls) -> _CollectiveClock:
+        import torch.distributed._functional_collectives as funcol
+
+        clock = cls()
+        for module, name in ((dist, "all_to_all_single"), (dist, "all_gather_into_tensor"),
+                             (funcol, "all_to_all_single"), (funcol, "all_gather_tensor")):
+            setattr(module, name, clock._wrap(getattr(module, name)))
+        return clock
+
+    def reading(self) -> tuple[int, float]:
+        return self.calls, self.seconds
+
+    def _wrap(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.calls += 1
+                self.seconds += time.perf_counter() - started
+
+        return timed
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -308,7 +367,8 @@ def _worker(rank: int, setup: Setup, config: BenchConfig, workload: Workload, po
             dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=setup.ranks,
                                     timeout=datetime.timedelta(seconds=_TIMEOUT_S))
         started = time.perf_counter()
-        components = _build_components(config.model)
+        components = _build_components(workload.model)
+        clock = _CollectiveClock.install()
         weights = list(components["transformer"].parameters())
         if state is not None:
             run = _OursRunner(components, state=state)
@@ -328,9 +388,12 @@ def _worker(rank: int, setup: Setup, config: BenchConfig, workload: Workload, po
                 reply = _warmup(run, workload, rss_loaded)
                 _set_malloc(*_MALLOC_TIMED)
             else:
-                started = time.perf_counter()
-                record = run(_request(workload, config.steps), lambda: None)
-                reply = dict(e2e_s=time.perf_counter() - started, steps=record["steps"])
+                started, at_start, at_last_step = time.perf_counter(), clock.reading(), []
+                record = run(_request(workload, config.steps), lambda mark=at_last_step.append: mark(clock.reading()))
+                (calls, seconds), (calls_0, seconds_0) = at_last_step[0], at_start
+                reply = dict(e2e_s=time.perf_counter() - started, steps=record["steps"],
+                             collectives=(calls - calls_0) / config.steps,
+                             exchange_s=(seconds - seconds_0) / config.steps)
                 if rank == 0:
                     reply.update(latents=record["latents"], frames=record["frames"])
             outbox.put((rank, "ok", reply))
@@ -422,7 +485,9 @@ def _measure(config: BenchConfig, workload: Workload) -> dict[str, dict[str, Any
                 row.setdefault("load", os.getloadavg()[0])
                 timed = group.call("timed", round_)
                 steps = [max(r["steps"][i] for r in timed) for i in range(config.steps)]
-                row["rounds"].append(dict(e2e_s=max(r["e2e_s"] for r in timed), steps=steps))
+                row["rounds"].append(dict(e2e_s=max(r["e2e_s"] for r in timed), steps=steps,
+                                          collectives=timed[0]["collectives"],
+                                          exchange_s=max(r["exchange_s"] for r in timed)))
                 row.update(latents=timed[0]["latents"], frames=timed[0]["frames"])
                 _progress(f"[{workload.name}] {group.setup.label}: round {round_ + 1}/{config.rounds} "
                           f"e2e {row['rounds'][-1]['e2e_s']:.1f} s (load {os.getloadavg()[0]:.1f})")
@@ -430,7 +495,9 @@ def _measure(config: BenchConfig, workload: Workload) -> dict[str, dict[str, Any
         rounds = sorted(row["rounds"], key=lambda r: r["e2e_s"])
         median_round = rounds[(len(rounds) - 1) // 2]
         row.update(e2e_s=statistics.median(r["e2e_s"] for r in rounds), denoise_s=sum(median_round["steps"]),
-                   step_s=statistics.median(s for r in rounds for s in r["steps"]))
+                   step_s=statistics.median(s for r in rounds for s in r["steps"]),
+                   collectives=median_round["collectives"],
+                   exchange_s=statistics.median(r["exchange_s"] for r in rounds))
     return rows
 
 
@@ -442,8 +509,9 @@ def _progress(message: str) -> None:
 # Report.
 # ---------------------------------------------------------------------------------------------------------
 
-_COLUMNS = ("workload", "latent tokens", "config", "ranks x threads", "load at start", "e2e (s)", "denoise (s)",
-            "step median (s)", "other (s)", "peak act. mem / rank: denoise, 1st gen (MiB)", "denoise, steady (MiB)",
+_COLUMNS = ("workload", "latent tokens", "transformer: layers x heads x dim", "config", "ranks x threads",
+            "load at start", "e2e (s)", "denoise (s)", "step median (s)", "other (s)", "collectives / step",
+            "in ours' exchange / step (s)", "peak act. mem / rank: denoise, 1st gen (MiB)", "denoise, steady (MiB)",
             "e2e with decode, 1st gen (MiB)",
             "max abs Δ latents vs ours N=1", "max Δ frames vs ours N=1 (levels)")
 
@@ -454,14 +522,18 @@ def _compare(row: dict[str, Any], ref: dict[str, Any]) -> None:
 
 
 def _table(config: BenchConfig, rows: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
-    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "|".join("---" if i < 5 else "---:"
+    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "|".join("---" if i < 6 else "---:"
                                                                 for i in range(len(_COLUMNS))) + "|"]
     for w in config.workloads:
         for s in config.setups:
             row, first = rows[(w.name, s.label)], s == config.setups[0]
-            cells = [w.name if first else "", str(w.tokens()) if first else "", s.label, f"{s.ranks} x {s.threads}",
+            m = w.model
+            cells = [w.name if first else "", str(w.tokens()) if first else "",
+                     f"{m.layers} x {m.heads} x {m.head_dim}" if first else "", s.label, f"{s.ranks} x {s.threads}",
                      f"{row['load']:.1f}", f"{row['e2e_s']:.2f}", f"{row['denoise_s']:.2f}", f"{row['step_s']:.3f}",
-                     f"{row['e2e_s'] - row['denoise_s']:.2f}", f"{row['act_denoise_mib']:.0f}",
+                     f"{row['e2e_s'] - row['denoise_s']:.2f}", f"{row['collectives']:.0f}",
+                     f"{row['exchange_s']:.3f}" if s.impl == "ours" and s.ranks > 1 else "",
+                     f"{row['act_denoise_mib']:.0f}",
                      f"{row['act_steady_mib']:.0f}", f"{row['act_e2e_mib']:.0f}", f"{row['d_latents']:.1e}",
                      str(row["d_frames"])]
             lines.append("| " + " | ".join(cells) + " |")
@@ -483,7 +555,11 @@ def _ratios(config: BenchConfig, rows: dict[tuple[str, str], dict[str, Any]]) ->
     for w in config.workloads:
         r = {s.label: rows[(w.name, s.label)] for s in config.setups}
         o1, o2, d2 = r[OURS_1.label], r[OURS_2.label], r[DIFF_2.label]
-        lines.append(f"{w.name} ({w.tokens()} tokens), ratios:")
+        lines.append(f"{w.name} ({w.tokens()} tokens, {w.model.layers} x {w.model.heads} x {w.model.head_dim}), "
+                     f"ratios{'' if w.target else ' (context only: no target is read off this workload)'}:")
+        add("share of ours' N=2 step spent in its exchanges (all-to-all: transfer + waiting for the peer)",
+            o2["exchange_s"] / o2["step_s"])
+        add("collectives per step, diffusers CP N=2 / ours N=2", d2["collectives"] / max(o2["collectives"], 1))
         add("e2e ours N=2 / diffusers CP N=2", o2["e2e_s"] / d2["e2e_s"])
         add("step ours N=2 / diffusers CP N=2", o2["step_s"] / d2["step_s"])
         add("e2e ours N=2 (1 thread/rank) / ours N=1 (2 threads)", o2["e2e_s"] / o1["e2e_s"])
@@ -495,9 +571,9 @@ def _ratios(config: BenchConfig, rows: dict[tuple[str, str], dict[str, Any]]) ->
             o2["act_e2e_mib"] / o1["act_e2e_mib"])
         if DIFF_1.label in r:
             add("step ours N=1 / diffusers N=1 (same modules; a noise check)", o1["step_s"] / r[DIFF_1.label]["step_s"])
-    c = {s.label: rows[(COMPUTE.name, s.label)] for s in config.setups}
+    c = {s.label: rows[(COMPUTE, s.label)] for s in config.setups}
     o1, o2, d2 = c[OURS_1.label], c[OURS_2.label], c[DIFF_2.label]
-    comm = rows[(COMM.name, OURS_2.label)]["e2e_s"] / rows[(COMM.name, DIFF_2.label)]["e2e_s"]
+    comm = rows[(COMM, OURS_2.label)]["e2e_s"] / rows[(COMM, DIFF_2.label)]["e2e_s"]
     lines.append("targets:")
     add("comm-bound: e2e ours N=2 / diffusers CP N=2", comm, 0.8)
     add("compute-bound: e2e ours N=2 / diffusers CP N=2", o2["e2e_s"] / d2["e2e_s"], 1.0)
@@ -553,9 +629,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.family == "ltx2":
         return _ltx2_main(args)
     command = shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv])
+    wide = ModelSize(layers=args.layers or (1 if args.quick else 2), heads=args.heads or (8 if args.quick else 16))
+    narrow = ModelSize(layers=4 if args.quick else 8, heads=2)
     config = BenchConfig(
-        model=ModelSize(layers=args.layers or (1 if args.quick else 2), heads=args.heads or (8 if args.quick else 16)),
-        workloads=(COMM, COMPUTE), setups=(OURS_1, OURS_2, DIFF_2) if args.quick else (OURS_1, OURS_2, DIFF_2, DIFF_1),
+        workloads=_workloads(wide, narrow),
+        setups=(OURS_1, OURS_2, DIFF_2) if args.quick else (OURS_1, OURS_2, DIFF_2, DIFF_1),
         steps=args.steps or (2 if args.quick else 3), rounds=args.rounds or (1 if args.quick else 3),
     )
     env = _environment(config)
@@ -577,21 +655,25 @@ def main(argv: list[str] | None = None) -> int:
         if float(ref["latents"].std()) < 0.1 or float(ref["frames"].std()) < 5:
             failures.append(f"{w.name}: degenerate output (latents std {float(ref['latents'].std()):.3f}, frames std "
                             f"{float(ref['frames'].std()):.1f}): the comparisons would prove nothing")
-    checksums = set().union(*(row["checksums"] for row in rows.values()))
-    if len(checksums) != 1:
-        failures.append(f"transformer weights differ between processes: checksums {sorted(checksums)}")
+    checksums = {w.name: set().union(*(rows[(w.name, s.label)]["checksums"] for s in config.setups))
+                 for w in config.workloads}
+    same_weights = all(len(c) == 1 for c in checksums.values())
+    if not same_weights:
+        failures.append(f"transformer weights differ between the processes of one workload: checksums {checksums}")
     ratio_lines, met, total = _ratios(config, rows)
-    params = next(iter(rows.values()))["params"]
+    models = {w.model: rows[(w.name, OURS_1.label)]["params"] for w in config.workloads}
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = [
         f"command: `{command}`", "", env, "",
-        f"model: {config.model.describe(params)}; text: tiny T5, 128 tokens; VAE: tiny, 8x time / 32x space; "
+        f"models: {'; '.join(m.describe(params) for m, params in models.items())}; text: tiny T5, 128 tokens; "
+        f"VAE: tiny, 8x time / 32x space; "
         f"{config.rounds} timed round(s) of {config.steps} denoising steps per configuration, after two "
         f"{_WARMUP_STEPS}-step warm-ups; CFG on (guidance {_GUIDANCE}), same seed and weights everywhere.", "",
         *_table(config, rows), "", *ratio_lines, "", f"{met}/{total} targets met.", "",
         f"wall time {time.perf_counter() - started:.0f} s; load average at the end (1/5/15 min): {load}; peak reset "
         f"by clear_refs: {all(r['peak_reset'] for r in rows.values())}; malloc thresholds set: "
-        f"{all(r['malloc_ok'] for r in rows.values())}; weights identical in every process: {len(checksums) == 1}; "
+        f"{all(r['malloc_ok'] for r in rows.values())}; weights identical in every process of a workload: "
+        f"{same_weights}; "
         f"ours N=2 matches ours N=1 (latents within {_LATENT_TOL}, frames within 1 level): {not failures}.",
         *(f"CHECK FAILED: {failure}" for failure in failures),
     ]

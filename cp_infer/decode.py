@@ -30,10 +30,12 @@ from .state import ParallelState
 
 __all__ = ["DEFAULT_FRAMES_PER_RANK", "FrameHistory", "TemporalSplit", "exchange_frames", "decode_parallel"]
 
-DEFAULT_FRAMES_PER_RANK = 2
+DEFAULT_FRAMES_PER_RANK = 4
 """Latent frames (8 video frames each) a rank decodes per round by default: the unit of decode memory and of
-streaming. Two keep the per-round exchange overhead small against the work while giving a long video several
-rounds (257 frames on 2 ranks: 8 rounds)."""
+streaming. Fewer, larger rounds mean fewer exchanges for the ranks to wait on and larger convolutions, more memory
+and a later first frame: 257 frames on 2 ranks (``bench/decode.py``, LTX-Video 0.9.0 VAE at 128x96) decode in
+5 rounds at 4 (0.60x of one rank's time, 146 MiB per rank, first byte at 0.29 of the total) and in 9 at 2 (0.66x,
+107 MiB, 0.13); a whole-video decode holds 537 MiB. ``--decode-frames-per-rank`` sets it per deployment."""
 
 
 @dataclass(frozen=True)

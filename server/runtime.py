@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from cp_infer import ParallelConfig, ParallelState, all_reduce_max_int, broadcast_object, init_parallel, warmup
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK
 from cp_infer.request import GenerationLimits, GenerationRequest
 from cp_infer.sampler import DenoiseModel, SampleControl, StepStatus, sample
 from models.loading import parse_dtype, resolve_model
@@ -58,9 +59,14 @@ class RuntimeConfig:
     timeout_s: float = 120.0
     """Collective timeout: a rank that stops answering fails the group after this long."""
     limits: GenerationLimits = field(default_factory=GenerationLimits)
+    decode_frames_per_rank: int | None = DEFAULT_FRAMES_PER_RANK
+    """Latent frames each rank decodes per streamed round (decode memory and time to first frame grow with it);
+    ``None``: the whole video in one round."""
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if self.decode_frames_per_rank is not None and self.decode_frames_per_rank < 1:
+            raise ValueError(f"decode_frames_per_rank={self.decode_frames_per_rank} must be >= 1 (or None: one round)")
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
     state = init_parallel(ParallelConfig(device=config.device, timeout_s=config.timeout_s))
     path = resolve_model(config.model)
     model = open_model(path, dtype=config.dtype, state=state)
+    model.decode_frames_per_rank = config.decode_frames_per_rank
     warmup(state)
     if state.is_leader:
         log.info("loaded %s on %d rank(s), device %s, dtype %s", path, state.world_size, state.device, config.dtype)

@@ -271,3 +271,24 @@ def test_leader_exit_code_goes_to_the_status_file(tmp_path, monkeypatch):
     monkeypatch.setenv("CP_INFER_LEADER_STATUS", str(status))
     assert leader_exit_code(0) == 0 and not status.exists()
     assert leader_exit_code(1) == 0 and status.read_text() == "1"
+
+
+def test_decode_frames_per_rank_option(capsys):
+    """``--decode-frames-per-rank`` reaches the runtime config (``all``: one round); bad values exit 2 at parsing."""
+    from server.cli_common import runtime_config_from_args
+    from server.runtime import RuntimeConfig
+
+    def parsed(*flags: str):
+        args = cli.build_parser().parse_args(["generate", *PROMPT, "--out", "x.mp4", *flags])
+        return runtime_config_from_args(args).decode_frames_per_rank
+
+    assert parsed() == RuntimeConfig().decode_frames_per_rank >= 1
+    assert parsed("--decode-frames-per-rank", "3") == 3
+    assert parsed("--decode-frames-per-rank", "all") is None
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit) as exit_info:
+            parsed("--decode-frames-per-rank", bad)
+        assert exit_info.value.code == 2
+        assert "--decode-frames-per-rank" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="decode_frames_per_rank=0 must be >= 1"):
+        RuntimeConfig(decode_frames_per_rank=0)
