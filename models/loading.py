@@ -248,37 +248,75 @@ def _require_tokenizer_files(root: Path, names: tuple[str, ...]) -> None:
         )
 
 
+def _pick_class(root: Path, subfolder: str, classes: dict[str, Any]) -> Any:
+    class_name = _read_class_name(root / subfolder / "config.json")
+    if class_name not in classes:
+        raise ModelLoadError(
+            f"{subfolder} class {class_name!r} in {str(root)!r} is not supported; supported: {', '.join(classes)}"
+        )
+    return classes[class_name]
+
+
+def _load_components(
+    path: str | os.PathLike,
+    components_class: Any,
+    *,
+    family: str,
+    what: str,
+    subfolders: tuple[str, ...],
+    models: tuple[tuple[str, Any], ...],
+    text_encoder: Any,
+    tokenizer: Any,
+    tokenizer_files: tuple[str, ...],
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+) -> Any:
+    """Load a `family` folder into `components_class`, whose fields are named after the subfolders.
+
+    `models` are the diffusers models in load order: (subfolder, class), or (subfolder, {`_class_name`: class})
+    where the subfolder's config.json picks the class. Then come the scheduler, the transformers `text_encoder`
+    and the `tokenizer`, whose folder must hold one of `tokenizer_files` (see NOTE(empty-tokenizer)).
+    """
+    dtype = parse_dtype(dtype)
+    device = torch.device(device)
+    root = _require_dir(path)
+    _require_family(root, family, what, subfolders)
+
+    # low_cpu_mem_usage=False: the default wants `accelerate`, and without it diffusers warns on every load.
+    # NOTE(vae-dtype): on this path diffusers leaves the LTX-Video VAE decoder's 0-d `timestep_scale_multiplier`
+    # (created explicitly float32) in float32, as the stock LTXPipeline.from_pretrained does; a 0-d
+    # operand does not promote, so the decode still runs and returns in `dtype`.
+    diffusers_kwargs = dict(dtype=dtype, low_cpu_mem_usage=False)
+    components = {}
+    for subfolder, model_class in models:
+        if isinstance(model_class, dict):
+            model_class = _pick_class(root, subfolder, model_class)
+        components[subfolder] = _load(root, subfolder, model_class.from_pretrained, **diffusers_kwargs)
+    components["scheduler"] = _load(root, "scheduler", FlowMatchEulerDiscreteScheduler.from_pretrained)
+    components["text_encoder"] = _load(root, "text_encoder", text_encoder.from_pretrained, dtype=dtype)
+    _require_tokenizer_files(root, tokenizer_files)
+    components["tokenizer"] = _load(root, "tokenizer", tokenizer.from_pretrained)
+    for name in (*(subfolder for subfolder, _ in models), "text_encoder"):
+        # Device only: the dtype was set at load time, and a dtype cast here would bypass diffusers'
+        # keep-in-fp32 module list (and warn about it).
+        components[name].to(device).eval()
+    return components_class(**components, path=root, dtype=dtype, device=device)
+
+
 def load_ltx_video(
     path: str | os.PathLike, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LTXVideoComponents:
     """Load an LTX-Video diffusers folder (e.g. Lightricks/LTX-Video, or `ensure_default_model()`)."""
-    dtype = parse_dtype(dtype)
-    device = torch.device(device)
-    root = _require_dir(path)
-    _require_family(root, "ltx-video", "LTX-Video", _LTX_VIDEO_SUBFOLDERS)
-
-    # low_cpu_mem_usage=False: the default wants `accelerate`, and without it diffusers warns on every load.
-    # NOTE(vae-dtype): on this path diffusers leaves the VAE decoder's 0-d `timestep_scale_multiplier`
-    # (created explicitly float32) in float32, as the stock LTXPipeline.from_pretrained does; a 0-d
-    # operand does not promote, so the decode still runs and returns in `dtype`.
-    diffusers_kwargs = dict(dtype=dtype, low_cpu_mem_usage=False)
-    transformer = _load(root, "transformer", LTXVideoTransformer3DModel.from_pretrained, **diffusers_kwargs)
-    vae = _load(root, "vae", AutoencoderKLLTXVideo.from_pretrained, **diffusers_kwargs)
-    scheduler = _load(root, "scheduler", FlowMatchEulerDiscreteScheduler.from_pretrained)
-    text_encoder = _load(root, "text_encoder", T5EncoderModel.from_pretrained, dtype=dtype)
-    _require_tokenizer_files(root, _TOKENIZER_FILES)
-    tokenizer = _load(root, "tokenizer", T5Tokenizer.from_pretrained)
-    for model in (transformer, vae, text_encoder):
-        # Device only: the dtype was set at load time, and a dtype cast here would bypass diffusers'
-        # keep-in-fp32 module list (and warn about it).
-        model.to(device).eval()
-    return LTXVideoComponents(
-        transformer=transformer,
-        vae=vae,
-        scheduler=scheduler,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        path=root,
+    return _load_components(
+        path,
+        LTXVideoComponents,
+        family="ltx-video",
+        what="LTX-Video",
+        subfolders=_LTX_VIDEO_SUBFOLDERS,
+        models=(("transformer", LTXVideoTransformer3DModel), ("vae", AutoencoderKLLTXVideo)),
+        text_encoder=T5EncoderModel,
+        tokenizer=T5Tokenizer,
+        tokenizer_files=_TOKENIZER_FILES,
         dtype=dtype,
         device=device,
     )
@@ -288,40 +326,22 @@ def load_ltx2(
     path: str | os.PathLike, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LTX2Components:
     """Load an LTX-2 diffusers folder (e.g. Lightricks/LTX-2, or `ensure_default_ltx2_model()`)."""
-    dtype = parse_dtype(dtype)
-    device = torch.device(device)
-    root = _require_dir(path)
-    _require_family(root, "ltx2", "LTX-2", _LTX2_SUBFOLDERS)
-
-    # low_cpu_mem_usage=False: see load_ltx_video.
-    diffusers_kwargs = dict(dtype=dtype, low_cpu_mem_usage=False)
-    transformer = _load(root, "transformer", LTX2VideoTransformer3DModel.from_pretrained, **diffusers_kwargs)
-    vae = _load(root, "vae", AutoencoderKLLTX2Video.from_pretrained, **diffusers_kwargs)
-    audio_vae = _load(root, "audio_vae", AutoencoderKLLTX2Audio.from_pretrained, **diffusers_kwargs)
-    vocoder_class_name = _read_class_name(root / "vocoder" / "config.json")
-    if vocoder_class_name not in _VOCODERS:
-        raise ModelLoadError(
-            f"vocoder class {vocoder_class_name!r} in {str(root)!r} is not supported; supported: {', '.join(_VOCODERS)}"
-        )
-    vocoder = _load(root, "vocoder", _VOCODERS[vocoder_class_name].from_pretrained, **diffusers_kwargs)
-    connectors = _load(root, "connectors", LTX2TextConnectors.from_pretrained, **diffusers_kwargs)
-    scheduler = _load(root, "scheduler", FlowMatchEulerDiscreteScheduler.from_pretrained)
-    text_encoder = _load(root, "text_encoder", Gemma3ForConditionalGeneration.from_pretrained, dtype=dtype)
-    _require_tokenizer_files(root, _GEMMA_TOKENIZER_FILES)
-    tokenizer = _load(root, "tokenizer", GemmaTokenizer.from_pretrained)
-    for model in (transformer, vae, audio_vae, vocoder, connectors, text_encoder):
-        # Device only: the dtype was set at load time (see load_ltx_video).
-        model.to(device).eval()
-    return LTX2Components(
-        transformer=transformer,
-        vae=vae,
-        audio_vae=audio_vae,
-        vocoder=vocoder,
-        connectors=connectors,
-        scheduler=scheduler,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        path=root,
+    return _load_components(
+        path,
+        LTX2Components,
+        family="ltx2",
+        what="LTX-2",
+        subfolders=_LTX2_SUBFOLDERS,
+        models=(
+            ("transformer", LTX2VideoTransformer3DModel),
+            ("vae", AutoencoderKLLTX2Video),
+            ("audio_vae", AutoencoderKLLTX2Audio),
+            ("vocoder", _VOCODERS),
+            ("connectors", LTX2TextConnectors),
+        ),
+        text_encoder=Gemma3ForConditionalGeneration,
+        tokenizer=GemmaTokenizer,
+        tokenizer_files=_GEMMA_TOKENIZER_FILES,
         dtype=dtype,
         device=device,
     )

@@ -38,7 +38,8 @@ from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
-from .ltx_vae_parallel import DecodeContext, decode_round, parallelize_ltx2_decoder
+from ._adapter_common import decode_round_uint8, noise_for_decode, refuse_stochastic_sampling
+from .ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
 from .ltx_video import _scoped
 from .registry import min_latent_side
 
@@ -219,9 +220,7 @@ class LTX2Model:
             text_encoder=components.text_encoder, tokenizer=components.tokenizer,
             connectors=components.connectors, transformer=components.transformer, vocoder=components.vocoder,
         )
-        if components.scheduler.config.get("stochastic_sampling", False):
-            raise ValueError("stochastic_sampling schedulers draw per-step noise that would differ per shard; "
-                             "set stochastic_sampling=false in scheduler/scheduler_config.json")
+        refuse_stochastic_sampling(components.scheduler)
         cfg = components.transformer.config
         self.geometry = VideoGeometry(
             temporal_compression=self.pipe.vae_temporal_compression_ratio,
@@ -408,13 +407,7 @@ class LTX2Model:
         video = pipe._unpack_latents(latents["video"], shape.frames, shape.height, shape.width,
                                      pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
         video = video.to(x["video_ctx"].dtype)
-        timestep = None
-        if vae.config.timestep_conditioning:
-            # Drawn on every rank from the same generator state, so every rank noises the same way.
-            noise = torch.randn(video.shape, generator=x["generator"], dtype=video.dtype).to(video.device)
-            scale = request.decode_timestep if request.decode_noise_scale is None else request.decode_noise_scale
-            timestep = torch.tensor([request.decode_timestep], device=video.device, dtype=video.dtype)
-            video = (1 - scale) * video + scale * noise
+        video, timestep = noise_for_decode(video, vae=vae, generator=x["generator"], request=request)
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         video = video.to(vae.dtype)
         # Time-parallel and streamed in rounds, exact (``cp_infer.decode``), as for LTX-Video.
@@ -423,14 +416,8 @@ class LTX2Model:
                               frames_per_rank=self.decode_frames_per_rank)
 
         def decode_range(a: int, b: int) -> np.ndarray:
-            # NOTE(decode-noise): a VAE that injects noise draws it from the global RNG: seeded from the request,
-            # the same on every rank and in every round, inside a forked RNG (see models.ltx_video).
-            devices = [video.device] if video.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices), _scoped(self._decode_ctx, "split", split):
-                torch.manual_seed(request.seed)
-                frames = decode_round(vae, self._decode_ctx, video, a, b, timestep)
-            frames = pipe.video_processor.postprocess_video(frames, output_type="np")[0]
-            return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+            return decode_round_uint8(pipe, vae, self._decode_ctx, video, a, b, timestep, seed=request.seed,
+                                      split_scope=_scoped(self._decode_ctx, "split", split))
 
         def audio() -> tuple[np.ndarray, int]:
             audio_vae = pipe.audio_vae

@@ -31,7 +31,8 @@ from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
-from .ltx_vae_parallel import DecodeContext, decode_round, parallelize_ltx_decoder
+from ._adapter_common import decode_round_uint8, noise_for_decode, refuse_stochastic_sampling
+from .ltx_vae_parallel import DecodeContext, parallelize_ltx_decoder
 
 __all__ = ["LTXVideoModel", "parallelize_ltx_transformer"]
 
@@ -78,8 +79,8 @@ class _UlyssesSelfAttnProcessor:
         # Producers, not tensors: q, k and v are computed one at a time as the exchange packs them.
         # NOTE(memory): no ExchangeWorkspace. Kept exchange buffers (twice the packed q/k/v) would stay allocated
         # through the feed-forward, where activations peak: +40% peak activation memory per rank at 4k tokens.
-        # Fresh ones cost a page fault per 4 KiB once they exceed glibc's mmap threshold (32 MiB), a few tens of
-        # ms per layer at 4k tokens, about what the token-major exchange saves on copies.
+        # Fresh ones page-fault once they exceed glibc's mmap threshold (32 MiB): measured at 4k tokens on 2 ranks,
+        # no step-time difference within noise (interleaved A/B, fresh / kept = 1.00).
         out = ulysses_attention(lambda: rotated(attn.to_q, attn.norm_q), lambda: rotated(attn.to_k, attn.norm_k),
                                 lambda: heads(attn.to_v(hidden_states)), plan=plan, group=self.ctx.state.cp_group)
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3)))
@@ -144,9 +145,7 @@ class LTXVideoModel:
             scheduler=components.scheduler, vae=components.vae, text_encoder=components.text_encoder,
             tokenizer=components.tokenizer, transformer=components.transformer,
         )
-        if self.scheduler.config.get("stochastic_sampling", False):
-            raise ValueError("stochastic_sampling schedulers draw per-step noise that would differ per shard; "
-                             "set stochastic_sampling=false in scheduler/scheduler_config.json")
+        refuse_stochastic_sampling(self.scheduler)
         cfg = components.transformer.config
         self.geometry = VideoGeometry(
             temporal_compression=self.pipe.vae_temporal_compression_ratio,
@@ -247,29 +246,15 @@ class LTXVideoModel:
                                        cfg.patch_size_t)
         latents = pipe._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         latents = latents.to(x["embeds"].dtype)
-        timestep = None
-        if vae.config.timestep_conditioning:
-            # Drawn on every rank from the same generator state, so every rank noises the same way.
-            noise = torch.randn(latents.shape, generator=x["generator"], dtype=latents.dtype).to(latents.device)
-            scale = request.decode_timestep if request.decode_noise_scale is None else request.decode_noise_scale
-            timestep = torch.tensor([request.decode_timestep], device=latents.device, dtype=latents.dtype)
-            latents = (1 - scale) * latents + scale * noise
+        latents, timestep = noise_for_decode(latents, vae=vae, generator=x["generator"], request=request)
         latents = latents.to(vae.dtype)
         split = TemporalSplit(latent_frames=latents.shape[2], world=self.state.cp_size,
                               temporal_compression=self.geometry.temporal_compression,
                               frames_per_rank=self.decode_frames_per_rank)
 
         def decode_range(a: int, b: int) -> np.ndarray:
-            # NOTE(decode-noise): real LTX-Video 0.9.1 decoders inject noise from the global RNG (the pipeline
-            # passes no generator), the same spatial noise for every frame; seed it from the request, inside a
-            # forked RNG, the same on every rank and in every round, so that each draws the whole decode's noise
-            # and the video is reproducible.
-            devices = [latents.device] if latents.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices), self.decode_split(split):
-                torch.manual_seed(request.seed)
-                video = decode_round(vae, self._decode_ctx, latents, a, b, timestep)
-            frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
-            return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+            return decode_round_uint8(pipe, vae, self._decode_ctx, latents, a, b, timestep, seed=request.seed,
+                                      split_scope=self.decode_split(split))
 
         return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range)
 

@@ -69,11 +69,24 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-class VideoCreateParams(BaseModel):
-    """``POST /v1/videos``: the OpenAI fields plus explicit generation controls. Unknown fields are refused."""
+class _LTX2Options(BaseModel):
+    """The LTX-2 (audio-video) controls, declared once for requests and job objects: the names of
+    ``FAMILY_OPTIONS["ltx2"]``. LTX-2 models only; other families refuse them. Unset: LTX2Pipeline's defaults."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    audio_guidance_scale: float | None = None
+    stg_scale: float | None = None
+    audio_stg_scale: float | None = None
+    modality_scale: float | None = None
+    audio_modality_scale: float | None = None
+    guidance_rescale: float | None = None
+    audio_guidance_rescale: float | None = None
+    stg_blocks: list[int] | None = None
 
+
+# NOTE(field-order): pydantic orders a model's fields base classes first (reversed MRO), and that order is part of
+# the API (OpenAPI properties, JSON keys, the "valid parameters" list). So each public model takes its own fields
+# from a private base listed after _LTX2Options, which keeps the LTX-2 fields last.
+class _VideoCreateFields(BaseModel):
     prompt: str
     model: str | None = None
     seconds: str | int | float | None = None
@@ -90,15 +103,12 @@ class VideoCreateParams(BaseModel):
     fps: int | None = None
     stream: bool | None = None
     """Extension: respond with the MP4 itself, sent while it is made (also a query parameter)."""
-    # LTX-2 (audio-video) models only; other families refuse them. Unset: LTX2Pipeline's defaults.
-    audio_guidance_scale: float | None = None
-    stg_scale: float | None = None
-    audio_stg_scale: float | None = None
-    modality_scale: float | None = None
-    audio_modality_scale: float | None = None
-    guidance_rescale: float | None = None
-    audio_guidance_rescale: float | None = None
-    stg_blocks: list[int] | None = None
+
+
+class VideoCreateParams(_LTX2Options, _VideoCreateFields):
+    """``POST /v1/videos``: the OpenAI fields plus explicit generation controls. Unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class VideoError(BaseModel):
@@ -106,9 +116,7 @@ class VideoError(BaseModel):
     message: str
 
 
-class VideoJob(BaseModel):
-    """The job object (OpenAI's ``video``) plus the generation parameters this server resolved."""
-
+class _VideoJobFields(BaseModel):
     id: str
     object: Literal["video"] = "video"
     status: JobStatus
@@ -128,14 +136,10 @@ class VideoJob(BaseModel):
     num_inference_steps: int
     guidance_scale: float
     seed: int
-    audio_guidance_scale: float | None = None
-    stg_scale: float | None = None
-    audio_stg_scale: float | None = None
-    modality_scale: float | None = None
-    audio_modality_scale: float | None = None
-    guidance_rescale: float | None = None
-    audio_guidance_rescale: float | None = None
-    stg_blocks: list[int] | None = None
+
+
+class VideoJob(_LTX2Options, _VideoJobFields):
+    """The job object (OpenAI's ``video``) plus the generation parameters this server resolved."""
 
 
 class VideoList(BaseModel):

@@ -12,21 +12,9 @@ import torch
 
 from cp_infer.decode import FrameHistory, TemporalSplit, decode_parallel, exchange_frames
 
-from ..harness import WorkerGroup
+from ..worker_groups import groups_by_world
 
-
-@pytest.fixture(scope="module")
-def groups():
-    made = {}
-
-    def get(world):
-        if world not in made:
-            made[world] = WorkerGroup(world)
-        return made[world]
-
-    yield get
-    for group in made.values():
-        group.close()
+groups = groups_by_world()
 
 
 @pytest.mark.parametrize("latent_frames", [1, 2, 3, 7, 13, 33])

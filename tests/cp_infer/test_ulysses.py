@@ -12,7 +12,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from cp_infer import (
     ShardPlan,
@@ -23,23 +22,10 @@ from cp_infer import (
     warmup,
 )
 
-from ..harness import WorkerGroup
+from ..worker_groups import group_per_world
+from ._ulysses_common import HEAD_DIM, WORLDS, reference_sdpa
 
-WORLDS = [1, 2, 3, 4]
-HEAD_DIM = 16
-
-
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def group(request):
-    g = WorkerGroup(request.param)
-    yield g
-    g.close()
-
-
-def _reference(q, k, v, key_mask):
-    mask = None if key_mask is None else key_mask[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return out.transpose(1, 2)
+group = group_per_world(WORLDS)
 
 
 def _random_key_mask(gen, batch, length):
@@ -71,7 +57,7 @@ def _attention_cases(state, seed, lengths, heads_list):
                     out.backward(plan.shard(grad_out, r))  # zero upstream gradient on padding rows
 
                     ref_in = [t.detach().clone().requires_grad_(True) for t in full]
-                    ref = _reference(*ref_in, key_mask)
+                    ref = reference_sdpa(*ref_in, key_mask)
                     ref.backward(grad_out)
                     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
                     start, stop = plan.token_range(r)
@@ -104,11 +90,11 @@ def _padding_would_change_result(state, seed):
     length, n, _r = 97, state.cp_size, state.cp_rank
     full = [torch.randn(1, length, 4, HEAD_DIM, generator=gen) + 1.0 for _ in range(3)]
     plan = ShardPlan(orig_len=length, world=n)
-    ref = _reference(*full, None)
+    ref = reference_sdpa(*full, None)
     # Attention over the padded sequence, as the original module did (padding after projection = bias != 0).
     padded = [plan.pad(t) for t in full]
     padded[1][:, length:] = 0.5
-    leaky = _reference(*padded, None)[:, :length]
+    leaky = reference_sdpa(*padded, None)[:, :length]
     return plan.num_pad > 0 and not torch.allclose(leaky, ref, atol=1e-3)
 
 
@@ -190,7 +176,7 @@ def _workspace_cases(state, seed):
             torch.testing.assert_close(out2, ulysses_attention(*second, plan=plan, group=state.cp_group),
                                        rtol=0, atol=0)
         for out, f in ((out1, full[0]), (out2, full[1])):
-            torch.testing.assert_close(out[:, : stop - start], _reference(*f, None)[:, start:stop],
+            torch.testing.assert_close(out[:, : stop - start], reference_sdpa(*f, None)[:, start:stop],
                                        atol=1e-5, rtol=1e-5)
     return True
 

@@ -15,29 +15,17 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from cp_infer import ExchangeWorkspace, ShardPlan, ulysses_attention
 
-from ..harness import WorkerGroup
+from ..worker_groups import group_per_world
+from ._ulysses_common import HEAD_DIM, WORLDS, reference_sdpa
 
-WORLDS = [1, 2, 3, 4]
-HEAD_DIM = 16
 TOL = dict(atol=1e-5, rtol=1e-5)
 MODES = ("autograd", "fresh", "workspace", "producers")
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def group(request):
-    g = WorkerGroup(request.param)
-    yield g
-    g.close()
-
-
-def _reference(q, k, v, key_mask):
-    mask = None if key_mask is None else key_mask[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return out.transpose(1, 2)
+group = group_per_world(WORLDS)
 
 
 def _shard_with_garbage(plan, full, rank, gen):
@@ -72,7 +60,7 @@ def _cross_cases(state, seed, length_pairs):
                                  for p, t in ((plan, q_full), (kv_plan, k_full), (kv_plan, v_full))]
                         kwargs = dict(plan=plan, kv_plan=kv_plan, group=state.cp_group, key_mask=key_mask)
                         ref_in = [t.clone().requires_grad_(mode == "autograd") for t in (q_full, k_full, v_full)]
-                        ref = _reference(*ref_in, key_mask)
+                        ref = reference_sdpa(*ref_in, key_mask)
                         start, stop = plan.token_range(r)
                         valid = stop - start
                         if mode == "autograd":

@@ -14,7 +14,7 @@ import torch
 
 from cp_infer.decode import TemporalSplit, decode_parallel
 
-from ..harness import WorkerGroup
+from ..worker_groups import groups_by_world
 
 LATENT_FRAMES = [1, 2, 3, 5, 13]  # 13 latent frames = 97 video frames
 FRAMES_PER_RANK = [None, 1, 2]
@@ -30,18 +30,7 @@ def cache_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def groups():
-    made = {}
-
-    def get(world):
-        if world not in made:
-            made[world] = WorkerGroup(world)
-        return made[world]
-
-    yield get
-    for group in made.values():
-        group.close()
+groups = groups_by_world()
 
 
 def _latents(seed, frames, height=2, width=3):

@@ -1,0 +1,57 @@
+"""What the LTX-Video and LTX-2 adapters do alike: refuse schedulers that would make ranks diverge, and noise and
+decode the video latents the way their diffusers pipelines do, reproducibly on every rank.
+
+Invariants:
+- Every random draw here is made alike on every rank (same generator state, same seed), so that ranks agree
+  without communicating, and a 1-rank run draws what the pipeline draws.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from cp_infer.request import GenerationRequest
+
+from .ltx_vae_parallel import DecodeContext, decode_round
+
+__all__ = ["decode_round_uint8", "noise_for_decode", "refuse_stochastic_sampling"]
+
+
+def refuse_stochastic_sampling(scheduler) -> None:
+    """Raise if ``scheduler`` draws noise at every step (each rank would draw its own for its shard)."""
+    if scheduler.config.get("stochastic_sampling", False):
+        raise ValueError("stochastic_sampling schedulers draw per-step noise that would differ per shard; "
+                         "set stochastic_sampling=false in scheduler/scheduler_config.json")
+
+
+def noise_for_decode(latents: torch.Tensor, *, vae, generator: torch.Generator,
+                     request: GenerationRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(latents, timestep)`` to decode: for a timestep-conditioned VAE, the latents noised by the request's decode
+    noise scale and its decode timestep, as the pipelines do; for any other, ``latents`` unchanged and ``None``."""
+    if not vae.config.timestep_conditioning:
+        return latents, None
+    # Drawn on every rank from the same generator state, so every rank noises the same way.
+    noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype).to(latents.device)
+    scale = request.decode_timestep if request.decode_noise_scale is None else request.decode_noise_scale
+    timestep = torch.tensor([request.decode_timestep], device=latents.device, dtype=latents.dtype)
+    return (1 - scale) * latents + scale * noise, timestep
+
+
+def decode_round_uint8(pipe, vae, ctx: DecodeContext, latents: torch.Tensor, a: int, b: int,
+                       timestep: torch.Tensor | None, *, seed: int,
+                       split_scope: contextlib.AbstractContextManager[None]) -> np.ndarray:
+    """Decode latent frames ``[a, b)`` of ``latents`` (one round's piece, inside ``split_scope``, the model's
+    context that sets the split on ``ctx``) into uint8 frames [F, H, W, 3] through the pipeline's post-processing."""
+    # NOTE(decode-noise): decoders that inject noise (real LTX-Video 0.9.1 ones) draw it from the global RNG (the
+    # pipeline passes no generator), the same spatial noise for every frame; seed it from the request, inside a
+    # forked RNG, the same on every rank and in every round, so that each draws the whole decode's noise and the
+    # video is reproducible.
+    devices = [latents.device] if latents.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), split_scope:
+        torch.manual_seed(seed)
+        video = decode_round(vae, ctx, latents, a, b, timestep)
+    frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
+    return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
