@@ -1,6 +1,6 @@
 """Streamed, time-parallel VAE decode: time, peak memory and time to first MP4 byte, N = 1 and 2 ranks, one run.
 
-    python bench/decode.py [--frames 257] [--height 96] [--width 128] [--frames-per-rank 4] [--repeats 2]
+    python bench/decode.py [--frames 257] [--height 96] [--width 128] [--frames-per-rank K] [--repeats 2]
                            [--glibc-heap] [--out FILE.md]
 
 The VAE is diffusers' ``AutoencoderKLLTXVideo()`` with its default (LTX-Video 0.9.0) configuration: the real
@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cp_infer.decode import DEFAULT_FRAMES_PER_RANK  # noqa: E402 -- after the path set-up
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, resolve_frames_per_rank  # noqa: E402 -- after the path set-up
 
 
 def _rss_mib(field: str) -> float:
@@ -136,12 +136,14 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=257)
     ap.add_argument("--height", type=int, default=96)
     ap.add_argument("--width", type=int, default=128)
-    ap.add_argument("--frames-per-rank", type=int, default=DEFAULT_FRAMES_PER_RANK,
-                    help=f"latent frames per rank per round (default {DEFAULT_FRAMES_PER_RANK}, the server's)")
+    ap.add_argument("--frames-per-rank", type=int, default=None,
+                    help="latent frames per rank per round (default: the server's automatic size for the frame size)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--glibc-heap", action="store_true", help="keep glibc's default malloc (see NOTE(malloc))")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.frames_per_rank is None:
+        args.frames_per_rank = resolve_frames_per_rank(DEFAULT_FRAMES_PER_RANK, height=args.height, width=args.width)
     if not args.glibc_heap:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # read by glibc in each spawned worker at start
     load = os.getloadavg()

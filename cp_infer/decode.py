@@ -28,14 +28,40 @@ import torch.distributed as dist
 
 from .state import ParallelState
 
-__all__ = ["DEFAULT_FRAMES_PER_RANK", "FrameHistory", "TemporalSplit", "exchange_frames", "decode_parallel"]
+__all__ = [
+    "AUTO",
+    "DEFAULT_FRAMES_PER_RANK",
+    "FrameHistory",
+    "TemporalSplit",
+    "decode_parallel",
+    "exchange_frames",
+    "resolve_frames_per_rank",
+]
 
-DEFAULT_FRAMES_PER_RANK = 4
-"""Latent frames (8 video frames each) a rank decodes per round by default: the unit of decode memory and of
-streaming. Fewer, larger rounds mean fewer exchanges for the ranks to wait on and larger convolutions, more memory
-and a later first frame: 257 frames on 2 ranks (``bench/decode.py``, LTX-Video 0.9.0 VAE at 128x96) decode in
-5 rounds at 4 (0.60x of one rank's time, 146 MiB per rank, first byte at 0.29 of the total) and in 9 at 2 (0.66x,
-107 MiB, 0.13); a whole-video decode holds 537 MiB. ``--decode-frames-per-rank`` sets it per deployment."""
+AUTO = "auto"
+DEFAULT_FRAMES_PER_RANK: int | str | None = AUTO
+"""Latent frames (8 video frames each) a rank decodes per round by default (see :func:`resolve_frames_per_rank`):
+the unit of decode memory and of streaming. ``--decode-frames-per-rank`` sets it per deployment."""
+ROUND_PIXELS = 4 * 8 * 128 * 96
+"""Output pixels per rank per round that ``auto`` aims for. Every temporal op of a round waits for its neighbours'
+frames, so a round's convolutions must be large enough for those waits (and the jitter between two ranks' op times)
+to stay small against them; memory grows with the round, so no larger. Measured on 257 frames at 128x96 on 2 ranks
+(``bench/decode.py``, LTX-Video 0.9.0 VAE): rounds of 4 latent frames per rank decode in 0.60x of one rank's time
+(146 MiB per rank, first byte at 0.29 of the total), rounds of 2 in 0.66x (107 MiB, 0.13); the whole video at once
+holds 537 MiB."""
+
+
+def resolve_frames_per_rank(setting: int | str | None, *, height: int, width: int,
+                            temporal_compression: int = 8) -> int | None:
+    """The round size for a video of ``height`` x ``width``: an ``int`` or ``None`` (one round) as given; ``"auto"``:
+    enough latent frames to reach :data:`ROUND_PIXELS` of output per rank, at least 2 and at most 4 (4 at 128x96, 2
+    from 192x128 frames up, where one latent frame's convolutions are already large)."""
+    if setting != AUTO:
+        if setting is not None and (isinstance(setting, str) or setting < 1):
+            raise ValueError(f"frames per rank {setting!r}: expected a whole number >= 1, 'auto' or None (one round)")
+        return setting
+    per_latent_frame = temporal_compression * height * width
+    return min(4, max(2, -(-ROUND_PIXELS // per_latent_frame)))
 
 
 @dataclass(frozen=True)

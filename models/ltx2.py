@@ -34,7 +34,7 @@ from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_nois
 
 from cp_infer import ExchangeWorkspace, LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
 from cp_infer.collectives import all_reduce_sum
-from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit, resolve_frames_per_rank
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
@@ -233,9 +233,10 @@ class LTX2Model:
         self._decode_ctx = DecodeContext(state=state)
         parallelize_ltx2_decoder(components.vae, self._decode_ctx)
 
-    decode_frames_per_rank: int | None = DEFAULT_FRAMES_PER_RANK
-    """Latent frames each rank decodes per streamed round; ``None``: one round (the whole video at once, as
-    diffusers decodes it: bit-identical to LTX2Pipeline, memory growing with the video)."""
+    decode_frames_per_rank: int | str | None = DEFAULT_FRAMES_PER_RANK
+    """Latent frames each rank decodes per streamed round; ``"auto"``: by frame size
+    (``cp_infer.decode.resolve_frames_per_rank``); ``None``: one round (the whole video at once, as diffusers decodes
+    it: bit-identical to LTX2Pipeline, memory growing with the video)."""
 
     @property
     def transformer(self):
@@ -413,7 +414,9 @@ class LTX2Model:
         # Time-parallel and streamed in rounds, exact (``cp_infer.decode``), as for LTX-Video.
         split = TemporalSplit(latent_frames=video.shape[2], world=self.state.cp_size,
                               temporal_compression=self.geometry.temporal_compression,
-                              frames_per_rank=self.decode_frames_per_rank)
+                              frames_per_rank=resolve_frames_per_rank(
+                                  self.decode_frames_per_rank, height=request.height, width=request.width,
+                                  temporal_compression=self.geometry.temporal_compression))
 
         def decode_range(a: int, b: int) -> np.ndarray:
             return decode_round_uint8(pipe, vae, self._decode_ctx, video, a, b, timestep, seed=request.seed,

@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_ltx import LTXAttention, apply_ro
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
 
 from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
-from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit, resolve_frames_per_rank
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
@@ -163,9 +163,10 @@ class LTXVideoModel:
     def transformer(self):
         return self.components.transformer
 
-    decode_frames_per_rank: int | None = DEFAULT_FRAMES_PER_RANK
-    """Latent frames each rank decodes per streamed round; ``None``: one round (the whole video at once, as
-    diffusers decodes it: bit-identical to LTXPipeline, memory growing with the video)."""
+    decode_frames_per_rank: int | str | None = DEFAULT_FRAMES_PER_RANK
+    """Latent frames each rank decodes per streamed round; ``"auto"``: by frame size
+    (``cp_infer.decode.resolve_frames_per_rank``); ``None``: one round (the whole video at once, as diffusers decodes
+    it: bit-identical to LTXPipeline, memory growing with the video)."""
 
     @property
     def layers(self) -> int:
@@ -236,7 +237,7 @@ class LTXVideoModel:
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """Unpack, denormalise and (timestep-conditioned VAEs) noise the latents once; decode this rank's piece of
-        each round (``cp_infer.decode``: rounds of ``DEFAULT_FRAMES_PER_RANK`` latent frames per rank)."""
+        each round (``cp_infer.decode``: rounds of ``decode_frames_per_rank`` latent frames per rank)."""
         pipe, vae = self.pipe, self.components.vae
         x = prepared.extras
         shape: LatentShape = x["shape"]
@@ -250,7 +251,9 @@ class LTXVideoModel:
         latents = latents.to(vae.dtype)
         split = TemporalSplit(latent_frames=latents.shape[2], world=self.state.cp_size,
                               temporal_compression=self.geometry.temporal_compression,
-                              frames_per_rank=self.decode_frames_per_rank)
+                              frames_per_rank=resolve_frames_per_rank(
+                                  self.decode_frames_per_rank, height=request.height, width=request.width,
+                                  temporal_compression=self.geometry.temporal_compression))
 
         def decode_range(a: int, b: int) -> np.ndarray:
             return decode_round_uint8(pipe, vae, self._decode_ctx, latents, a, b, timestep, seed=request.seed,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from cp_infer.decode import DEFAULT_FRAMES_PER_RANK
+from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK
 from cp_infer.request import FAMILY_OPTIONS, GenerationRequest
 from server.launch import leader_exit_code
 
@@ -83,7 +83,8 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--decode-frames-per-rank", type=_frames_per_rank, default=DEFAULT_FRAMES_PER_RANK, metavar="K",
                        help="latent frames (8 video frames each) each rank decodes per streamed round: decode memory "
                             "and the time to the first streamed frame grow with K, the ranks wait on each other less "
-                            f"(default {DEFAULT_FRAMES_PER_RANK}; 'all': the whole video in one round)")
+                            f"(default {DEFAULT_FRAMES_PER_RANK}: 4 at 128x96, 2 from 192x128 up; 'all': the whole "
+                            "video in one round)")
     group.add_argument("--nproc", type=int, default=None, metavar="N",
                        help="ranks of the sequence-parallel group; N > 1 relaunches under torchrun (default 1, "
                             "or the torchrun world size)")
@@ -96,15 +97,17 @@ def runtime_config_from_args(args: argparse.Namespace):
                          decode_frames_per_rank=args.decode_frames_per_rank)
 
 
-def _frames_per_rank(text: str) -> int | None:
+def _frames_per_rank(text: str) -> int | str | None:
     if text == "all":
         return None
+    if text == AUTO:
+        return AUTO
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1, or 'all'")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1, 'auto' or 'all'")
     return value
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from cp_infer import ParallelConfig, ParallelState, all_reduce_max_int, broadcast_object, init_parallel, warmup
-from cp_infer.decode import DEFAULT_FRAMES_PER_RANK
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, resolve_frames_per_rank
 from cp_infer.request import GenerationLimits, GenerationRequest
 from cp_infer.sampler import DenoiseModel, SampleControl, StepStatus, sample
 from models.loading import parse_dtype, resolve_model
@@ -59,14 +59,14 @@ class RuntimeConfig:
     timeout_s: float = 120.0
     """Collective timeout: a rank that stops answering fails the group after this long."""
     limits: GenerationLimits = field(default_factory=GenerationLimits)
-    decode_frames_per_rank: int | None = DEFAULT_FRAMES_PER_RANK
+    decode_frames_per_rank: int | str | None = DEFAULT_FRAMES_PER_RANK
     """Latent frames each rank decodes per streamed round (decode memory and time to first frame grow with it);
-    ``None``: the whole video in one round."""
+    ``"auto"``: by frame size (``cp_infer.decode.resolve_frames_per_rank``); ``None``: the whole video in one
+    round."""
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        if self.decode_frames_per_rank is not None and self.decode_frames_per_rank < 1:
-            raise ValueError(f"decode_frames_per_rank={self.decode_frames_per_rank} must be >= 1 (or None: one round)")
+        resolve_frames_per_rank(self.decode_frames_per_rank, height=1, width=1)  # raises on a bad setting
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from cp_infer.decode import FrameHistory, TemporalSplit, decode_parallel, exchange_frames
+from cp_infer.decode import (
+    AUTO,
+    ROUND_PIXELS,
+    FrameHistory,
+    TemporalSplit,
+    decode_parallel,
+    exchange_frames,
+    resolve_frames_per_rank,
+)
 
 from ..worker_groups import groups_by_world
 
@@ -51,6 +59,23 @@ def test_split_refuses_bad_values():
         TemporalSplit(latent_frames=5, world=2, frames_per_rank=0)
     with pytest.raises(ValueError, match="latent_frames=0"):
         TemporalSplit(latent_frames=0, world=2)
+
+
+@pytest.mark.parametrize(("height", "width", "expected"), [
+    (64, 96, 4), (96, 128, 4), (128, 128, 3), (128, 192, 2), (256, 384, 2), (704, 1216, 2)])
+def test_auto_round_size_follows_the_frame_size(height, width, expected):
+    got = resolve_frames_per_rank(AUTO, height=height, width=width)
+    assert got == expected
+    # Enough output per rank per round, unless capped at 4; never fewer than 2 latent frames.
+    assert got == 4 or got == 2 or got * 8 * height * width >= ROUND_PIXELS > (got - 1) * 8 * height * width
+
+
+def test_explicit_round_sizes_pass_through_and_bad_ones_are_refused():
+    assert resolve_frames_per_rank(3, height=704, width=1216) == 3
+    assert resolve_frames_per_rank(None, height=64, width=96) is None
+    for bad in (0, -1, "two"):
+        with pytest.raises(ValueError, match="expected a whole number >= 1, 'auto' or None"):
+            resolve_frames_per_rank(bad, height=64, width=96)
 
 
 def _random_rounds(rng, length, active, keep, rounds):

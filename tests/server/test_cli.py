@@ -274,7 +274,8 @@ def test_leader_exit_code_goes_to_the_status_file(tmp_path, monkeypatch):
 
 
 def test_decode_frames_per_rank_option(capsys):
-    """``--decode-frames-per-rank`` reaches the runtime config (``all``: one round); bad values exit 2 at parsing."""
+    """``--decode-frames-per-rank`` reaches the runtime config (``auto`` by default, ``all``: one round); bad values
+    exit 2 at parsing."""
     from server.cli_common import runtime_config_from_args
     from server.runtime import RuntimeConfig
 
@@ -282,7 +283,7 @@ def test_decode_frames_per_rank_option(capsys):
         args = cli.build_parser().parse_args(["generate", *PROMPT, "--out", "x.mp4", *flags])
         return runtime_config_from_args(args).decode_frames_per_rank
 
-    assert parsed() == RuntimeConfig().decode_frames_per_rank >= 1
+    assert parsed() == RuntimeConfig().decode_frames_per_rank == "auto"
     assert parsed("--decode-frames-per-rank", "3") == 3
     assert parsed("--decode-frames-per-rank", "all") is None
     for bad in ("0", "-2", "two"):
@@ -290,5 +291,6 @@ def test_decode_frames_per_rank_option(capsys):
             parsed("--decode-frames-per-rank", bad)
         assert exit_info.value.code == 2
         assert "--decode-frames-per-rank" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="decode_frames_per_rank=0 must be >= 1"):
-        RuntimeConfig(decode_frames_per_rank=0)
+    for bad in (0, "often"):
+        with pytest.raises(ValueError, match="expected a whole number >= 1, 'auto' or None"):
+            RuntimeConfig(decode_frames_per_rank=bad)

@@ -2,10 +2,10 @@
 
 Order, not timing: ``[slow-decode]`` (conftest's faults) makes rank 0 pause for 2 s after each decoded piece has
 been encoded, and a 65-frame video (9 latent frames) is decoded in 2 rounds of at most 4 latent frames per rank (the
-default round size): 4 pieces on two ranks. The first bytes must then come while the job is still in progress with
-its progress below 97, the mark that only the last piece's arrival sets. A server that sent the file only once
-written would give its first byte after progress 100. The pause only widens the window in which the job record can
-be read; it decides nothing.
+automatic round size at 64x96): 4 pieces on two ranks. The first bytes must then come while the job is still in
+progress with its progress below 97, the mark that only the last piece's arrival sets. A server that sent the file
+only once written would give its first byte after progress 100. The pause only widens the window in which the job
+record can be read; it decides nothing.
 """
 
 from __future__ import annotations
