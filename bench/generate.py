@@ -18,10 +18,11 @@ across the processes of a workload). Text encoder, tokenizer, VAE and scheduler 
 - narrow: 8 layers, 2 heads x 64 (inner 128; ``--quick``: 4 layers). NOTE(comm-bound): what makes a step
   communication-bound is the work per exchanged byte. A layer's GEMMs grow with the square of its width, its
   exchange (q, k, v out, the output back) linearly, so a wide layer on a slow CPU is compute-bound at any sequence
-  length: on the wide model at 512 tokens ours spends ~2% of a step in its exchanges here. The real LTX-Video
-  layer (inner 2048, bf16) on GPUs with NVLink does ~7,000 FLOP per exchanged byte against a machine balance of
-  ~2,000; this machine does ~140 GFLOP/s per core against a few GB/s over loopback (~50 FLOP/B), and the narrow
-  layer's ~220 FLOP per exchanged byte puts it in the same regime. The table shows the measured share.
+  length: on the wide model at 512 tokens ours spends ~9% of a step in its exchanges here, ~6% at 4096. The real
+  LTX-Video layer (inner 2048, bf16) on GPUs with NVLink does ~7,000 FLOP per exchanged byte against a machine
+  balance of ~2,000; this machine does ~140 GFLOP/s per core against a few GB/s over loopback (~50 FLOP/B), and the
+  narrow layer's ~220 FLOP per exchanged byte puts it in the same regime (~28% of ours' step in its exchanges;
+  diffusers' issues 4x as many collectives). The table shows the measured share.
 
 Workloads (latent token counts are even, as diffusers' context parallelism requires; text is 128 tokens):
 
