@@ -4,18 +4,22 @@
                            [--glibc-heap] [--out FILE.md]
 
 The VAE is diffusers' ``AutoencoderKLLTXVideo()`` with its default (LTX-Video 0.9.0) configuration: the real
-architecture and channel widths, random weights drawn from a fixed seed. Each row runs in fresh processes (spawned,
-gloo, one thread per rank), so peak memory is clean. Rows: ``N=1 whole`` is diffusers' own decode of the whole
+architecture and channel widths, random weights drawn from a fixed seed. Each row has its own processes (spawned,
+gloo, one thread per rank), so peak memory is per row; all rows load first, then their timed repeats interleave
+(repeat ``r`` starts at row ``r``; idle processes wait on a queue), so that a change in the machine's speed during
+the run falls on every row alike. Rows: ``N=1 whole`` is diffusers' own decode of the whole
 video at once (the reference for memory); ``N=1`` and ``N=2`` decode in rounds of ``--frames-per-rank`` latent
 frames per rank (``cp_infer.decode``), as the server does.
 
-- ``decode s``: median wall time of ``decode_parallel`` over the whole video (exchanges included), max over ranks;
+- ``decode s``: median over the repeats of the wall time of ``decode_parallel`` over the whole video (exchanges
+  included), max over ranks;
 - ``cpu s/rank``: the same decode's CPU time (this process, all threads), max over ranks: on a shared machine
   where the ranks do not get a core each, it still shows how the work splits;
-- ``peak MiB/rank``: peak RSS minus RSS before the first decode, max over ranks. NOTE(malloc): glibc's dynamic
-  mmap threshold makes freed activations stay in the heap, fragmented, so with its defaults the peak RSS grows
-  with the number of rounds until it plateaus; the workers run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (large
-  blocks mapped and returned on free) so the peak is the decode's. ``--glibc-heap`` keeps glibc's defaults;
+- ``peak MiB/rank``: peak RSS minus RSS before the first decode, over the timed repeats, max over ranks.
+  NOTE(malloc): glibc's dynamic mmap threshold makes freed activations stay in the heap, fragmented, so with its
+  defaults the peak RSS grows with the number of rounds until it plateaus; the workers run with
+  ``MALLOC_MMAP_THRESHOLD_=1048576`` (large blocks mapped and returned on free) so the peak is the decode's.
+  ``--glibc-heap`` keeps glibc's defaults;
 - ``first byte s`` / ``last byte s``: a streamed decode+encode (``FragmentedMP4Writer`` on rank 0, frames written
   as they reach rank 0), from the start of the decode to the first and the last MP4 byte after the header.
 """
@@ -46,15 +50,16 @@ def _rss_mib(field: str) -> float:
     return float("nan")
 
 
-def _worker(rank, world, port, args, frames_per_rank, queue):
+def _worker(rank, world, port, args, frames_per_rank, inbox, outbox):
     try:
-        _measure(rank, world, port, args, frames_per_rank, queue)
+        _serve(rank, world, port, args, frames_per_rank, inbox, outbox)
     except BaseException:
-        queue.put((rank, traceback.format_exc()))
+        outbox.put((rank, traceback.format_exc()))
         raise
 
 
-def _measure(rank, world, port, args, frames_per_rank, queue):
+def _serve(rank, world, port, args, frames_per_rank, inbox, outbox):
+    """Load, report ready, then run ``"timed"`` and ``"stream"`` commands until ``None``."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import numpy as np
@@ -83,52 +88,95 @@ def _measure(rank, world, port, args, frames_per_rank, queue):
             video = decode_round(vae, ctx, latents, a, b)
         return (np.clip(processor.postprocess_video(video, output_type="np")[0], 0, 1) * 255).round().astype(np.uint8)
 
-    frame_shape = (args.height, args.width, 3)
-    base = _rss_mib("VmRSS")
-    times, cpu = [], []
-    for _ in range(args.repeats):
+    def barrier():
         if world > 1:
             torch.distributed.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _frames in decode_parallel(split, decode_range, frame_shape=frame_shape, state=state):
-            pass
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    peak = _rss_mib("VmHWM") - base
-    # Streamed: bytes leave rank 0 as soon as each round's frames are encoded.
-    marks = []
-    writer = FragmentedMP4Writer(lambda b: marks.append(time.perf_counter()), width=args.width, height=args.height,
-                                 fps=24) if state.rank == 0 else None
-    if world > 1:
-        torch.distributed.barrier()
-    t0 = time.perf_counter()
-    for frames in decode_parallel(split, decode_range, frame_shape=frame_shape, state=state):
-        writer.write(frames)
-    if writer:
-        writer.close()
-    first, last = (marks[1] - t0, marks[-1] - t0) if marks else (float("nan"),) * 2  # marks[0] is the header
-    queue.put((rank, statistics.median(times), peak, first, last, split.rounds, statistics.median(cpu)))
+
+    frame_shape = (args.height, args.width, 3)
+    base = _rss_mib("VmRSS")
+    outbox.put((rank, "ready"))
+    while (command := inbox.get()) is not None:
+        barrier()
+        if command == "timed":
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _frames in decode_parallel(split, decode_range, frame_shape=frame_shape, state=state):
+                pass
+            outbox.put((rank, (time.perf_counter() - t0, time.process_time() - c0, _rss_mib("VmHWM") - base)))
+            continue
+        # Streamed: bytes leave rank 0 as soon as each round's frames are encoded.
+        marks = []
+        writer = FragmentedMP4Writer(lambda b, mark=marks.append: mark(time.perf_counter()), width=args.width,
+                                     height=args.height, fps=24) if state.rank == 0 else None
+        barrier()
+        t0 = time.perf_counter()
+        for frames in decode_parallel(split, decode_range, frame_shape=frame_shape, state=state):
+            writer.write(frames)
+        if writer:
+            writer.close()
+        first, last = (marks[1] - t0, marks[-1] - t0) if marks else (float("nan"),) * 2  # marks[0] is the header
+        outbox.put((rank, (first, last, split.rounds)))
     if world > 1:
         torch.distributed.destroy_process_group()
 
 
-def _run(world, frames_per_rank, args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, frames_per_rank, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
-    failed = [r for r in results if isinstance(r[1], str)]
-    if failed:
-        raise RuntimeError("\n".join(f"rank {rank}:\n{tb}" for rank, tb in failed))
-    return (max(r[1] for r in results), max(r[2] for r in results), results[0][3], results[0][4], results[0][5],
-            max(r[6] for r in results))
+class _Group:
+    """The processes of one row, loaded once; ``call`` runs a command on every rank and returns their replies."""
+
+    def __init__(self, world, frames_per_rank, args):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, args, frames_per_rank, self.inboxes[r],
+                                                        self.outbox), daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def replies(self):
+        results = sorted(self.outbox.get(timeout=3600) for _ in self.procs)
+        failed = [r for r in results if isinstance(r[1], str) and r[1] != "ready"]
+        if failed:
+            raise RuntimeError("\n".join(f"rank {rank}:\n{tb}" for rank, tb in failed))
+        return [r[1] for r in results]
+
+    def call(self, command):
+        for inbox in self.inboxes:
+            inbox.put(command)
+        return self.replies()
+
+    def close(self):
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for p in self.procs:
+            p.join(timeout=60)
+
+
+def _run(rows, args):
+    """Every row's processes loaded side by side (idle ones wait on a queue); the timed repeats interleaved, round
+    ``r`` starting at row ``r``, so that a change in the machine's speed falls on every row alike."""
+    groups = {name: _Group(world, frames_per_rank, args) for name, (world, frames_per_rank) in rows.items()}
+    try:
+        for group in groups.values():
+            group.replies()  # ready
+        timed = {name: [] for name in rows}
+        names = list(rows)
+        for r in range(args.repeats):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                replies = groups[name].call("timed")
+                timed[name].append((max(t for t, _, _ in replies), max(c for _, c, _ in replies),
+                                    max(m for _, _, m in replies)))
+        out = {}
+        for name, group in groups.items():
+            first, last, rounds = group.call("stream")[0]
+            runs = timed[name]
+            out[name] = (statistics.median(t for t, _, _ in runs), max(m for _, _, m in runs), first, last, rounds,
+                         statistics.median(c for _, c, _ in runs))
+        return out
+    finally:
+        for group in groups.values():
+            group.close()
 
 
 def main() -> None:
@@ -147,8 +195,7 @@ def main() -> None:
     if not args.glibc_heap:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # read by glibc in each spawned worker at start
     load = os.getloadavg()
-    rows = {"N=1 whole": _run(1, None, args), "N=1": _run(1, args.frames_per_rank, args),
-            "N=2": _run(2, args.frames_per_rank, args)}
+    rows = _run({"N=1 whole": (1, None), "N=1": (1, args.frames_per_rank), "N=2": (2, args.frames_per_rank)}, args)
     base_t, base_m = rows["N=1"][0], rows["N=1 whole"][1]
     lines = [
         f"`{' '.join(sys.argv)}` — torch {torch.__version__}, LTX-Video 0.9.0 VAE (real widths, random weights), "
