@@ -35,13 +35,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import os
 import platform
-import queue
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -54,9 +51,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from bench._procs import RankGroup, free_port, reset_peak_rss, set_malloc, status_kib  # noqa: E402 -- path set-up
 
 __all__ = ["main", "run"]
 
@@ -105,27 +103,6 @@ def _setups(n1_threads: int) -> tuple[_Setup, ...]:
 
 
 # Inside a rank process.
-
-
-def _status_kib(field: str) -> int:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
-    return int(line.split()[1])
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def _set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(-3, mmap_threshold)) and bool(libc.mallopt(-1, trim_threshold))  # M_MMAP/M_TRIM
-    except (OSError, AttributeError):  # not glibc
-        return False
 
 
 def _build_components() -> dict[str, Any]:
@@ -241,7 +218,7 @@ class _Diffusers:
 def _worker(rank: int, setup: _Setup, b: _Bench, port: int, inbox, outbox) -> None:
     """One rank: load, report, then serve ``"warmup"`` / ``"timed"`` commands until ``None``."""
     try:
-        malloc_ok = _set_malloc(*_MALLOC_MEASURE)
+        malloc_ok = set_malloc(*_MALLOC_MEASURE)
         torch.set_num_threads(setup.threads)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         if setup.ranks > 1:
@@ -259,18 +236,18 @@ def _worker(rank: int, setup: _Setup, b: _Bench, port: int, inbox, outbox) -> No
             run = _Diffusers(components, ranks=setup.ranks)
         barrier = dist.barrier if dist.is_initialized() else (lambda: None)
         barrier()
-        rss_loaded = _status_kib("VmRSS")
+        rss_loaded = status_kib("VmRSS")
         outbox.put((rank, "ok", dict(checksum=sum(p.double().sum().item() for p in weights), malloc_ok=malloc_ok,
                                      params=sum(p.numel() for p in weights))))
         while (command := inbox.get()) is not None:
             barrier()
             if command == "warmup":
                 hwm = []
-                reset = _reset_peak_rss()
-                run(_request(b, _WARMUP_STEPS), lambda hwm=hwm: hwm.append(_status_kib("VmHWM")))
+                reset = reset_peak_rss()
+                run(_request(b, _WARMUP_STEPS), lambda hwm=hwm: hwm.append(status_kib("VmHWM")))
                 reply = dict(peak_reset=reset, act_denoise_mib=(hwm[0] - rss_loaded) / 1024,
-                             act_e2e_mib=(_status_kib("VmHWM") - rss_loaded) / 1024)
-                _set_malloc(*_MALLOC_TIMED)
+                             act_e2e_mib=(status_kib("VmHWM") - rss_loaded) / 1024)
+                set_malloc(*_MALLOC_TIMED)
             else:
                 started = time.perf_counter()
                 record = run(_request(b, b.steps), lambda: None)
@@ -288,73 +265,32 @@ def _worker(rank: int, setup: _Setup, b: _Bench, port: int, inbox, outbox) -> No
 # The main process.
 
 
-class _Group:
-    """The rank processes of one configuration; ``call`` sends a command to every rank and returns the replies."""
-
-    def __init__(self, setup: _Setup, b: _Bench) -> None:
-        ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.setup, self.outbox, self.inboxes = setup, ctx.Queue(), [ctx.Queue() for _ in range(setup.ranks)]
-        self.procs = [ctx.Process(target=_worker, args=(r, setup, b, port, self.inboxes[r], self.outbox), daemon=True)
-                      for r in range(setup.ranks)]
-        for p in self.procs:
-            p.start()
-
-    def replies(self) -> list[dict[str, Any]]:
-        got, errors = {}, []
-        while len(got) + len(errors) < self.setup.ranks:
-            try:
-                rank, status, payload = self.outbox.get(timeout=_TIMEOUT_S)
-            except queue.Empty:
-                raise RuntimeError(f"{self.setup.label}: no reply within {_TIMEOUT_S:.0f} s") from None
-            if status == "error":
-                errors.append(f"--- {self.setup.label} rank {rank} ---\n{payload}")
-            else:
-                got[rank] = payload
-        if errors:
-            raise RuntimeError("rank failure:\n" + "\n".join(errors))
-        return [got[r] for r in range(self.setup.ranks)]
-
-    def call(self, command: str) -> list[dict[str, Any]]:
-        for inbox in self.inboxes:
-            inbox.put(command)
-        return self.replies()
-
-    def close(self) -> None:
-        for inbox in self.inboxes:
-            inbox.put(None)
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-
-
 def _measure(b: _Bench, setups: tuple[_Setup, ...]) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {s.label: {"rounds": []} for s in setups}
     with contextlib.ExitStack() as stack:
         groups = []
         for setup in setups:
-            groups.append(_Group(setup, b))
+            port = free_port()
+            groups.append(RankGroup(setup.label, _worker, [(r, setup, b, port) for r in range(setup.ranks)],
+                                    timeout_s=_TIMEOUT_S))
             stack.callback(groups[-1].close)
         for g in groups:
-            ready, row = g.replies(), rows[g.setup.label]
+            ready, row = g.replies(), rows[g.label]
             row.update(checksums={r["checksum"] for r in ready}, params=ready[0]["params"],
                        malloc_ok=all(r["malloc_ok"] for r in ready))
             warm = g.call("warmup")
             row.update({k: max(r[k] for r in warm) for k in ("act_denoise_mib", "act_e2e_mib")},
                        peak_reset=all(r["peak_reset"] for r in warm))
-            print(f"[ltx2] {g.setup.label}: loaded and warmed up", file=sys.stderr, flush=True)
+            print(f"[ltx2] {g.label}: loaded and warmed up", file=sys.stderr, flush=True)
         for round_ in range(b.rounds):  # round r starts at configuration r: load falls on every one alike
             for g in groups[round_ % len(groups):] + groups[:round_ % len(groups)]:
-                row = rows[g.setup.label]
+                row = rows[g.label]
                 row.setdefault("load", os.getloadavg()[0])
                 timed = g.call("timed")
                 row["rounds"].append(dict(e2e_s=max(r["e2e_s"] for r in timed),
                                           steps=[max(r["steps"][i] for r in timed) for i in range(b.steps)]))
                 row.update({k: timed[0][k] for k in ("latents", "frames", "waveform")})
-                print(f"[ltx2] {g.setup.label}: round {round_ + 1}/{b.rounds} e2e {row['rounds'][-1]['e2e_s']:.1f} s",
+                print(f"[ltx2] {g.label}: round {round_ + 1}/{b.rounds} e2e {row['rounds'][-1]['e2e_s']:.1f} s",
                       file=sys.stderr, flush=True)
     for row in rows.values():
         rounds = sorted(row["rounds"], key=lambda r: r["e2e_s"])

@@ -30,39 +30,35 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, resolve_frames_per_rank  # noqa: E402 -- after the path set-up
+from bench._procs import RankGroup, free_port, status_kib  # noqa: E402 -- after the path set-up
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, resolve_frames_per_rank  # noqa: E402
 
 TWO_AT_ONCE = "2 x N=1 at once"
 
 
 def _rss_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return status_kib(field) / 1024
 
 
-def _worker(rank, world, port, args, frames_per_rank, inbox, outbox):
+def _worker(index, rank, world, port, args, frames_per_rank, inbox, outbox):
+    """Process ``index`` of its row (``bench._procs`` protocol): rank ``rank`` of a ``world``-rank decode."""
     try:
-        _serve(rank, world, port, args, frames_per_rank, inbox, outbox)
+        _serve(index, rank, world, port, args, frames_per_rank, inbox, outbox)
     except BaseException:
-        outbox.put((rank, traceback.format_exc()))
+        outbox.put((index, "error", traceback.format_exc()))
         raise
 
 
-def _serve(rank, world, port, args, frames_per_rank, inbox, outbox):
+def _serve(index, rank, world, port, args, frames_per_rank, inbox, outbox):
     """Load, report ready, then run ``"timed"`` and ``"stream"`` commands until ``None``."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -98,14 +94,14 @@ def _serve(rank, world, port, args, frames_per_rank, inbox, outbox):
 
     frame_shape = (args.height, args.width, 3)
     base = _rss_mib("VmRSS")
-    outbox.put((rank, "ready"))
+    outbox.put((index, "ok", "ready"))
     while (command := inbox.get()) is not None:
         barrier()
         if command == "timed":
             t0, c0 = time.perf_counter(), time.process_time()
             for _frames in decode_parallel(split, decode_range, frame_shape=frame_shape, state=state):
                 pass
-            outbox.put((rank, (time.perf_counter() - t0, time.process_time() - c0, _rss_mib("VmHWM") - base)))
+            outbox.put((index, "ok", (time.perf_counter() - t0, time.process_time() - c0, _rss_mib("VmHWM") - base)))
             continue
         # Streamed: bytes leave rank 0 as soon as each round's frames are encoded.
         marks = []
@@ -118,54 +114,23 @@ def _serve(rank, world, port, args, frames_per_rank, inbox, outbox):
         if writer:
             writer.close()
         first, last = (marks[1] - t0, marks[-1] - t0) if marks else (float("nan"),) * 2  # marks[0] is the header
-        outbox.put((rank, (first, last, split.rounds)))
+        outbox.put((index, "ok", (first, last, split.rounds)))
     if world > 1:
         torch.distributed.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Group:
-    """The processes of one row, loaded once; ``call`` runs a command on every rank and returns their replies."""
-
-    def __init__(self, world, frames_per_rank, args, *, copies=1):
-        """``world`` ranks decoding together, or (``copies`` > 1) that many one-rank decodes run at once."""
-        ctx = mp.get_context("spawn")
-        self.outbox = ctx.Queue()
-        self.inboxes = [ctx.Queue() for _ in range(world * copies)]
-        ranks = [(r, world, port) for port in (_free_port() for _ in range(copies)) for r in range(world)]
-        self.procs = [ctx.Process(target=_worker, args=(r, n, port, args, frames_per_rank, inbox, self.outbox),
-                                  daemon=True) for (r, n, port), inbox in zip(ranks, self.inboxes, strict=True)]
-        for p in self.procs:
-            p.start()
-
-    def replies(self):
-        results = sorted(self.outbox.get(timeout=3600) for _ in self.procs)
-        failed = [r for r in results if isinstance(r[1], str) and r[1] != "ready"]
-        if failed:
-            raise RuntimeError("\n".join(f"rank {rank}:\n{tb}" for rank, tb in failed))
-        return [r[1] for r in results]
-
-    def call(self, command):
-        for inbox in self.inboxes:
-            inbox.put(command)
-        return self.replies()
-
-    def close(self):
-        for inbox in self.inboxes:
-            inbox.put(None)
-        for p in self.procs:
-            p.join(timeout=60)
+def _row(name, world, frames_per_rank, args, copies):
+    """The processes of one row: ``world`` ranks decoding together, or (``copies`` > 1) that many one-rank decodes
+    run at once."""
+    ranks = [(r, world, port) for port in (free_port() for _ in range(copies)) for r in range(world)]
+    return RankGroup(name, _worker, [(i, r, n, port, args, frames_per_rank) for i, (r, n, port) in enumerate(ranks)],
+                     timeout_s=3600)
 
 
 def _run(rows, args):
     """Every row's processes loaded side by side (idle ones wait on a queue); the timed repeats interleaved, round
     ``r`` starting at row ``r``, so that a change in the machine's speed falls on every row alike."""
-    groups = {name: _Group(world, frames_per_rank, args, copies=copies)
+    groups = {name: _row(name, world, frames_per_rank, args, copies)
               for name, (world, frames_per_rank, copies) in rows.items()}
     try:
         for group in groups.values():

@@ -79,12 +79,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import platform
-import queue
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -98,9 +95,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from bench._procs import RankGroup, free_port, reset_peak_rss, set_malloc, status_kib  # noqa: E402 -- path set-up
 
 __all__ = ["BenchConfig", "ModelSize", "Setup", "Workload", "main"]
 
@@ -117,7 +115,6 @@ _LATENT_TOL = 1e-3
 """fp32 throughout. N ranks run the same maths as 1 rank, but matmuls over fewer rows with another thread count
 and SDPA over another head grouping may sum in another order (~1e-6 relative per op); over a few steps of a
 random transformer that stays far below 1e-3 absolute on latents of unit scale."""
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _MALLOC_MEASURE = (1 << 20, 1 << 20)
 _MALLOC_TIMED = (32 << 20, 64 << 20)
 
@@ -203,30 +200,6 @@ DIFF_2, DIFF_1 = Setup("diffusers", 2, 1), Setup("diffusers", 1, 2)
 # ---------------------------------------------------------------------------------------------------------
 # Inside a rank process.
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def _set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
-            libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
-    except (OSError, AttributeError):  # not glibc
-        return False
 
 
 def _build_components(size: ModelSize) -> dict[str, Any]:
@@ -337,15 +310,15 @@ def _barrier() -> None:
 def _peaks(run: Any, workload: Workload, base_kib: int) -> tuple[bool, float, float]:
     """One 2-step generation: (peak reset worked, peak - base after the last step, peak - base at the end) in MiB."""
     hwm: dict[str, int] = {}
-    reset = _reset_peak_rss()
-    run(_request(workload, _WARMUP_STEPS), lambda: hwm.setdefault("denoise", _status_kib("VmHWM")))
-    return reset, (hwm["denoise"] - base_kib) / 1024, (_status_kib("VmHWM") - base_kib) / 1024
+    reset = reset_peak_rss()
+    run(_request(workload, _WARMUP_STEPS), lambda: hwm.setdefault("denoise", status_kib("VmHWM")))
+    return reset, (hwm["denoise"] - base_kib) / 1024, (status_kib("VmHWM") - base_kib) / 1024
 
 
 def _warmup(run: Any, workload: Workload, rss_loaded_kib: int) -> dict[str, Any]:
     """Two warm-up generations: the first measured from RSS after loading, the second from RSS just before it."""
     reset_1, denoise_1, e2e_1 = _peaks(run, workload, rss_loaded_kib)
-    reset_2, denoise_2, _ = _peaks(run, workload, _status_kib("VmRSS"))
+    reset_2, denoise_2, _ = _peaks(run, workload, status_kib("VmRSS"))
     return dict(peak_reset=reset_1 and reset_2, act_denoise_mib=denoise_1, act_e2e_mib=e2e_1,
                 act_steady_mib=denoise_2)
 
@@ -353,7 +326,7 @@ def _warmup(run: Any, workload: Workload, rss_loaded_kib: int) -> dict[str, Any]
 def _worker(rank: int, setup: Setup, config: BenchConfig, workload: Workload, port: int, inbox, outbox) -> None:
     """One rank: load, report ready, then serve ``("warmup"|"timed", round)`` commands until ``None``."""
     try:
-        malloc_ok = _set_malloc(*_MALLOC_MEASURE)
+        malloc_ok = set_malloc(*_MALLOC_MEASURE)
         torch.set_num_threads(setup.threads)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         state = None
@@ -378,7 +351,7 @@ def _worker(rank: int, setup: Setup, config: BenchConfig, workload: Workload, po
 
             run = DiffusersRunner(components, ranks=setup.ranks)
         _barrier()
-        rss_loaded = _status_kib("VmRSS")
+        rss_loaded = status_kib("VmRSS")
         outbox.put((rank, "ok", dict(load_s=time.perf_counter() - started, malloc_ok=malloc_ok,
                                      checksum=sum(p.double().sum().item() for p in weights),
                                      params=sum(p.numel() for p in weights), rss_loaded_mib=rss_loaded / 1024)))
@@ -387,7 +360,7 @@ def _worker(rank: int, setup: Setup, config: BenchConfig, workload: Workload, po
             _barrier()
             if kind == "warmup":
                 reply = _warmup(run, workload, rss_loaded)
-                _set_malloc(*_MALLOC_TIMED)
+                set_malloc(*_MALLOC_TIMED)
             else:
                 started, at_start, at_last_step = time.perf_counter(), clock.reading(), []
                 record = run(_request(workload, config.steps), lambda mark=at_last_step.append: mark(clock.reading()))
@@ -410,87 +383,40 @@ def _worker(rank: int, setup: Setup, config: BenchConfig, workload: Workload, po
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Group:
-    """The rank processes of one configuration; ``call`` runs a command on every rank and returns their replies."""
-
-    def __init__(self, setup: Setup, config: BenchConfig, workload: Workload) -> None:
-        ctx = mp.get_context("spawn")
-        self.setup, self.outbox = setup, ctx.Queue()
-        self.inboxes = [ctx.Queue() for _ in range(setup.ranks)]
-        port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, setup, config, workload, port, self.inboxes[r],
-                                                        self.outbox), daemon=True) for r in range(setup.ranks)]
-        for p in self.procs:
-            p.start()
-
-    def replies(self) -> list[dict[str, Any]]:
-        got: dict[int, Any] = {}
-        errors = []
-        while len(got) + len(errors) < self.setup.ranks:
-            try:
-                rank, status, payload = self.outbox.get(timeout=_TIMEOUT_S)
-            except queue.Empty:
-                raise RuntimeError(f"{self.setup.label}: no reply within {_TIMEOUT_S:.0f} s") from None
-            if status == "error":
-                errors.append(f"--- {self.setup.label} rank {rank} ---\n{payload}")
-            else:
-                got[rank] = payload
-        if errors:
-            raise RuntimeError("rank failure:\n" + "\n".join(errors))
-        return [got[r] for r in range(self.setup.ranks)]
-
-    def call(self, kind: str, round_: int = 0) -> list[dict[str, Any]]:
-        for inbox in self.inboxes:
-            inbox.put((kind, round_))
-        return self.replies()
-
-    def close(self) -> None:
-        for inbox in self.inboxes:
-            inbox.put(None)
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-
-
 def _measure(config: BenchConfig, workload: Workload) -> dict[str, dict[str, Any]]:
     """All configurations of one workload: load, warm up (memory), then interleaved timed rounds."""
     rows: dict[str, dict[str, Any]] = {s.label: {"rounds": []} for s in config.setups}
     with contextlib.ExitStack() as stack:
         groups = []
         for setup in config.setups:
-            group = _Group(setup, config, workload)
+            port = free_port()
+            group = RankGroup(setup.label, _worker, [(r, setup, config, workload, port) for r in range(setup.ranks)],
+                              timeout_s=_TIMEOUT_S)
             stack.callback(group.close)
             groups.append(group)
         for group in groups:
             ready = group.replies()
-            row = rows[group.setup.label]
+            row = rows[group.label]
             row.update(load_s=max(r["load_s"] for r in ready), params=ready[0]["params"],
                        checksums={r["checksum"] for r in ready}, malloc_ok=all(r["malloc_ok"] for r in ready))
             started = time.perf_counter()
-            warm = group.call("warmup")
+            warm = group.call(("warmup", 0))
             row.update({key: max(r[key] for r in warm) for key in ("act_denoise_mib", "act_e2e_mib", "act_steady_mib")})
             row["peak_reset"] = all(r["peak_reset"] for r in warm)
-            _progress(f"[{workload.name}] {group.setup.label}: loaded in {row['load_s']:.0f} s, warm-up "
+            _progress(f"[{workload.name}] {group.label}: loaded in {row['load_s']:.0f} s, warm-up "
                       f"{time.perf_counter() - started:.0f} s")
         n = len(groups)
         for round_ in range(config.rounds):
             for group in groups[round_ % n:] + groups[: round_ % n]:
-                row = rows[group.setup.label]
+                row = rows[group.label]
                 row.setdefault("load", os.getloadavg()[0])
-                timed = group.call("timed", round_)
+                timed = group.call(("timed", round_))
                 steps = [max(r["steps"][i] for r in timed) for i in range(config.steps)]
                 row["rounds"].append(dict(e2e_s=max(r["e2e_s"] for r in timed), steps=steps,
                                           collectives=timed[0]["collectives"],
                                           exchange_s=max(r["exchange_s"] for r in timed)))
                 row.update(latents=timed[0]["latents"], frames=timed[0]["frames"])
-                _progress(f"[{workload.name}] {group.setup.label}: round {round_ + 1}/{config.rounds} "
+                _progress(f"[{workload.name}] {group.label}: round {round_ + 1}/{config.rounds} "
                           f"e2e {row['rounds'][-1]['e2e_s']:.1f} s (load {os.getloadavg()[0]:.1f})")
     for row in rows.values():
         rounds = sorted(row["rounds"], key=lambda r: r["e2e_s"])
