@@ -42,7 +42,12 @@ COMMANDS = {
     "mp4-2": [*GENERATE, "--nproc", "2", "--out", "{out}/two.mp4"],
     "stdout-2": [*GENERATE, "--nproc", "2", "--out", "-"],
     "frames-1": [*GENERATE, "--nproc", "1", "--out", "{out}/one/"],
+    "frames-2": [*GENERATE, "--nproc", "2", "--out", "{out}/two/"],
 }
+# AAC's loss on tiny-ltx2's noise-like soundtrack is 4-7% RMS (measured over seven seeds), and a waveform changed in
+# its last bits encodes 3-4% differently (AAC's coding choices flip): two encodes are compared only this loosely.
+# Different seeds' soundtracks differ by ~29%, so a wrong or misaligned soundtrack still fails.
+AAC_LOSS = 0.15
 
 
 def body(prompt: str = "a dog barks in a quiet street", **overrides) -> dict:
@@ -174,23 +179,35 @@ def test_generate_frames_folder_writes_audio_wav(commands):
 
 
 @pytest.mark.timeout(300)
-def test_two_ranks_make_the_one_rank_video(commands, tmp_path):
+def test_two_ranks_make_the_one_rank_video(commands):
+    """Lossless outputs (PNG frames, 16-bit WAV) of 1 and 2 ranks: Ulysses only reorders float sums."""
     commands.result("frames-1")
-    frames, _ = read_frames_dir(commands.out / "one")
-    waveform, _ = read_audio(commands.out / "one")
-    # The 1-rank result encoded here is the reference: the tiny model's frames are near pixel noise, which
-    # yuv420p cannot keep, and AAC is lossy, so compare encodes with encodes. For the pictures, two encodes of one
-    # video differ by a few levels on average, two different videos by ~50. For the sound, two encodes of the
-    # 1- and 2-rank waveforms differ by ~1% RMS (Ulysses reorders float sums, and AAC is not linear), two seeds'
-    # soundtracks by ~30%.
-    write_mp4(frames, tmp_path / "reference.mp4", FPS, audio=waveform, sample_rate=SAMPLE_RATE)
+    commands.result("frames-2")
+    one_frames, _ = read_frames_dir(commands.out / "one")
+    two_frames, _ = read_frames_dir(commands.out / "two")
+    difference = np.abs(two_frames.astype(np.int16) - one_frames.astype(np.int16))
+    assert difference.max() <= 1 and difference.mean() < 0.02, (difference.max(), difference.mean(), SEED)
+    one_audio, two_audio = read_audio(commands.out / "one")[0], read_audio(commands.out / "two")[0]
+    assert one_audio.shape == two_audio.shape, (one_audio.shape, two_audio.shape)
+    assert np.abs(two_audio - one_audio).max() < 1e-3, (np.abs(two_audio - one_audio).max(), SEED)
+
+
+@pytest.mark.timeout(300)
+def test_two_rank_mp4s_carry_the_lossless_video(commands, tmp_path):
+    """The MP4 file and the stdout stream of 2 ranks hold what the 2-rank frames folder holds, within the codecs'
+    loss (an MP4 is lossy, so the exactness check above is made on the folders)."""
+    commands.result("frames-2")
+    frames, _ = read_frames_dir(commands.out / "two")
+    waveform, _ = read_audio(commands.out / "two")
+    # The tiny model's frames are near pixel noise, which yuv420p cannot keep: compare encodes with encodes. Two
+    # encodes of one video differ by a few levels on average, two different videos by ~50.
+    write_mp4(frames, tmp_path / "reference.mp4", FPS)
     ref_frames = read_mp4(tmp_path / "reference.mp4")[0].astype(np.int16)
-    ref_audio = read_audio(tmp_path / "reference.mp4")[0]
     for key in ("mp4-2", "stdout-2"):
-        two_frames, two_audio = check_media(output(commands, key))
-        error = np.abs(two_frames.astype(np.int16) - ref_frames).mean()
+        mp4_frames, mp4_audio = check_media(output(commands, key))
+        error = np.abs(mp4_frames.astype(np.int16) - ref_frames).mean()
         assert error < 8, (key, error, SEED)
-        assert relative_error(two_audio, ref_audio) < 0.05, (key, relative_error(two_audio, ref_audio), SEED)
+        assert relative_error(mp4_audio, waveform) < AAC_LOSS, (key, relative_error(mp4_audio, waveform), SEED)
 
 
 # --------------------------------------------------------------------------------------------------- server
@@ -251,7 +268,7 @@ def test_streamed_job_is_a_fragmented_mp4_with_both_streams(ltx2_server, stored_
     # The same request as the stored job (same seed): the same video and sound, within the encoders' noise.
     stored_frames, stored_audio = read_mp4(stored_job["path"])[0], read_audio(stored_job["path"])[0]
     assert np.abs(frames.astype(np.int16) - stored_frames.astype(np.int16)).mean() < 8
-    assert relative_error(waveform, stored_audio) < 0.05
+    assert relative_error(waveform, stored_audio) < AAC_LOSS
     with av.open(io.BytesIO(data)) as container:
         assert container.streams.audio[0].codec_context.channels == waveform.shape[0]
 
