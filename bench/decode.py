@@ -69,7 +69,7 @@ def _serve(index, rank, world, port, args, frames_per_rank, inbox, outbox):
     from cp_infer import ParallelConfig, init_parallel
     from cp_infer.decode import TemporalSplit, decode_parallel
     from cp_infer.stream import FragmentedMP4Writer
-    from models.ltx_vae_parallel import DecodeContext, decode_round, parallelize_ltx_decoder
+    from models.ltx_vae_parallel import DecodeContext, decode_cost, decode_round, parallelize_ltx_decoder
 
     state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=600))
     torch.manual_seed(0)
@@ -80,7 +80,8 @@ def _serve(index, rank, world, port, args, frames_per_rank, inbox, outbox):
     latent_frames = (args.frames - 1) // 8 + 1
     latents = torch.randn(1, vae.config.latent_channels, latent_frames, args.height // 32, args.width // 32,
                           generator=torch.Generator().manual_seed(1))
-    split = TemporalSplit(latent_frames=latent_frames, world=world, frames_per_rank=frames_per_rank)
+    split = TemporalSplit(latent_frames=latent_frames, world=world, frames_per_rank=frames_per_rank,
+                          cost=decode_cost(vae, latent_frames))  # as the models cut it
     ctx.split = split
 
     def decode_range(a, b):

@@ -1,23 +1,29 @@
-"""Parallel, streamed VAE decode: the video cut in time into rounds x ranks pieces, exact through frame exchange.
+"""Parallel, streamed VAE decode: the video cut in time into pieces that the ranks decode as a pipeline.
 
 Invariants:
-- :class:`TemporalSplit` cuts the *output* into pieces of whole latent frames, round-major: round ``k`` is decoded
-  by the ``active`` ranks together, rank ``r`` producing piece ``k * active + r``. Pieces tile the video in
-  temporal order; each holds at least one latent frame and at most ``max(frames_per_rank, 2)`` (more than the
-  window only where a round would otherwise leave an active rank without a frame).
+- :class:`TemporalSplit` cuts the *output* into pieces of whole latent frames, round-major: rank ``r`` decodes
+  piece ``k * active + r`` in its round ``k``, its pieces in order. Pieces tile the video in temporal order; each
+  holds at least one latent frame and at most ``max(frames_per_rank, 2)`` (more than the window only where a
+  round would otherwise leave an active rank without a frame).
 - A causal video VAE maps latent frame 0 to video frame 0 and latent frame ``k >= 1`` to video frames
   ``T*k - T + 1 .. T*k``; the split converts latent ranges to video ranges with that rule.
-- :func:`exchange_frames` is the one communication primitive a model adapter needs: a sequence of frames at one
-  stage of the decoder is cut over the ranks; every rank gets exactly the frames it needs (its neighbours'
-  boundary frames, or the previous rounds' last frames, which group rank 0 keeps), by point-to-point messages
-  between the ranks that hold and need them. It does no arithmetic, so the adapter can make every output frame
-  depend on exactly the input frames a whole-video decode uses.
-- :func:`decode_parallel` delivers frames on group rank 0 in temporal order, round by round (its own piece, then
-  each other rank's in turn), so rank 0 holds at most two pieces and the encoder can take each as it lands.
+- :class:`FrameRelay` is the one communication primitive a model adapter needs: at each temporal op of the decoder,
+  a piece hands the next piece's owner the last few input frames that piece reads (a causal VAE's ops read a few
+  frames back; the adapter makes each piece's stages end where the next stage's end needs, so nothing is read
+  ahead). It does no arithmetic, so the adapter can make every output frame depend on exactly the input frames a
+  whole-video decode uses. A piece waits only for the previous piece's frames of the op it is at, never for a
+  whole piece: with ``N`` ranks, ``N`` pieces are decoded at once, each a few ops behind the one before
+  (NOTE(pipeline): an earlier design cut each round's every op over the ranks, which made every rank wait at every
+  op for the slowest; on a shared machine those waits cost 6-15% of the decode).
+- :func:`decode_parallel` delivers frames on group rank 0 in temporal order (its piece of round ``k``, then the
+  other ranks' pieces of round ``k`` after its piece of round ``k + 1``), so rank 0 holds at most two rounds'
+  frames and the encoder can take each as it lands.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,10 +37,10 @@ from .state import ParallelState
 __all__ = [
     "AUTO",
     "DEFAULT_FRAMES_PER_RANK",
-    "FrameHistory",
+    "FrameRelay",
+    "Frames",
     "TemporalSplit",
     "decode_parallel",
-    "exchange_frames",
     "resolve_frames_per_rank",
 ]
 
@@ -74,12 +80,19 @@ class TemporalSplit:
     frames_per_rank: int | None = None
     """Latent frames each rank outputs per round (bounds its decode memory; 2 where fewer would leave an active rank
     without a frame); ``None``: the whole video in one round."""
+    cost: tuple[float, ...] | None = None
+    """``cost[j]``: the work of decoding the video up to latent frame ``j`` (``latent_frames + 1`` non-decreasing
+    values from 0; the adapter's ``decode_cost``). Pieces are then cut to equal work instead of equal frames: the
+    first piece also runs the decoder's look-ahead, so it gets fewer frames. ``None``: equal frames."""
 
     def __post_init__(self) -> None:
         if self.latent_frames < 1 or self.world < 1:
             raise ValueError(f"latent_frames={self.latent_frames} and world={self.world} must both be >= 1")
         if self.frames_per_rank is not None and self.frames_per_rank < 1:
             raise ValueError(f"frames_per_rank={self.frames_per_rank} must be >= 1 (or None for one round)")
+        if self.cost is not None and (len(self.cost) != self.latent_frames + 1 or self.cost[0] != 0
+                                      or any(b < a for a, b in itertools.pairwise(self.cost))):
+            raise ValueError(f"cost must be {self.latent_frames + 1} non-decreasing values from 0, got {self.cost}")
 
     @property
     def active(self) -> int:
@@ -94,9 +107,22 @@ class TemporalSplit:
         return min(math.ceil(self.latent_frames / (self.active * self.frames_per_rank)),
                    self.latent_frames // self.active)
 
+    @functools.cached_property
+    def _starts(self) -> tuple[int, ...]:
+        pieces, frames = self.rounds * self.active, self.latent_frames
+        if self.cost is None:
+            base, extra = divmod(frames, pieces)
+            return tuple(p * base + min(p, extra) for p in range(pieces + 1))
+        starts = [0]
+        for p in range(1, pieces):
+            target = self.cost[-1] * p / pieces
+            # At least one frame in this piece and in each piece after it; nearest to an equal share of the work.
+            allowed = range(starts[-1] + 1, frames - (pieces - p) + 1)
+            starts.append(min(allowed, key=lambda j, target=target: abs(self.cost[j] - target)))
+        return (*starts, frames)
+
     def _piece_start(self, piece: int) -> int:
-        base, extra = divmod(self.latent_frames, self.rounds * self.active)
-        return piece * base + min(piece, extra)
+        return self._starts[piece]
 
     def latent_range(self, rank: int, round: int = 0) -> tuple[int, int]:
         """The latent frames whose video frames ``rank`` outputs in ``round``."""
@@ -130,97 +156,86 @@ class TemporalSplit:
     def video_frames(self) -> int:
         return (self.latent_frames - 1) * self.temporal_compression + 1
 
+    @property
+    def pieces(self) -> int:
+        return self.rounds * self.active
 
-@dataclass
-class FrameHistory:
-    """The last frames of one decoder stage before the current round; held by group rank 0 only."""
+    def piece(self, rank: int, round: int) -> int:
+        """The index of ``rank``'s piece of ``round`` in temporal order."""
+        return round * self.active + rank
 
-    start: int = 0
-    frames: torch.Tensor | None = None
+    def owner(self, piece: int) -> int:
+        """The rank that decodes ``piece``."""
+        return piece % self.active
 
 
-def exchange_frames(
-    x: torch.Tensor,
-    *,
-    cuts: Sequence[int],
-    needs: Sequence[tuple[int, int]],
-    length: int,
-    history: FrameHistory,
-    keep: int,
-    state: ParallelState,
-    dim: int = 2,
-) -> torch.Tensor:
-    """Give every rank the frames it needs of a sequence cut over the active ranks.
+class Frames:
+    """Frames ``[lo, hi)`` of one decoder stage, held as pieces in temporal order (the frames handed on by the
+    previous piece, then this piece's own): :meth:`take` copies only when a range spans pieces."""
 
-    The sequence (``length`` frames along ``dim``: the whole video at one decoder stage) is cut as ``[cuts[r],
-    cuts[r + 1])`` on rank ``r`` of the ``len(cuts) - 1`` active ranks, which holds it as ``x``; frames before
-    ``cuts[0]`` belong to earlier rounds, of which group rank 0 holds the last ``keep`` in ``history``. Returns
-    frames ``needs[rank]`` (clamped to ``[0, length)``) on this rank, and on rank 0 moves ``history`` on to the
-    last ``keep`` frames before ``cuts[-1]``. Every active rank calls this with the same arguments but ``x``; a
-    rank may need frames of any rank (not only its neighbours') and of the history, but none before
-    ``cuts[0] - keep`` and none after ``cuts[-1]``.
-    """
-    active, rank = len(cuts) - 1, state.cp_rank
-    if x.shape[dim] != cuts[rank + 1] - cuts[rank]:
-        raise RuntimeError(f"rank {rank} holds {x.shape[dim]} frames, its cut is {cuts[rank]}..{cuts[rank + 1]}")
-    hist_lo = max(0, cuts[0] - keep)
-    if rank == 0:
-        held = 0 if history.frames is None else history.frames.shape[dim]
-        if cuts[0] > hist_lo and (history.start, held) != (hist_lo, cuts[0] - hist_lo):
-            raise RuntimeError(f"history holds {held} frames from {history.start}, the round needs "
-                               f"{hist_lo}..{cuts[0]}: rounds must run in order")
-    # Holders in temporal order: rank 0's history (slot 0), then each rank's piece (slot r + 1).
-    holders = [(0, hist_lo, cuts[0])] + [(r, cuts[r], cuts[r + 1]) for r in range(active)]
-    wants = []
-    for q in range(active):
-        lo, hi = max(0, needs[q][0]), min(length, needs[q][1])
-        if lo < hi and (lo < hist_lo or hi > cuts[-1]):
-            raise RuntimeError(f"rank {q} needs frames {lo}..{hi}, outside the round {cuts[0]}..{cuts[-1]} and the "
-                               f"{keep} frames kept before it")
-        wants.append([(lo, max(lo, hi))])
-    if keep:
-        wants[0].append((max(0, cuts[-1] - keep), cuts[-1]))  # the next rounds' history
-
-    def held(slot: int, a: int, b: int) -> torch.Tensor:
-        if slot == 0:
-            return history.frames.narrow(dim, a - history.start, b - a)
-        return x.narrow(dim, a - cuts[rank], b - a)
-
-    # Every rank walks the same (receiver, want, holder) order, so sends and receives pair up in order.
-    mine: list[list[tuple[int, int, int, int]]] = [[] for _ in wants[rank]]
-    ops, received = [], {}
-    for q in range(active):
-        for i, (lo, hi) in enumerate(wants[q]):
-            for slot, (holder, a, b) in enumerate(holders):
-                a, b = max(lo, a), min(hi, b)
-                if a >= b:
-                    continue
-                if q == rank:
-                    mine[i].append((holder, slot, a, b))
-                if holder == q:
-                    continue
-                if rank == holder:
-                    ops.append(dist.P2POp(dist.isend, held(slot, a, b).contiguous(), state.cp_ranks[q],
-                                          group=state.cp_group))
-                elif rank == q:
-                    buf = x.new_empty((*x.shape[:dim], b - a, *x.shape[dim + 1:]))
-                    received[i, slot, a] = buf
-                    ops.append(dist.P2POp(dist.irecv, buf, state.cp_ranks[holder], group=state.cp_group))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-
-    def assemble(i: int) -> torch.Tensor:
-        pieces = [received[i, slot, a] if holder != rank else held(slot, a, b) for holder, slot, a, b in mine[i]]
+    def __init__(self, pieces: Sequence[tuple[int, torch.Tensor]], lo: int, hi: int, dim: int = 2):
         if not pieces:
-            return x.narrow(dim, 0, 0)
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+            raise ValueError("Frames needs at least one (first frame, tensor) piece, even an empty one")
+        self.pieces, self.lo, self.hi, self.dim = list(pieces), lo, hi, dim
 
-    window = assemble(0)
-    if rank == 0 and keep:
-        # NOTE(history): a copy, so that the kept frames do not pin the whole activation they are a view of.
-        history.start, history.frames = max(0, cuts[-1] - keep), assemble(1).clone()
-    return window
+    def take(self, a: int, b: int) -> torch.Tensor:
+        """Frames ``[a, b)`` (within ``[lo, hi)``): a view where one piece holds them all."""
+        if not self.lo <= a <= b <= self.hi:
+            raise RuntimeError(f"frames {a}..{b} are outside the {self.lo}..{self.hi} held")
+        parts = []
+        for first, piece in self.pieces:
+            lo, hi = max(a, first), min(b, first + piece.shape[self.dim])
+            if lo < hi:
+                parts.append(piece.narrow(self.dim, lo - first, hi - lo))
+        if not parts:
+            return self.pieces[0][1].narrow(self.dim, 0, 0)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+
+
+class FrameRelay:
+    """The frames each piece of a :class:`TemporalSplit` hands the next piece, one message per temporal op.
+
+    The owner of piece ``p`` (:meth:`TemporalSplit.owner`) sends, at each op, the last frames of the op's input that
+    piece ``p + 1`` reads to that piece's owner as soon as it has them (non-blocking), and receives the frames before
+    its own from piece ``p - 1``'s owner when it reaches the op. Every rank decodes its pieces in order and every
+    piece runs the same ops in the same order, so the messages between two ranks pair up in order (no tags: NCCL
+    has none). A piece that follows one of its own rank's keeps the frames locally instead (one rank).
+    """
+
+    def __init__(self, state: ParallelState):
+        self.state = state
+        self._sending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._kept: dict[object, torch.Tensor] = {}
+
+    def hand_on(self, key: object, frames: torch.Tensor, *, to: int) -> None:
+        """Give ``frames`` (op ``key``'s input frames that the next piece reads) to group rank ``to``'s next piece;
+        this rank's own next piece finds them with :meth:`take_over`."""
+        # NOTE(relay): a copy, so that the message neither pins the activation it is a view of nor changes with it.
+        frames = frames.clone(memory_format=torch.contiguous_format)
+        if to == self.state.cp_rank:
+            self._kept[key] = frames
+            return
+        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
+        self._sending.append((dist.isend(frames, self.state.cp_ranks[to], group=self.state.cp_group), frames))
+
+    def take_over(self, key: object, like: torch.Tensor, count: int, *, src: int, dim: int = 2) -> torch.Tensor:
+        """The ``count`` frames the previous piece (on group rank ``src``) handed on for op ``key``; shaped as
+        ``like`` but for the frame count (blocks until they arrive)."""
+        if src == self.state.cp_rank:
+            frames = self._kept.pop(key, None)
+            if frames is None or frames.shape[dim] != count:
+                raise RuntimeError(f"op {key}: the previous piece kept {None if frames is None else frames.shape[dim]} "
+                                   f"frames, this piece needs {count}: pieces must run in order")
+            return frames
+        buf = like.new_empty((*like.shape[:dim], count, *like.shape[dim + 1:]))
+        dist.recv(buf, self.state.cp_ranks[src], group=self.state.cp_group)
+        return buf
+
+    def flush(self) -> None:
+        """Wait until every frame this rank handed on has left (call after its last piece)."""
+        for work, _ in self._sending:
+            work.wait()
+        self._sending, self._kept = [], {}
 
 
 def decode_parallel(
@@ -230,18 +245,27 @@ def decode_parallel(
     frame_shape: tuple[int, ...],
     state: ParallelState,
 ) -> Iterator[np.ndarray]:
-    """Decode the video over the group, round by round; on group rank 0 yield uint8 frames in temporal order.
+    """Decode the video over the group, piece by piece; on group rank 0 yield uint8 frames in temporal order.
 
-    ``decode_range(a, b)`` is called on every active rank once per round, rounds in order, with the latent
-    frames ``[a, b) = split.latent_range(rank, round)`` whose video frames this rank outputs in that round
-    (exchanges between ranks inside); it returns those uint8 frames ``[F, H, W, 3]``. Every rank must exhaust the
-    iterator.
+    ``decode_range(a, b)`` is called on every active rank once per round, rounds in order, with the latent frames
+    ``[a, b) = split.latent_range(rank, round)`` of this rank's piece (the frames the pieces hand each other pass
+    inside, see :class:`FrameRelay`); it returns that piece's uint8 frames ``[F, H, W, 3]``. Every rank must
+    exhaust the iterator.
     """
     rank = state.cp_rank
     if rank >= split.active:
         return
     alone = split.active == 1 or state.cp_group is None
     sending: tuple[dist.Work, torch.Tensor] | None = None
+
+    def others(k: int) -> Iterator[np.ndarray]:
+        """Round ``k``'s pieces of ranks 1.. (decoded while rank 0 decoded its piece of round ``k + 1``)."""
+        for src in range(1, split.active):
+            v0, v1 = split.video_range(src, k)
+            buf = torch.empty((v1 - v0, *frame_shape), dtype=torch.uint8, device=state.device)
+            dist.recv(buf, state.cp_ranks[src], group=state.cp_group)
+            yield buf.cpu().numpy()
+
     for k in range(split.rounds):
         a, b = split.latent_range(rank, k)
         local = decode_range(a, b)
@@ -256,15 +280,16 @@ def decode_parallel(
             if sending is not None:
                 sending[0].wait()
             buf = torch.from_numpy(np.ascontiguousarray(local)).to(state.device)
-            # Non-blocking: this rank goes on to the next round while rank 0 encodes this one.
+            # Non-blocking: this rank goes on to its next piece while rank 0 decodes its own and encodes.
             sending = (dist.isend(buf, state.cp_ranks[0], group=state.cp_group), buf)
             continue
+        # NOTE(order): the pieces between rank 0's last one and this one were decoded alongside this one; rank 0
+        # receives them only now, after its own piece's relayed frames, in the order their owners sent.
+        if k > 0:
+            yield from others(k - 1)
         yield local
         del local
-        for src in range(1, split.active):
-            v0, v1 = split.video_range(src, k)
-            buf = torch.empty((v1 - v0, *frame_shape), dtype=torch.uint8, device=state.device)
-            dist.recv(buf, state.cp_ranks[src], group=state.cp_group)
-            yield buf.cpu().numpy()
+    if rank == 0 and not alone:
+        yield from others(split.rounds - 1)
     if sending is not None:
         sending[0].wait()

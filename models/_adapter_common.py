@@ -13,11 +13,12 @@ import contextlib
 import numpy as np
 import torch
 
+from cp_infer.decode import TemporalSplit, resolve_frames_per_rank
 from cp_infer.request import GenerationRequest
 
-from .ltx_vae_parallel import DecodeContext, decode_round
+from .ltx_vae_parallel import DecodeContext, decode_cost, decode_round
 
-__all__ = ["decode_round_uint8", "noise_for_decode", "refuse_stochastic_sampling"]
+__all__ = ["decode_round_uint8", "decode_split", "noise_for_decode", "refuse_stochastic_sampling"]
 
 
 def refuse_stochastic_sampling(scheduler) -> None:
@@ -25,6 +26,17 @@ def refuse_stochastic_sampling(scheduler) -> None:
     if scheduler.config.get("stochastic_sampling", False):
         raise ValueError("stochastic_sampling schedulers draw per-step noise that would differ per shard; "
                          "set stochastic_sampling=false in scheduler/scheduler_config.json")
+
+
+def decode_split(vae, latent_frames: int, *, world: int, temporal_compression: int, frames_per_rank,
+                 request: GenerationRequest) -> TemporalSplit:
+    """The streamed decode's pieces for this request: the deployment's round size for the frame size, cut to equal
+    decoder work (the first piece also runs the decoder's look-ahead)."""
+    return TemporalSplit(latent_frames=latent_frames, world=world, temporal_compression=temporal_compression,
+                         frames_per_rank=resolve_frames_per_rank(frames_per_rank, height=request.height,
+                                                                 width=request.width,
+                                                                 temporal_compression=temporal_compression),
+                         cost=decode_cost(vae, latent_frames))
 
 
 def noise_for_decode(latents: torch.Tensor, *, vae, generator: torch.Generator,

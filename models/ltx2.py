@@ -34,11 +34,11 @@ from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_nois
 
 from cp_infer import ExchangeWorkspace, LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
 from cp_infer.collectives import all_reduce_sum
-from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit, resolve_frames_per_rank
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
-from ._adapter_common import decode_round_uint8, noise_for_decode, refuse_stochastic_sampling
+from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
 from .ltx_video import _scoped
 from .registry import min_latent_side
@@ -412,11 +412,9 @@ class LTX2Model:
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         video = video.to(vae.dtype)
         # Time-parallel and streamed in rounds, exact (``cp_infer.decode``), as for LTX-Video.
-        split = TemporalSplit(latent_frames=video.shape[2], world=self.state.cp_size,
-                              temporal_compression=self.geometry.temporal_compression,
-                              frames_per_rank=resolve_frames_per_rank(
-                                  self.decode_frames_per_rank, height=request.height, width=request.width,
-                                  temporal_compression=self.geometry.temporal_compression))
+        split = decode_split(vae, video.shape[2], world=self.state.cp_size,
+                             temporal_compression=self.geometry.temporal_compression,
+                             frames_per_rank=self.decode_frames_per_rank, request=request)
 
         def decode_range(a: int, b: int) -> np.ndarray:
             return decode_round_uint8(pipe, vae, self._decode_ctx, video, a, b, timestep, seed=request.seed,

@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -46,10 +47,11 @@ from diffusers.models.autoencoders.autoencoder_kl_ltx2 import (
 )
 
 from cp_infer import ParallelState
-from cp_infer.decode import FrameHistory, TemporalSplit, exchange_frames
+from cp_infer.decode import FrameRelay, Frames, TemporalSplit
 
 __all__ = [
     "DecodeContext",
+    "decode_cost",
     "decode_round",
     "decoder_receptive_field",
     "parallelize_ltx2_decoder",
@@ -116,23 +118,44 @@ class _Plan:
             out.append(op.out_length(out[-1]))
         return out
 
-    def round_cuts(self, video_cuts: list[int], lengths: list[int]) -> list[list[int]]:
-        """Cut every stage for one round whose output is cut at ``video_cuts``.
+    def stage_ends(self, video_end: int, lengths: list[int]) -> list[int]:
+        """Where a piece that outputs video frames up to ``video_end`` ends at every stage: the end goes back through
+        the chain as the last input frame the end needs. So no op reads past its piece's end (nothing is read
+        ahead), nor more than ``op.keep`` frames before its start (an op's need grows with its output); the first
+        piece runs ahead at the early stages by the decoder's right receptive field."""
+        ends = [video_end]
+        for op, t_in in zip(reversed(self._chain()), reversed(lengths[:-1]), strict=True):
+            ends.append(0 if ends[-1] == 0 else min(t_in, op.need(ends[-1] - 1, ends[-1])[1]))
+        return ends[::-1]
 
-        The round's two ends go back through the chain as the last input frame the end needs, so no need reaches
-        past the round's end, nor more than ``op.keep`` frames before its start (an op's need grows with its
-        output, and the first rank's output starts where the round starts). Inside, every stage but the output is
-        cut into equal parts: the ranks run each op in lockstep, so equal work per op is what keeps them busy (the
-        round's video pieces can differ: latent frame 0 is one video frame). The exchange serves whatever the
-        last op's output cut then needs from its neighbours.
-        """
-        chain = self._chain()
-        ends = [(video_cuts[0], video_cuts[-1])]
-        for op, t_in in zip(reversed(chain), reversed(lengths[:-1]), strict=True):
-            ends.append(tuple(0 if o == 0 else min(t_in, op.need(o - 1, o)[1]) for o in ends[-1]))
-        ends.reverse()
-        ranks = len(video_cuts) - 1
-        return [[lo + (hi - lo) * r // ranks for r in range(ranks + 1)] for lo, hi in ends[:-1]] + [list(video_cuts)]
+    def piece_cuts(self, video_range: tuple[int, int], lengths: list[int]) -> list[tuple[int, int]]:
+        """The frames ``[lo, hi)`` at every stage of the piece that outputs video frames ``video_range``."""
+        return list(zip(self.stage_ends(video_range[0], lengths), self.stage_ends(video_range[1], lengths),
+                        strict=True))
+
+    def op_weights(self) -> list[float]:
+        """Multiply-adds per output frame of each op of the chain, in units of the latent frame's area."""
+        weights, area, convs_seen = [], 1.0, {}
+        for step in self.steps:
+            op, unit = step.op, step.unit
+            if op.kind == "delay":
+                continue
+            if op.kind == "up":
+                weights.append(_macs(unit.conv.conv) * area / op.st)  # one conv frame makes st output frames
+                area *= unit.stride[1] * unit.stride[2]
+                continue
+            if isinstance(unit, _CONVS):
+                conv = unit.conv
+            else:
+                n = convs_seen[id(unit)] = convs_seen.get(id(unit), -1) + 1
+                conv = (unit.conv1, unit.conv2)[n].conv
+            weights.append(_macs(conv) * area)
+        return weights
+
+
+def _macs(conv: torch.nn.Conv3d) -> float:
+    """Multiply-adds per output voxel."""
+    return conv.out_channels * conv.in_channels // conv.groups * math.prod(conv.kernel_size)
 
 
 def _pads(conv: torch.nn.Module, causal: bool) -> tuple[int, int]:
@@ -190,6 +213,20 @@ def decoder_receptive_field(vae: torch.nn.Module, *, causal: bool | None = None)
     return before, after
 
 
+def decode_cost(vae: torch.nn.Module, latent_frames: int, *, causal: bool | None = None) -> tuple[float, ...]:
+    """``cost[j]``: the decoder's multiply-adds (relative) for the video up to latent frame ``j``, as the streamed
+    decode runs it (the first piece with its look-ahead): :class:`~cp_infer.decode.TemporalSplit`'s ``cost``."""
+    decoder = vae.decoder
+    plan = _plan(decoder, _runtime_causal(decoder, causal))
+    lengths, weights = plan.lengths(latent_frames), plan.op_weights()
+    t = plan.lengths(2)[-1] - plan.lengths(1)[-1]  # the decoder's own temporal compression
+    cost = []
+    for j in range(latent_frames + 1):
+        ends = plan.stage_ends(0 if j == 0 else t * j - t + 1, lengths)
+        cost.append(float(sum(w * e for w, e in zip(weights, ends[1:], strict=True))))
+    return tuple(cost)
+
+
 def _runtime_causal(decoder: torch.nn.Module, causal: bool | None) -> bool | None:
     """LTX-2 decoders pick causality at run time (``causal or decoder.is_causal``); LTX-Video's convs fix it."""
     if not any(isinstance(m, LTX2VideoCausalConv3d) for m in decoder.modules()):
@@ -199,14 +236,16 @@ def _runtime_causal(decoder: torch.nn.Module, causal: bool | None) -> bool | Non
 
 @dataclass
 class _Round:
-    """The state of one round in flight on this rank."""
+    """The state of this rank's piece in flight (its piece of round ``index``)."""
 
     plan: _Plan
     split: TemporalSplit
     index: int
-    cuts: list[list[int]]
+    piece: int
+    cuts: list[tuple[int, int]]
+    """The piece's frames ``[lo, hi)`` at every stage."""
     lengths: list[int]
-    histories: dict[tuple[int, int], FrameHistory]
+    relay: FrameRelay
     call: int = -1
     step: int = 0
 
@@ -236,9 +275,9 @@ class DecodeContext:
             raise RuntimeError(f"the decoder ran {run.step} of its {len(run.plan.steps)} temporal ops")
 
     def _window(self, unit: torch.nn.Module, x: torch.Tensor, causal: bool | None = None
-                ) -> tuple[torch.Tensor, int, tuple[int, int], int, _Op]:
-        """This rank's input frames for the next temporal op: ``(window, its first frame, output piece, input
-        length, op)``."""
+                ) -> tuple[Frames, tuple[int, int], int, _Op]:
+        """The input frames of the next temporal op (the previous piece's last ones, then ``x``, this piece's), having
+        handed on the ones the next piece reads: ``(frames, this piece's output frames, input length, op)``."""
         run = self._round
         if run.step >= len(run.plan.steps) or run.plan.steps[run.step].unit is not unit:
             raise RuntimeError(f"the decoder called {type(unit).__name__} where its plan has temporal op {run.step}; "
@@ -249,32 +288,40 @@ class DecodeContext:
         step = run.plan.steps[run.step]
         key = (run.call, run.step)
         run.step += 1
-        rank = self.state.cp_rank
-        cuts_in, cuts_out = run.cuts[step.src], run.cuts[step.dst]
-        needs = [step.op.need(cuts_out[q], cuts_out[q + 1]) if cuts_out[q] < cuts_out[q + 1]
-                 else (cuts_in[q], cuts_in[q]) for q in range(len(cuts_in) - 1)]
-        history = run.histories.setdefault(key, FrameHistory())
-        length = run.lengths[step.src]
-        window = exchange_frames(x, cuts=cuts_in, needs=needs, length=length, history=history, keep=step.op.keep,
-                                 state=self.state)
-        return window, max(0, needs[rank][0]), (cuts_out[rank], cuts_out[rank + 1]), length, step.op
+        split, piece, keep = run.split, run.piece, step.op.keep
+        lo, hi = run.cuts[step.src]
+        if x.shape[2] != hi - lo:
+            raise RuntimeError(f"temporal op {key[1]} got {x.shape[2]} frames, its piece is {lo}..{hi}")
+        first = max(0, lo - keep)  # no op reads further back than its keep (see _Plan.round_cuts)
+        pieces = [(lo, x)]
+        if first < lo:
+            pieces.insert(0, (first, run.relay.take_over(key, x, lo - first, src=split.owner(piece - 1))))
+        frames = Frames(pieces, first, hi)
+        if piece + 1 < split.pieces and max(0, hi - keep) < hi:
+            # Before this op's work, so that the next piece (on another rank) can start the op as early as possible.
+            run.relay.hand_on(key, frames.take(max(0, hi - keep), hi), to=split.owner(piece + 1))
+        return frames, run.cuts[step.dst], run.lengths[step.src], step.op
 
 
-def _take(window: torch.Tensor, first: int, lo: int, hi: int, length: int) -> torch.Tensor:
-    """Frames ``lo..hi`` of the stage from ``window`` (which starts at frame ``first``), replicating the video's
-    first and last frames beyond its ends, as the whole-video decode pads."""
+def _take(frames: Frames, lo: int, hi: int, length: int) -> torch.Tensor:
+    """Frames ``lo..hi`` of the stage, replicating the video's first and last frames beyond its ends, as the
+    whole-video decode pads."""
     if lo >= 0 and hi <= length:
-        return window.narrow(2, lo - first, hi - lo)
-    index = torch.arange(lo, hi, device=window.device).clamp_(0, length - 1) - first
-    return window.index_select(2, index)
+        return frames.take(lo, hi)
+    parts = [frames.take(max(lo, 0), min(hi, length))]
+    if lo < 0:
+        parts = [frames.take(0, 1)] * -lo + parts
+    if hi > length:
+        parts += [frames.take(length - 1, length)] * (hi - length)
+    return torch.cat(parts, dim=2)
 
 
 def _conv(ctx: DecodeContext, unit: torch.nn.Module, conv: torch.nn.Module, x: torch.Tensor,
           causal: bool | None = None) -> torch.Tensor:
-    window, first, (o1, o2), length, op = ctx._window(unit, x, causal)
+    frames, (o1, o2), length, op = ctx._window(unit, x, causal)
     if o1 == o2:
         return x.new_empty((x.shape[0], conv.out_channels, 0, *x.shape[3:]))
-    return conv.conv(_take(window, first, o1 - op.lp, o2 + op.rp, length))
+    return conv.conv(_take(frames, o1 - op.lp, o2 + op.rp, length))
 
 
 def _conv_forward(conv: torch.nn.Module, ctx: DecodeContext, x: torch.Tensor, causal: bool | None = None):
@@ -294,17 +341,17 @@ def _upsampler_forward(up: torch.nn.Module, ctx: DecodeContext, x: torch.Tensor,
     if ctx._round is None:
         return type(up).forward(up, x) if causal is None else type(up).forward(up, x, causal=causal)
     # Same maths as diffusers' forward, on the conv frames this rank's output piece reads.
-    window, first, (o1, o2), length, op = ctx._window(up, x, causal)
+    frames, (o1, o2), length, op = ctx._window(up, x, causal)
     st, sh, sw = up.stride
     if o1 == o2:
         return x.new_empty((x.shape[0], up.conv.out_channels // (st * sh * sw), 0, x.shape[3] * sh, x.shape[4] * sw))
     j1, j2 = op.need(o1, o2)
     j1, j2 = j1 + op.lp, j2 - op.rp
     skip = o1 + st - 1 - st * j1  # output frame o1 within the depth-to-time of conv frames j1..j2
-    out = _depth_to_time(up.conv.conv(_take(window, first, j1 - op.lp, j2 + op.rp, length)), up.stride)
+    out = _depth_to_time(up.conv.conv(_take(frames, j1 - op.lp, j2 + op.rp, length)), up.stride)
     out = out[:, :, skip:skip + o2 - o1]
     if up.residual:
-        residual = _depth_to_time(window.narrow(2, j1 - first, j2 - j1), up.stride)
+        residual = _depth_to_time(frames.take(j1, j2), up.stride)
         residual = residual.repeat(1, (st * sh * sw) // up.upscale_factor, 1, 1, 1)[:, :, skip:skip + o2 - o1]
         out = out + residual
     return out
@@ -354,8 +401,8 @@ def _resnet_forward(resnet: torch.nn.Module, ctx: DecodeContext, inputs: torch.T
             residual = shortcut(residual)
         else:  # conv3d refuses an empty input
             residual = residual.new_empty((residual.shape[0], shortcut.out_channels, 0, *residual.shape[3:]))
-    window, first, (o1, o2), _, _ = ctx._window(resnet, residual, causal)
-    return h + window.narrow(2, o1 - first if o1 < o2 else 0, o2 - o1)
+    frames, (o1, o2), _, _ = ctx._window(resnet, residual, causal)
+    return h + (frames.take(o1, o2) if o1 < o2 else residual.narrow(2, 0, 0))
 
 
 def _parallelize(vae: torch.nn.Module, ctx: DecodeContext, conv_cls, resnet_cls, upsampler_cls) -> None:
@@ -416,8 +463,9 @@ def decode_round(vae: torch.nn.Module, ctx: DecodeContext, latents: torch.Tensor
     """Decode this rank's piece of one round of ``ctx.split``: the video frames of latent frames ``[a, b)``.
 
     ``latents`` is the whole video's ``[B, C, F, H, W]`` on every rank. Every active rank calls this for every
-    round, in order (a decode restarts at round 0); the round's exchanges run inside. Returns ``[B, 3, F', H', W']``
-    exactly as ``vae.decode`` of the whole video returns for those frames (within float summation order).
+    round, in order (a decode restarts at round 0); the frames the pieces hand each other pass inside
+    (:class:`~cp_infer.decode.FrameRelay`). Returns ``[B, 3, F', H', W']`` exactly as ``vae.decode`` of the whole
+    video returns for those frames (within float summation order).
     """
     split = ctx.split
     if split is None or ctx._decoder is not vae.decoder:
@@ -425,29 +473,32 @@ def decode_round(vae: torch.nn.Module, ctx: DecodeContext, latents: torch.Tensor
     if getattr(vae, "use_framewise_decoding", False):
         raise ValueError("use_framewise_decoding (diffusers' temporal tiling) and the streamed decode both cut time; "
                          "disable it")
+    rank = ctx.state.cp_rank
     k = split.round_of(a)
-    if (a, b) != split.latent_range(ctx.state.cp_rank, k) or latents.shape[2] != split.latent_frames:
-        raise ValueError(f"latent frames {a}..{b} of {latents.shape[2]} are not rank {ctx.state.cp_rank}'s piece of "
+    if (a, b) != split.latent_range(rank, k) or latents.shape[2] != split.latent_frames:
+        raise ValueError(f"latent frames {a}..{b} of {latents.shape[2]} are not rank {rank}'s piece of "
                          f"round {k} of {split}")
     ctx._last, previous = None, ctx._last
-    if split.active == 1 and split.rounds == 1:
+    if split.pieces == 1:
         return vae.decode(latents, temb, return_dict=False)[0]
     if k > 0 and (previous is None or previous.split != split or previous.index != k - 1):
         raise RuntimeError(f"round {k} of the decode came before round {k - 1}")
     causal = _runtime_causal(vae.decoder, None)
     plan = ctx._plans.get(causal) or ctx._plans.setdefault(causal, _plan(vae.decoder, causal))
     lengths = plan.lengths(split.latent_frames)
-    cuts = plan.round_cuts(split.video_cuts(k), lengths)
-    run = _Round(plan, split, k, cuts, lengths, previous.histories if k > 0 else {})
-    rank = ctx.state.cp_rank
+    cuts = plan.piece_cuts(split.video_range(rank, k), lengths)
+    relay = previous.relay if k > 0 else FrameRelay(ctx.state)
+    run = _Round(plan, split, k, split.piece(rank, k), cuts, lengths, relay)
     ctx._round = run
     try:
-        video = vae.decode(latents[:, :, cuts[0][rank]:cuts[0][rank + 1]], temb, return_dict=False)[0]
+        video = vae.decode(latents[:, :, cuts[0][0]:cuts[0][1]], temb, return_dict=False)[0]
     finally:
         ctx._round = None
     v0, v1 = split.video_range(rank, k)
     if video.shape[2] != v1 - v0:
         raise RuntimeError(f"rank {rank} decoded {video.shape[2]} frames in round {k}, expected {v1 - v0}")
     if k < split.rounds - 1:
-        ctx._last = run  # the last round drops the kept frames
+        ctx._last = run
+    else:
+        relay.flush()  # this rank's last piece: what it handed on must have left before the decode returns
     return video

@@ -27,11 +27,11 @@ from diffusers.models.transformers.transformer_ltx import LTXAttention, apply_ro
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
 
 from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
-from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit, resolve_frames_per_rank
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
-from ._adapter_common import decode_round_uint8, noise_for_decode, refuse_stochastic_sampling
+from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx_decoder
 
 __all__ = ["LTXVideoModel", "parallelize_ltx_transformer"]
@@ -249,11 +249,9 @@ class LTXVideoModel:
         latents = latents.to(x["embeds"].dtype)
         latents, timestep = noise_for_decode(latents, vae=vae, generator=x["generator"], request=request)
         latents = latents.to(vae.dtype)
-        split = TemporalSplit(latent_frames=latents.shape[2], world=self.state.cp_size,
-                              temporal_compression=self.geometry.temporal_compression,
-                              frames_per_rank=resolve_frames_per_rank(
-                                  self.decode_frames_per_rank, height=request.height, width=request.width,
-                                  temporal_compression=self.geometry.temporal_compression))
+        split = decode_split(vae, latents.shape[2], world=self.state.cp_size,
+                             temporal_compression=self.geometry.temporal_compression,
+                             frames_per_rank=self.decode_frames_per_rank, request=request)
 
         def decode_range(a: int, b: int) -> np.ndarray:
             return decode_round_uint8(pipe, vae, self._decode_ctx, latents, a, b, timestep, seed=request.seed,

@@ -1,7 +1,8 @@
-"""The decode engine: the round x rank split, the frame exchange and the in-order delivery on group rank 0.
+"""The decode engine: the round x rank split, the frame relay between pieces and the in-order delivery on group
+rank 0.
 
-The split is pure arithmetic (no process group). The exchange and the delivery run for real on 1-4 ranks; the
-exchange moves frames without arithmetic, so it must return them bit for bit.
+The split is pure arithmetic (no process group). The relay and the delivery run for real on 1-4 ranks; the relay
+moves frames without arithmetic, so it must return them bit for bit.
 """
 
 import random
@@ -13,10 +14,10 @@ import torch
 from cp_infer.decode import (
     AUTO,
     ROUND_PIXELS,
-    FrameHistory,
+    FrameRelay,
+    Frames,
     TemporalSplit,
     decode_parallel,
-    exchange_frames,
     resolve_frames_per_rank,
 )
 
@@ -78,54 +79,75 @@ def test_explicit_round_sizes_pass_through_and_bad_ones_are_refused():
             resolve_frames_per_rank(bad, height=64, width=96)
 
 
-def _random_rounds(rng, length, active, keep, rounds):
-    """Round boundaries and per-rank cuts/needs that obey exchange_frames' contract."""
-    ends = sorted(rng.sample(range(1, length), rounds - 1)) if rounds > 1 else []
-    ends = [0, *ends, length]
-    plan = []
-    for k in range(rounds):
-        lo, hi = ends[k], ends[k + 1]
-        inner = sorted(rng.choices(range(lo, hi + 1), k=active - 1))  # empty pieces allowed
-        cuts = [lo, *inner, hi]
-        needs = []
-        for _ in range(active):
-            first = max(0, lo - keep)  # the earliest frame the history can serve
-            a = rng.randrange(first - 2 if first == 0 else first, hi + 1)  # before frame 0: clamped
-            b = rng.randrange(a, hi + 1) if a < hi else a
-            needs.append((a, b))
-        plan.append((cuts, needs))
-    return plan
+@pytest.mark.parametrize("latent_frames", [2, 3, 7, 13, 33])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("frames_per_rank", [None, 1, 2, 4])
+def test_split_by_cost_gives_every_rank_equal_work(latent_frames, world, frames_per_rank):
+    rng = random.Random()
+    # Like a decoder's: the first frame also pays for a look-ahead, the others cost about the same.
+    steps = [rng.uniform(3, 8)] + [rng.uniform(0.8, 1.2) for _ in range(latent_frames - 1)]
+    cost = tuple(float(c) for c in np.concatenate([[0.0], np.cumsum(steps)]))
+    split = TemporalSplit(latent_frames=latent_frames, world=world, frames_per_rank=frames_per_rank, cost=cost)
+    plain = TemporalSplit(latent_frames=latent_frames, world=world, frames_per_rank=frames_per_rank)
+    assert (split.rounds, split.active) == (plain.rounds, plain.active)
+    starts = [split.latent_range(r, k)[0] for k in range(split.rounds) for r in range(split.active)]
+    assert starts == sorted(set(starts)) and starts[0] == 0, "pieces tile the video, at least one frame each"
+    assert split.latent_range(split.active - 1, split.rounds - 1)[1] == latent_frames
+    work = [sum(cost[b] - cost[a] for a, b in (split.latent_range(r, k) for k in range(split.rounds)))
+            for r in range(split.active)]
+    # Each piece ends at the frame nearest its equal share, so a rank is off by at most a frame per piece.
+    assert max(work) - min(work) <= split.rounds * 2 * max(steps) + 1e-9, (work, steps)
+    if split.active * split.rounds > 1:
+        assert split.latent_range(0, 0)[1] <= plain.latent_range(0, 0)[1], "the costly first frame: a shorter piece"
 
 
-def _exchange(state, seed, length, keep, rounds):
+def test_split_refuses_a_bad_cost():
+    for bad in ((0.0, 1.0), (1.0, 2.0, 3.0), (0.0, 2.0, 1.0)):
+        with pytest.raises(ValueError, match="non-decreasing values from 0"):
+            TemporalSplit(latent_frames=2, world=2, cost=bad)
+
+
+def _relay(state, seed, pieces, ops):
+    """Pieces decoded as the engine runs them: piece ``p`` by rank ``p % N``, in order; at each op a piece takes
+    over the frames the piece before handed on, then hands on its own (frames that carry their piece and op)."""
     rng = random.Random(seed)
-    active = state.cp_size
-    plan = _random_rounds(rng, length, active, keep, rounds)
-    seq = torch.randn(2, 3, length, 2, 2, generator=torch.Generator().manual_seed(seed))
-    history, got = FrameHistory(), []
-    for cuts, needs in plan:
-        r = state.cp_rank
-        x = seq[:, :, cuts[r]:cuts[r + 1]].clone()
-        window = exchange_frames(x, cuts=cuts, needs=needs, length=length, history=history, keep=keep, state=state)
-        got.append(window)
-    return plan, got, history
+    counts = [rng.randint(1, 3) for _ in range(ops)]  # frames handed on at each op, the same for every piece
+    relay, world, got = FrameRelay(state), state.cp_size, {}
+    for p in range(state.cp_rank, pieces, world):
+        for op in range(ops):
+            like = torch.empty(2, 3, 0, 4, 5)
+            if p > 0:
+                got[p, op] = relay.take_over(op, like, counts[op], src=(p - 1) % world)
+            if p + 1 < pieces:
+                generator = torch.Generator().manual_seed(seed + 97 * p + op)
+                sent = torch.randn(2, 3, counts[op] + 2, 4, 5, generator=generator)
+                relay.hand_on(op, sent[:, :, 2:], to=(p + 1) % world)  # a non-contiguous view, as the decoder's
+                sent.zero_()  # the relay holds its own copy
+    relay.flush()
+    return counts, got
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_exchange_returns_exactly_the_needed_frames(groups, world):
+def test_relay_hands_each_piece_the_previous_pieces_frames(groups, world):
     seed = random.randrange(2**31)
-    for length, keep, rounds in [(9, 2, 1), (20, 3, 4), (31, 1, 6), (12, 0, 3)]:
-        results = groups(world).run(_exchange, seed, length, keep, rounds, timeout=120)
-        seq = torch.randn(2, 3, length, 2, 2, generator=torch.Generator().manual_seed(seed))
-        for rank, (plan, got, history) in enumerate(results):
-            for (cuts, needs), window in zip(plan, got, strict=True):
-                lo, hi = max(0, needs[rank][0]), min(length, needs[rank][1])
-                expected = seq[:, :, lo:max(lo, hi)]
-                assert window.shape == expected.shape, f"seed={seed} rank={rank} cuts={cuts} needs={needs}"
-                assert torch.equal(window, expected), f"seed={seed} rank={rank}"
-            if rank == 0 and keep:
-                assert history.start == max(0, length - keep)
-                assert torch.equal(history.frames, seq[:, :, history.start:length])
+    pieces, ops = 7, 5
+    results = groups(world).run(_relay, seed, pieces, ops, timeout=120)
+    for rank, (counts, got) in enumerate(results):
+        assert sorted(got) == [(p, op) for p in range(1, pieces) if p % world == rank for op in range(ops)]
+        for (p, op), frames in got.items():
+            expected = torch.randn(2, 3, counts[op] + 2, 4, 5,
+                                   generator=torch.Generator().manual_seed(seed + 97 * (p - 1) + op))[:, :, 2:]
+            assert torch.equal(frames, expected), f"seed={seed} rank={rank} piece={p} op={op}"
+
+
+def test_frames_take_views_within_a_piece_and_joins_across():
+    a, b = torch.randn(1, 2, 3, 2, 2), torch.randn(1, 2, 4, 2, 2)
+    frames = Frames([(5, a), (8, b)], 5, 12)
+    assert frames.take(8, 10).data_ptr() == b.data_ptr()  # no copy inside one piece
+    torch.testing.assert_close(frames.take(6, 10), torch.cat([a, b], dim=2)[:, :, 1:5], rtol=0, atol=0)
+    assert frames.take(7, 7).shape[2] == 0
+    with pytest.raises(RuntimeError, match="outside the 5..12 held"):
+        frames.take(4, 6)
 
 
 def _deliver(state, latent_frames, frames_per_rank):
@@ -148,7 +170,7 @@ def _deliver(state, latent_frames, frames_per_rank):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_rank0_streams_each_round_in_order_before_the_next_is_decoded(groups, world):
+def test_rank0_streams_the_pieces_in_order_as_they_are_decoded(groups, world):
     for latent_frames, frames_per_rank in [(33, 2), (7, 1), (3, None)]:
         results = groups(world).run(_deliver, latent_frames, frames_per_rank, timeout=120)
         split, events, chunks = results[0]
@@ -157,10 +179,12 @@ def test_rank0_streams_each_round_in_order_before_the_next_is_decoded(groups, wo
         assert (video[:, 0, 0, 0] == np.arange(split.video_frames) % 251).all(), "frames out of temporal order"
         assert all(not r[2] for r in results[1:]), "only group rank 0 yields frames"
         assert max(len(c) for c in chunks) <= 8 * max(frames_per_rank or latent_frames, 2)  # one piece at a time
-        # Round k's frames leave rank 0 before it decodes round k + 1: that is what lets the MP4 stream.
+        # Rank 0's piece of round k leaves it before it decodes round k + 1, and the other ranks' pieces of round k
+        # (decoded alongside its round k + 1) before it decodes round k + 2: that is what lets the MP4 stream.
         for k in range(1, split.rounds):
-            first_of_previous = sum(1 for j in range(k - 1) for _ in range(split.active))
-            assert events.index(("yield", first_of_previous)) < events.index(("decode", k))
+            assert events.index(("yield", (k - 1) * split.active)) < events.index(("decode", k))
+        for k in range(2, split.rounds):
+            assert events.index(("yield", (k - 1) * split.active - 1)) < events.index(("decode", k))
         for rank, (_, rank_events, _) in enumerate(results):
             decodes = [e[1] for e in rank_events if e[0] == "decode"]
             assert decodes == (list(range(split.rounds)) if rank < split.active else [])

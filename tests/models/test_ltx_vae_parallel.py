@@ -47,15 +47,17 @@ def _tiny_vae():
     return build_default_components()["vae"]
 
 
-def _decode_rounds(state, vae, ctx, latents, temb, frames_per_rank, *, scoped=None, seed=None):
+def _decode_rounds(state, vae, ctx, latents, temb, frames_per_rank, *, scoped=None, seed=None, balanced=False):
     """Decode ``latents`` over the group in rounds; returns the split and this rank's float pieces, in order.
     ``scoped(split)``: the model's context manager that sets the split (else it is set here); ``seed``: seeds the
-    global RNG before every round, as LTXVideoModel does for noise-injecting decoders."""
+    global RNG before every round, as LTXVideoModel does for noise-injecting decoders; ``balanced``: pieces cut to
+    equal decoder work, as the models cut them (else to equal frames)."""
     import contextlib
 
-    from models.ltx_vae_parallel import decode_round
+    from models.ltx_vae_parallel import decode_cost, decode_round
 
-    split = TemporalSplit(latent_frames=latents.shape[2], world=state.cp_size, frames_per_rank=frames_per_rank)
+    split = TemporalSplit(latent_frames=latents.shape[2], world=state.cp_size, frames_per_rank=frames_per_rank,
+                          cost=decode_cost(vae, latents.shape[2]) if balanced else None)
     pieces = []
 
     @contextlib.contextmanager
@@ -89,7 +91,8 @@ def _model_decode(state, cache_dir, seed):
     for frames in LATENT_FRAMES:
         for frames_per_rank in FRAMES_PER_RANK:
             _, pieces = _decode_rounds(state, model.components.vae, model._decode_ctx, _latents(seed, frames),
-                                       torch.tensor([0.05]), frames_per_rank, scoped=model.decode_split)
+                                       torch.tensor([0.05]), frames_per_rank, scoped=model.decode_split,
+                                       balanced=True)
             out[frames, frames_per_rank] = pieces
     return out
 
