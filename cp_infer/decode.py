@@ -49,12 +49,11 @@ DEFAULT_FRAMES_PER_RANK: int | str | None = AUTO
 """Latent frames (8 video frames each) a rank decodes per round by default (see :func:`resolve_frames_per_rank`):
 the unit of decode memory and of streaming. ``--decode-frames-per-rank`` sets it per deployment."""
 ROUND_PIXELS = 4 * 8 * 128 * 96
-"""Output pixels per rank per round that ``auto`` aims for. Every temporal op of a round waits for its neighbours'
-frames, so a round's convolutions must be large enough for those waits (and the jitter between two ranks' op times)
-to stay small against them; memory grows with the round, so no larger. Measured on 257 frames at 128x96 on 2 ranks
-(``bench/decode.py``, LTX-Video 0.9.0 VAE): rounds of 4 latent frames per rank decode in 0.60x of one rank's time
-(146 MiB per rank, first byte at 0.29 of the total), rounds of 2 in 0.66x (107 MiB, 0.13); the whole video at once
-holds 537 MiB."""
+"""Output pixels per rank per round that ``auto`` aims for: pieces large enough that their convolutions run at
+full speed and the per-op messages stay small against them; memory and the time to the first frame grow with the
+piece, so no larger. Measured on 257 frames at 128x96 (``bench/decode.py``, LTX-Video 0.9.0 VAE): pieces of 4 latent
+frames decode on 2 ranks in 0.59x of one rank's time (200 MiB per rank, first byte at 0.18 of the total); the whole
+video at once holds 537 MiB. (With the earlier lockstep decode, 4 gave 0.60x and 2 gave 0.66x.)"""
 
 
 def resolve_frames_per_rank(setting: int | str | None, *, height: int, width: int,

@@ -101,7 +101,7 @@ class Decoder:
     frame_shape: tuple[int, ...]
     """The shape of one frame, ``(H, W, 3)``."""
     decode_range: Callable[[int, int], np.ndarray]
-    """Decodes latent frames ``[a, b)`` on this rank (halo exchange between ranks inside) to uint8 frames
+    """Decodes latent frames ``[a, b)`` on this rank (frames relayed between ranks inside) to uint8 frames
     ``[F, H, W, 3]``."""
     audio: Callable[[], tuple[np.ndarray, int]] | None = None
     """For audio-video models: decodes the soundtrack to a float waveform ``[C, S]`` in [-1, 1] and its sample
@@ -207,7 +207,7 @@ def sample(
     decoders: list[Decoder] = []
     status, message = _poll(control, total)
     if status == StepStatus.OK:
-        # Everything before the video decode's halo exchanges is local: run it before the agreement, so that a
+        # Everything before the video decode's relayed frames is local: run it before the agreement, so that a
         # failure on one rank (the soundtrack is decoded on group rank 0 alone) ends the job on every rank.
         status, message = _run_hook(lambda: _prepare_decode(model, full, prepared, control, decoders, state))
     _agree(status, message, state=state)

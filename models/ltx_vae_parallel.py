@@ -5,27 +5,29 @@ of each resnet block, which must wait for the block's two convolutions) with per
 activations, the timestep modulation, the spatial noise, 1x1x1 shortcuts, the final unpatchify). A *stage* is
 the sequence of frames between two temporal ops, from the latents (stage 0) to the video.
 
-For one round of the engine's :class:`~cp_infer.decode.TemporalSplit`, every stage is cut over the active ranks
-(``_Plan.round_cuts``); each temporal op then asks :func:`~cp_infer.decode.exchange_frames` for exactly the input
-frames its output piece needs, and computes that piece.
+Each piece of the engine's :class:`~cp_infer.decode.TemporalSplit` is decoded by one rank; at every stage it is
+the frames ``[lo, hi)`` of ``_Plan.piece_cuts``. Each temporal op takes over the few frames before ``lo`` that it
+reads from the previous piece's owner, and hands the frames the next piece reads to that piece's owner before it
+computes (:class:`~cp_infer.decode.FrameRelay`), so the ranks run as a pipeline, a piece a few ops behind the one
+before it.
 
 Invariants:
 - Exact. Every output frame of every op is computed from exactly the input frames the whole-video decode uses,
   with replicate padding only at the two ends of the whole video, so the decode does not depend on the number of
-  ranks or rounds; only the summation order inside a convolution on a shorter input can differ: at most 7e-6 on
+  ranks or pieces; only the summation order inside a convolution on a shorter input can differ: at most 7e-6 on
   outputs in [-1, 1] (measured, N = 1..4, any window), i.e. at most one uint8 level where a value sits on a
   rounding boundary (the tests allow 5e-5 and 1 level).
-- Nothing is decoded twice (but one conv frame where a cut splits an upsampler's depth-to-time group). Round ``k``
+- Nothing is decoded twice (but one conv frame where a cut splits an upsampler's depth-to-time group). A piece
   ends, at each stage, at the last frame the next stage's end needs (the decoder's right receptive field, 24
   latent frames for LTX-Video 0.9.0 and 7 for the embedded default, :func:`decoder_receptive_field`, checked
-  against the module by perturbation), so rounds run ahead at the cheap latent-rate stages instead of
-  recomputing context; the frames a round needs from earlier rounds (at most ``kernel`` per op) are kept on
-  group rank 0.
-- Balanced. Within a round every stage but the output is cut into equal parts, so every rank does the same work
-  at every op (they run each op in lockstep); rank pieces then need frames from both neighbours.
-- Bounded memory. A rank holds one round's pieces at every stage (``frames_per_rank`` latent frames' worth, plus
-  the look-ahead at latent rate in round 0) and rank 0 the kept frames (a few per op): independent of the video's
-  length. Only the latents themselves (1/192 of the video's float size for LTX-Video) are whole on every rank.
+  against the module by perturbation), so the first piece runs ahead at the cheap early stages instead of later
+  pieces recomputing context; a piece reads at most ``keep`` frames per op from the one before.
+- Balanced. :func:`decode_cost` is the decoder's work up to each latent frame as the pieces run it (the first with
+  its look-ahead); the models cut pieces to equal work with it, so every rank does the same work.
+- Bounded memory. A rank holds one piece at every stage (``frames_per_rank`` latent frames' worth, plus the
+  look-ahead at the early stages in the first piece) and the frames it handed on until they have left (a few per
+  op): independent of the video's length. Only the latents themselves (1/192 of the video's float size for
+  LTX-Video) are whole on every rank.
 - Outside :func:`decode_round` (or with one rank and one round) the decoder is diffusers' own, untouched.
 """
 
@@ -85,7 +87,7 @@ class _Op:
 
     @property
     def keep(self) -> int:
-        """The most frames before a round's first frame that the round can need (see ``_Plan.round_cuts``)."""
+        """The most frames before a piece's first frame that the piece can need (see ``_Plan.stage_ends``)."""
         return self.lp + self.rp + (1 if self.st > 1 else 0)
 
 
@@ -99,7 +101,7 @@ class _Step:
 
 @dataclass(frozen=True)
 class _Plan:
-    """The temporal ops of a decoder in call order, and how one round cuts each stage."""
+    """The temporal ops of a decoder in call order, and which frames of each stage a piece covers."""
 
     steps: tuple[_Step, ...]
     causal: bool | None
@@ -257,9 +259,9 @@ class DecodeContext:
     state: ParallelState
     split: TemporalSplit | None = None
     _round: _Round | None = field(default=None, repr=False)
-    """The round in flight: set only inside :func:`decode_round`'s call of the decoder."""
+    """This rank's piece in flight: set only inside :func:`decode_round`'s call of the decoder."""
     _last: _Round | None = field(default=None, repr=False)
-    """The previous round of the decode in flight, whose kept frames the next round reads."""
+    """This rank's previous piece of the decode in flight (its relay carries on into the next)."""
     _plans: dict[bool | None, _Plan] = field(default_factory=dict, repr=False)
     _decoder: torch.nn.Module | None = field(default=None, repr=False)
 
@@ -292,7 +294,7 @@ class DecodeContext:
         lo, hi = run.cuts[step.src]
         if x.shape[2] != hi - lo:
             raise RuntimeError(f"temporal op {key[1]} got {x.shape[2]} frames, its piece is {lo}..{hi}")
-        first = max(0, lo - keep)  # no op reads further back than its keep (see _Plan.round_cuts)
+        first = max(0, lo - keep)  # no op reads further back than its keep (see _Plan.stage_ends)
         pieces = [(lo, x)]
         if first < lo:
             pieces.insert(0, (first, run.relay.take_over(key, x, lo - first, src=split.owner(piece - 1))))

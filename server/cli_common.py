@@ -81,10 +81,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     group.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when available")
     group.add_argument("--decode-frames-per-rank", type=_frames_per_rank, default=DEFAULT_FRAMES_PER_RANK, metavar="K",
-                       help="latent frames (8 video frames each) each rank decodes per streamed round: decode memory "
-                            "and the time to the first streamed frame grow with K, the ranks wait on each other less "
+                       help="latent frames (8 video frames each) per decoded piece: decode memory and the time to "
+                            "the first streamed frame grow with K, and so do the convolutions "
                             f"(default {DEFAULT_FRAMES_PER_RANK}: 4 at 128x96, 2 from 192x128 up; 'all': the whole "
-                            "video in one round)")
+                            "video at once)")
     group.add_argument("--nproc", type=int, default=None, metavar="N",
                        help="ranks of the sequence-parallel group; N > 1 relaunches under torchrun (default 1, "
                             "or the torchrun world size)")
