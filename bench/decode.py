@@ -10,9 +10,8 @@ gloo, one thread per rank), so peak memory is per row; all rows load first, then
 the run falls on every row alike. Rows: ``N=1 whole`` is diffusers' own decode of the whole video at once (the
 reference for memory); ``N=1`` and ``N=2`` decode in pieces of about ``--frames-per-rank`` latent frames, cut to
 equal work (``cp_infer.decode``), as the server does; ``2 x N=1 at once`` is two independent one-rank decodes started
-together,
-which measures how much two busy processes slow each other on this machine (shared cores, caches, memory bandwidth):
-the bound on what any two-rank decode can reach here.
+together, which measures how much two busy processes slow each other on this machine (shared cores, caches, memory
+bandwidth): the bound on what any two-rank decode can reach here.
 
 - ``decode s``: median over the repeats of the wall time of ``decode_parallel`` over the whole video (relayed frames
   included), max over ranks;
