@@ -197,8 +197,9 @@ class FrameRelay:
     The owner of piece ``p`` (:meth:`TemporalSplit.owner`) sends, at each op, the last frames of the op's input that
     piece ``p + 1`` reads to that piece's owner as soon as it has them (non-blocking), and receives the frames before
     its own from piece ``p - 1``'s owner when it reaches the op. Every rank decodes its pieces in order and every
-    piece runs the same ops in the same order, so the messages between two ranks pair up in order (no tags: NCCL
-    has none). A piece that follows one of its own rank's keeps the frames locally instead (one rank).
+    piece runs the same ops in the same order, so the messages from one rank to the next pair up in order (no tags:
+    NCCL has none); each direction has its own group (``ParallelState.relay_group``, NOTE(nccl) there). A piece that
+    follows one of its own rank's keeps the frames locally instead (one rank).
     """
 
     def __init__(self, state: ParallelState):
@@ -215,7 +216,8 @@ class FrameRelay:
             self._kept[key] = frames
             return
         self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
-        self._sending.append((dist.isend(frames, self.state.cp_ranks[to], group=self.state.cp_group), frames))
+        group = self.state.relay_group(self.state.cp_rank, to)
+        self._sending.append((dist.isend(frames, self.state.cp_ranks[to], group=group), frames))
 
     def take_over(self, key: object, like: torch.Tensor, count: int, *, src: int, dim: int = 2) -> torch.Tensor:
         """The ``count`` frames the previous piece (on group rank ``src``) handed on for op ``key``; shaped as
@@ -227,7 +229,7 @@ class FrameRelay:
                                    f"frames, this piece needs {count}: pieces must run in order")
             return frames
         buf = like.new_empty((*like.shape[:dim], count, *like.shape[dim + 1:]))
-        dist.recv(buf, self.state.cp_ranks[src], group=self.state.cp_group)
+        dist.recv(buf, self.state.cp_ranks[src], group=self.state.relay_group(src, self.state.cp_rank))
         return buf
 
     def flush(self) -> None:

@@ -62,6 +62,20 @@ class ParallelState:
     device: torch.device
     backend: str
     timeout_s: float
+    relay_groups: tuple[tuple[int, int, dist.ProcessGroup], ...] = ()
+    """``(src, dst, group)``: device groups that carry messages from group rank ``src`` to ``dst`` only, for the
+    decode's ring of ranks (``r -> r + 1`` and ``r -> 0``); this rank's edges only. See :meth:`relay_group`."""
+
+    def relay_group(self, src: int, dst: int) -> dist.ProcessGroup:
+        """The group for messages from group rank ``src`` to ``dst`` (one of this rank's ring edges).
+
+        NOTE(nccl): NCCL runs a pair's sends and receives on one stream in issue order, and a large send waits for
+        its receive to be posted, so two ranks streaming to each other on one group can each block the other's
+        receive behind their own send; a group per direction keeps every stream one-way."""
+        for a, b, group in self.relay_groups:
+            if (a, b) == (src, dst):
+                return group
+        raise ValueError(f"no relay group from group rank {src} to {dst}: the ring has r -> r + 1 and r -> 0 only")
 
     @property
     def is_leader(self) -> bool:
@@ -136,16 +150,28 @@ def init_parallel(
     cpu_group = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
     cp_group = None
     cp_ranks: tuple[int, ...] = (rank,)
+    relay_groups = []
     for start in range(0, world_size, cp_size):
         ranks = list(range(start, start + cp_size))
         group = dist.new_group(ranks, backend=backend, timeout=timeout) if cp_size > 1 else None
         if rank in ranks:
             cp_group, cp_ranks = group, tuple(ranks)
+        for src, dst in _ring_edges(cp_size):
+            edge = dist.new_group([ranks[src], ranks[dst]], backend=backend, timeout=timeout)
+            if rank in (ranks[src], ranks[dst]):
+                relay_groups.append((src, dst, edge))
     return ParallelState(
         world_size=world_size, rank=rank, local_rank=local_rank, cp_size=cp_size,
         cp_rank=cp_ranks.index(rank), cp_ranks=cp_ranks, cp_group=cp_group, cpu_group=cpu_group,
-        device=device, backend=backend, timeout_s=config.timeout_s,
+        device=device, backend=backend, timeout_s=config.timeout_s, relay_groups=tuple(relay_groups),
     )
+
+
+def _ring_edges(size: int) -> list[tuple[int, int]]:
+    """The one-way edges of the decode's ring over the first ``k`` group ranks, for every ``k`` from 2 to ``size``
+    (a short video uses fewer ranks): ``r -> r + 1``, and ``k - 1 -> 0``."""
+    edges = [(r, r + 1) for r in range(size - 1)]
+    return edges + [(k - 1, 0) for k in range(2, size + 1)]
 
 
 def destroy_parallel(state: ParallelState) -> None:

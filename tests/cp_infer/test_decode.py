@@ -107,21 +107,21 @@ def test_split_refuses_a_bad_cost():
             TemporalSplit(latent_frames=2, world=2, cost=bad)
 
 
-def _relay(state, seed, pieces, ops):
-    """Pieces decoded as the engine runs them: piece ``p`` by rank ``p % N``, in order; at each op a piece takes
+def _relay(state, seed, pieces, ops, active):
+    """Pieces decoded as the engine runs them: piece ``p`` by rank ``p % active``, in order; at each op a piece takes
     over the frames the piece before handed on, then hands on its own (frames that carry their piece and op)."""
     rng = random.Random(seed)
     counts = [rng.randint(1, 3) for _ in range(ops)]  # frames handed on at each op, the same for every piece
-    relay, world, got = FrameRelay(state), state.cp_size, {}
-    for p in range(state.cp_rank, pieces, world):
+    relay, got = FrameRelay(state), {}
+    for p in range(state.cp_rank, pieces if state.cp_rank < active else 0, active):
         for op in range(ops):
             like = torch.empty(2, 3, 0, 4, 5)
             if p > 0:
-                got[p, op] = relay.take_over(op, like, counts[op], src=(p - 1) % world)
+                got[p, op] = relay.take_over(op, like, counts[op], src=(p - 1) % active)
             if p + 1 < pieces:
                 generator = torch.Generator().manual_seed(seed + 97 * p + op)
                 sent = torch.randn(2, 3, counts[op] + 2, 4, 5, generator=generator)
-                relay.hand_on(op, sent[:, :, 2:], to=(p + 1) % world)  # a non-contiguous view, as the decoder's
+                relay.hand_on(op, sent[:, :, 2:], to=(p + 1) % active)  # a non-contiguous view, as the decoder's
                 sent.zero_()  # the relay holds its own copy
     relay.flush()
     return counts, got
@@ -131,13 +131,40 @@ def _relay(state, seed, pieces, ops):
 def test_relay_hands_each_piece_the_previous_pieces_frames(groups, world):
     seed = random.randrange(2**31)
     pieces, ops = 7, 5
-    results = groups(world).run(_relay, seed, pieces, ops, timeout=120)
-    for rank, (counts, got) in enumerate(results):
-        assert sorted(got) == [(p, op) for p in range(1, pieces) if p % world == rank for op in range(ops)]
-        for (p, op), frames in got.items():
-            expected = torch.randn(2, 3, counts[op] + 2, 4, 5,
-                                   generator=torch.Generator().manual_seed(seed + 97 * (p - 1) + op))[:, :, 2:]
-            assert torch.equal(frames, expected), f"seed={seed} rank={rank} piece={p} op={op}"
+    # All ranks, and fewer (a short video): the last active rank hands on to rank 0.
+    for active in sorted({world, max(1, world - 1)}):
+        results = groups(world).run(_relay, seed, pieces, ops, active, timeout=120)
+        for rank, (counts, got) in enumerate(results):
+            assert sorted(got) == [(p, op) for p in range(1, pieces) if p % active == rank for op in range(ops)]
+            for (p, op), frames in got.items():
+                expected = torch.randn(2, 3, counts[op] + 2, 4, 5,
+                                       generator=torch.Generator().manual_seed(seed + 97 * (p - 1) + op))[:, :, 2:]
+                assert torch.equal(frames, expected), f"seed={seed} rank={rank} active={active} piece={p} op={op}"
+
+
+def _edges(state):
+    groups = {(a, b): group for a, b, group in state.relay_groups}
+    assert all(state.relay_group(a, b) is group for (a, b), group in groups.items())
+    if (0, 1) in groups and (1, 0) in groups:
+        assert groups[0, 1] is not groups[1, 0]
+    return sorted(groups)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_each_ring_direction_has_its_own_group(groups, world):
+    results = groups(world).run(_edges, timeout=60)
+    ring = {(r, r + 1) for r in range(world - 1)} | {(k - 1, 0) for k in range(2, world + 1)}
+    for rank, edges in enumerate(results):
+        assert set(edges) == {e for e in ring if rank in e}, (rank, edges)
+    if world == 2:
+        assert results[0] == [(0, 1), (1, 0)]  # both directions between the same two ranks, each its own group
+
+
+def test_a_missing_ring_edge_is_an_error():
+    from cp_infer import single_process_state
+
+    with pytest.raises(ValueError, match="no relay group from group rank 0 to 1"):
+        single_process_state().relay_group(0, 1)
 
 
 def test_frames_take_views_within_a_piece_and_joins_across():
