@@ -3,8 +3,9 @@
 Invariants:
 - :class:`TemporalSplit` cuts the *output* into pieces of whole latent frames, round-major: rank ``r`` decodes
   piece ``k * active + r`` in its round ``k``, its pieces in order. Pieces tile the video in temporal order; each
-  holds at least one latent frame and at most ``max(frames_per_rank, 2)`` (more than the window only where a
-  round would otherwise leave an active rank without a frame).
+  holds at least one latent frame; cut to equal frames, at most ``max(frames_per_rank, 2)`` (more than the window
+  only where a round would otherwise leave an active rank without a frame); cut to equal work (``cost``), about
+  that many.
 - A causal video VAE maps latent frame 0 to video frame 0 and latent frame ``k >= 1`` to video frames
   ``T*k - T + 1 .. T*k``; the split converts latent ranges to video ranges with that rule.
 - :class:`FrameRelay` is the one communication primitive a model adapter needs: at each temporal op of the decoder,
@@ -42,6 +43,7 @@ __all__ = [
     "TemporalSplit",
     "decode_parallel",
     "resolve_frames_per_rank",
+    "video_index",
 ]
 
 AUTO = "auto"
@@ -67,6 +69,12 @@ def resolve_frames_per_rank(setting: int | str | None, *, height: int, width: in
         return setting
     per_latent_frame = temporal_compression * height * width
     return min(4, max(2, -(-ROUND_PIXELS // per_latent_frame)))
+
+
+def video_index(latent: int, temporal_compression: int) -> int:
+    """The first video frame of latent frame ``latent`` (a causal video VAE: latent frame 0 is video frame 0)."""
+    t = temporal_compression
+    return 0 if latent == 0 else t * latent - t + 1
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,7 @@ class TemporalSplit:
             return self.latent_frames, self.latent_frames
         if not 0 <= round < self.rounds:
             raise IndexError(f"round={round} is outside 0..{self.rounds - 1}")
-        piece = round * self.active + rank
+        piece = self.piece(rank, round)
         return self._piece_start(piece), self._piece_start(piece + 1)
 
     def round_of(self, latent: int) -> int:
@@ -138,18 +146,9 @@ class TemporalSplit:
             raise IndexError(f"latent frame {latent} is outside 0..{self.latent_frames - 1}")
         return next(k for k in range(self.rounds) if latent < self.latent_range(self.active - 1, k)[1])
 
-    def _video_index(self, latent: int) -> int:
-        t = self.temporal_compression
-        return 0 if latent == 0 else t * latent - t + 1
-
     def video_range(self, rank: int, round: int = 0) -> tuple[int, int]:
         a, b = self.latent_range(rank, round)
-        return self._video_index(a), self._video_index(b)
-
-    def video_cuts(self, round: int) -> list[int]:
-        """The round's video frame boundaries: rank ``r`` outputs ``[cuts[r], cuts[r + 1])``."""
-        return [self.video_range(r, round)[0] for r in range(self.active)] + [self.video_range(self.active - 1,
-                                                                                                round)[1]]
+        return video_index(a, self.temporal_compression), video_index(b, self.temporal_compression)
 
     @property
     def video_frames(self) -> int:

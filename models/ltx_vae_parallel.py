@@ -49,7 +49,7 @@ from diffusers.models.autoencoders.autoencoder_kl_ltx2 import (
 )
 
 from cp_infer import ParallelState
-from cp_infer.decode import FrameRelay, Frames, TemporalSplit
+from cp_infer.decode import FrameRelay, Frames, TemporalSplit, video_index
 
 __all__ = [
     "DecodeContext",
@@ -97,6 +97,8 @@ class _Step:
     unit: torch.nn.Module
     src: int
     dst: int
+    conv: torch.nn.Module | None = None
+    """The step's causal convolution (``None`` for a delay)."""
 
 
 @dataclass(frozen=True)
@@ -137,21 +139,13 @@ class _Plan:
 
     def op_weights(self) -> list[float]:
         """Multiply-adds per output frame of each op of the chain, in units of the latent frame's area."""
-        weights, area, convs_seen = [], 1.0, {}
+        weights, area = [], 1.0
         for step in self.steps:
-            op, unit = step.op, step.unit
-            if op.kind == "delay":
+            if step.op.kind == "delay":
                 continue
-            if op.kind == "up":
-                weights.append(_macs(unit.conv.conv) * area / op.st)  # one conv frame makes st output frames
-                area *= unit.stride[1] * unit.stride[2]
-                continue
-            if isinstance(unit, _CONVS):
-                conv = unit.conv
-            else:
-                n = convs_seen[id(unit)] = convs_seen.get(id(unit), -1) + 1
-                conv = (unit.conv1, unit.conv2)[n].conv
-            weights.append(_macs(conv) * area)
+            weights.append(_macs(step.conv.conv) * area / step.op.st)  # an upsampler's conv frame makes st frames
+            if step.op.kind == "up":
+                area *= step.unit.stride[1] * step.unit.stride[2]
         return weights
 
 
@@ -180,16 +174,16 @@ def _plan(decoder: torch.nn.Module, causal: bool | None) -> _Plan:
     steps, stage = [], 0
     for unit in units:
         if isinstance(unit, _CONVS):
-            steps.append(_Step(_Op("conv", *_pads(unit, is_causal(unit))), unit, stage, stage + 1))
+            steps.append(_Step(_Op("conv", *_pads(unit, is_causal(unit))), unit, stage, stage + 1, unit))
             stage += 1
         elif isinstance(unit, (LTXVideoUpsampler3d, LTX2VideoUpsampler3d)):
             steps.append(_Step(_Op("up", *_pads(unit.conv, is_causal(unit.conv)), unit.stride[0]), unit, stage,
-                               stage + 1))
+                               stage + 1, unit.conv))
             stage += 1
         else:
             pads = [_pads(conv, is_causal(conv)) for conv in (unit.conv1, unit.conv2)]
-            steps += [_Step(_Op("conv", *pads[0]), unit, stage, stage + 1),
-                      _Step(_Op("conv", *pads[1]), unit, stage + 1, stage + 2),
+            steps += [_Step(_Op("conv", *pads[0]), unit, stage, stage + 1, unit.conv1),
+                      _Step(_Op("conv", *pads[1]), unit, stage + 1, stage + 2, unit.conv2),
                       # The residual waits for both convs' look-ahead: it keeps (rp1 + rp2) frames back.
                       _Step(_Op("delay", 0, pads[0][1] + pads[1][1]), unit, stage, stage + 2)]
             stage += 2
@@ -224,7 +218,7 @@ def decode_cost(vae: torch.nn.Module, latent_frames: int, *, causal: bool | None
     t = plan.lengths(2)[-1] - plan.lengths(1)[-1]  # the decoder's own temporal compression
     cost = []
     for j in range(latent_frames + 1):
-        ends = plan.stage_ends(0 if j == 0 else t * j - t + 1, lengths)
+        ends = plan.stage_ends(video_index(j, t), lengths)
         cost.append(float(sum(w * e for w, e in zip(weights, ends[1:], strict=True))))
     return tuple(cost)
 
