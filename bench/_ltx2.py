@@ -130,7 +130,7 @@ def _request(b: _Bench, steps: int):
 
     return GenerationRequest(prompt=_PROMPT, negative_prompt=_NEGATIVE, num_frames=b.frames, height=b.height,
                              width=b.width, num_inference_steps=steps, seed=_SEED, fps=_FPS,
-                             stg_blocks=(_LAYERS - 1,), **_GUIDANCE)
+                             stg_blocks=(_LAYERS - 1,), max_sequence_length=128, **_GUIDANCE)
 
 
 class _Ours:

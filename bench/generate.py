@@ -225,7 +225,7 @@ def _request(workload: Workload, steps: int):
 
     return GenerationRequest(prompt=_PROMPT, negative_prompt=_NEGATIVE, num_frames=workload.frames,
                              height=workload.height, width=workload.width, num_inference_steps=steps,
-                             guidance_scale=_GUIDANCE, seed=_SEED, fps=_FPS)
+                             guidance_scale=_GUIDANCE, seed=_SEED, fps=_FPS, max_sequence_length=128)
 
 
 class _Recording:

@@ -10,11 +10,14 @@ Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from .shapes import LatentShape, VideoGeometry
 
-__all__ = ["FAMILY_OPTIONS", "GenerationRequest", "GenerationLimits", "check_request"]
+__all__ = ["FAMILY_OPTIONS", "Condition", "GenerationRequest", "GenerationLimits", "check_request",
+           "resolve_frame_index"]
 
 # Request fields that only some model families understand (``None`` = the family's default), by family.
 # A request that sets one for another family is refused: silently ignoring it would hand back a video made
@@ -23,15 +26,41 @@ _AUDIO_VIDEO_OPTIONS = (
     "audio_guidance_scale", "stg_scale", "audio_stg_scale", "modality_scale", "audio_modality_scale",
     "guidance_rescale", "audio_guidance_rescale", "stg_blocks",
 )
+_CONDITION_OPTIONS = ("image_cond_noise_scale",)
+# Families whose adapters take conditioning media (``image``, ``conditions``).
+_CONDITIONING_FAMILIES = frozenset({"ltx-video"})
 FAMILY_OPTIONS: dict[str, frozenset[str]] = {
-    "ltx-video": frozenset(),
+    "ltx-video": frozenset(_CONDITION_OPTIONS),
     "ltx2": frozenset(_AUDIO_VIDEO_OPTIONS),
 }
 
 
 @dataclass(frozen=True)
+class Condition:
+    """Media a generation is conditioned on: validated uint8 RGB pixels (decoded on the leader), where they apply and
+    how strongly (the semantics of diffusers' ``LTXVideoCondition``)."""
+
+    frames: np.ndarray = field(compare=False, repr=False)
+    """uint8 ``[F, H, W, 3]``: one frame for an image, several for a video clip, at any size (the model resizes)."""
+    frame_index: int = 0
+    """The output frame the first media frame applies at; negative counts from the end (-1: the last frame)."""
+    strength: float = 1.0
+    """1 keeps the media as it is; lower values let the model change it more."""
+
+    @property
+    def is_image(self) -> bool:
+        return self.frames.shape[0] == 1
+
+
+def resolve_frame_index(frame_index: int, num_frames: int) -> int:
+    """``frame_index`` counted from the start (negative indices count from the end)."""
+    return frame_index + num_frames if frame_index < 0 else frame_index
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
-    """One text-to-video generation."""
+    """One generation: text-to-video, or conditioned on an image (``image``) or on media at frames
+    (``conditions``)."""
 
     prompt: str
     negative_prompt: str = ""
@@ -46,8 +75,8 @@ class GenerationRequest:
     """LTX-Video 0.9.1+ VAEs are timestep-conditioned; 0.05 is what Lightricks recommends for them."""
     decode_noise_scale: float | None = None
     """Noise mixed into the latents before decode; ``None`` means equal to ``decode_timestep``."""
-    max_sequence_length: int = 128
-    """Text tokens (the T5 context length the model was trained with)."""
+    max_sequence_length: int | None = None
+    """Text tokens the prompt is padded or cut to; ``None``: the model's reference pipeline's default."""
     # LTX-2 only (audio and video generated together); None = LTX2Pipeline's default.
     audio_guidance_scale: float | None = None
     """CFG scale of the soundtrack (default 7)."""
@@ -65,6 +94,13 @@ class GenerationRequest:
     """CFG rescale of the soundtrack, in [0, 1] (default 0.7)."""
     stg_blocks: tuple[int, ...] | None = None
     """Transformer blocks whose self-attention spatio-temporal guidance perturbs (default (28,))."""
+    image: Condition | None = None
+    """Image-to-video: the first frame (frame_index 0, strength 1), as the models' image-to-video pipelines take it."""
+    conditions: tuple[Condition, ...] = ()
+    """Images or clips at frame indices with strengths, as the models' condition pipelines take them."""
+    image_cond_noise_scale: float | None = None
+    """Noise added at every step to fully conditioned tokens (``conditions`` only; the pipeline's default when
+    unset)."""
 
 
 @dataclass(frozen=True)
@@ -107,11 +143,11 @@ def _check_family_options(request: GenerationRequest, family: str, limits: Gener
     if family not in FAMILY_OPTIONS:
         raise ValueError(f"model family {family!r} is unknown; known: {', '.join(FAMILY_OPTIONS)}")
     accepted = FAMILY_OPTIONS[family]
-    if family == "ltx2" and request.max_sequence_length % 128:
+    if family == "ltx2" and request.max_sequence_length is not None and request.max_sequence_length % 128:
         # NOTE(registers): LTX-2's text connectors append 128 learnable registers per 128 text tokens.
         raise ValueError(f"max_sequence_length={request.max_sequence_length} is not a multiple of 128, which LTX-2 "
                          f"models need; try {max(128, request.max_sequence_length // 128 * 128)}")
-    for name in _AUDIO_VIDEO_OPTIONS:
+    for name in _AUDIO_VIDEO_OPTIONS + _CONDITION_OPTIONS:
         value = getattr(request, name)
         if value is None:
             continue
@@ -128,8 +164,52 @@ def _check_family_options(request: GenerationRequest, family: str, limits: Gener
                                      f"transformer blocks; use indices in [0, {layers - 1}]")
                 _check_int("stg_blocks[]", block, 0, top)
         else:
-            hi = 1.0 if name.endswith("rescale") else limits.max_guidance
+            hi = 1.0 if name.endswith("rescale") or name == "image_cond_noise_scale" else limits.max_guidance
             _check_number(name, value, 0.0, hi)
+
+
+def _check_condition(name: str, cond: object, num_frames: int, temporal_compression: int) -> None:
+    if not isinstance(cond, Condition):
+        raise ValueError(f"{name} must be a Condition, got {type(cond).__name__}")
+    frames = cond.frames
+    if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 \
+            or 0 in frames.shape:
+        raise ValueError(f"{name}.media must be decoded RGB frames (uint8 [F, H, W, 3])")
+    _check_number(f"{name}.strength", cond.strength, 0.0, 1.0)
+    _check_int(f"{name}.frame_index", cond.frame_index, -num_frames, num_frames - 1)
+    start = resolve_frame_index(cond.frame_index, num_frames)
+    count = frames.shape[0]
+    room = num_frames - start
+    if count > room:
+        raise ValueError(f"{name}.media has {count} frames, more than the {room} the video has from frame {start} on "
+                         f"(num_frames={num_frames}): trim the clip to {room} frames, apply it earlier, or ask for "
+                         "more frames")
+    if count > 1 and start != 0 and count < temporal_compression + 1:
+        # NOTE(prefix): a clip placed after frame 0 is encoded to at least two latent frames (the condition
+        # pipelines' num_prefix_latent_frames), which takes temporal_compression + 1 frames.
+        raise ValueError(f"{name}.media has {count} frames; a clip applied after frame 0 needs at least "
+                         f"{temporal_compression + 1}: use a longer clip, or an image")
+
+
+def _check_conditions(request: GenerationRequest, family: str, geometry: VideoGeometry) -> None:
+    if request.image is None and not request.conditions:
+        return
+    field_name = "image" if request.image is not None else "conditions"
+    if family not in _CONDITIONING_FAMILIES:
+        takers = ", ".join(sorted(_CONDITIONING_FAMILIES))
+        raise ValueError(f"{field_name}: the loaded model ({family}) takes no conditioning media; remove "
+                         f"{field_name}, or serve a model that takes them ({takers})")
+    if request.image is not None and request.conditions:
+        raise ValueError("image and conditions were both given; give the image as conditions[0] (frame_index 0) "
+                         "instead")
+    if not isinstance(request.conditions, tuple) or len(request.conditions) > 16:
+        raise ValueError("conditions must be a list of at most 16 conditions")
+    if request.image is not None:
+        _check_condition("image", request.image, request.num_frames, geometry.temporal_compression)
+        if not request.image.is_image or request.image.frame_index != 0 or request.image.strength != 1.0:
+            raise ValueError("image must be one frame at frame_index 0 with strength 1; use conditions for others")
+    for i, cond in enumerate(request.conditions):
+        _check_condition(f"conditions[{i}]", cond, request.num_frames, geometry.temporal_compression)
 
 
 def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits: GenerationLimits,
@@ -152,10 +232,12 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     _check_int("num_inference_steps", request.num_inference_steps, 2, limits.max_steps)
     _check_int("seed", request.seed, 0, 2**63 - 1)
     _check_int("fps", request.fps, 1, limits.max_fps)
-    _check_int("max_sequence_length", request.max_sequence_length, 1, 1024)
+    if request.max_sequence_length is not None:
+        _check_int("max_sequence_length", request.max_sequence_length, 1, 1024)
     for name, lo, hi in (("guidance_scale", 0.0, limits.max_guidance), ("decode_timestep", 0.0, 1.0)):
         _check_number(name, getattr(request, name), lo, hi)
     _check_family_options(request, family, limits, layers)
+    _check_conditions(request, family, geometry)
     scale = request.decode_noise_scale
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or not 0.0 <= scale <= 1.0):

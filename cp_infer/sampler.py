@@ -86,7 +86,12 @@ class DenoiseModel(Protocol):
         rank)."""
 
     def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
-             latents_local: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, torch.Tensor]: ...
+             latents_local: dict[str, torch.Tensor], prepared: Prepared,
+             plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]: ...
+
+    def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
+        """The full packed latents as the model's reference pipeline returns them for ``output_type="latent"``
+        (conditioning tokens dropped, unpacked), by name (``"latents"``, ``"audio_latents"``)."""
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """How to decode the full packed latents of every stream (same on every rank)."""
@@ -122,6 +127,8 @@ class SampleControl:
     on_audio: Callable[[np.ndarray, int], None] | None = None
     """``(waveform [C, S], sample_rate)`` on group rank 0, once, before the first ``on_frames``; audio-video
     models only."""
+    on_latents: Callable[[dict[str, np.ndarray]], None] | None = None
+    """The final latents (``DenoiseModel.output_latents``) on group rank 0, once, before the decode."""
     on_frames: Callable[[np.ndarray, int, int], None] | None = None
     """``(frames, first_frame_index, total_frames)`` on group rank 0 for each decoded chunk, in temporal order
     (a streaming encoder writes them as they come)."""
@@ -160,6 +167,8 @@ def _poll(control: SampleControl, i: int) -> tuple[StepStatus, str]:
 
 def _prepare_decode(model: DenoiseModel, full: dict[str, torch.Tensor], prepared: Prepared, control: SampleControl,
                     out: list[Decoder], state: ParallelState) -> None:
+    if control.on_latents and state.cp_rank == 0:
+        control.on_latents(model.output_latents(full, prepared))
     decoder = model.decoder(full, prepared)
     if decoder.audio is not None and state.cp_rank == 0:
         waveform, sample_rate = decoder.audio()
@@ -195,7 +204,7 @@ def sample(
         _agree(*_poll(control, i), state=state)
         started = time.perf_counter()
         noise_pred = model.predict(latents, t, prepared, plans)
-        latents = model.step(noise_pred, t, latents, prepared)
+        latents = model.step(noise_pred, t, latents, prepared, plans)
         for name, plan in plans.items():
             # Padding rows carry no meaning; keep them at zero so they can never grow without bound.
             latents[name][:, plan.valid_len(state.cp_rank):] = 0

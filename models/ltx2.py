@@ -43,6 +43,9 @@ from .ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
 from .ltx_video import _scoped
 from .registry import min_latent_side
 
+# LTX2Pipeline's default max_sequence_length.
+_TEXT_TOKENS = 1024
+
 __all__ = ["LTX2Model", "LTX2Settings", "fit_duration", "parallelize_ltx2_transformer"]
 
 # (query stream, key/value stream) of every attention that mixes tokens of a sharded stream.
@@ -267,7 +270,8 @@ class LTX2Model:
                              f"{self.layers} (0..{self.layers - 1}); pass stg_blocks within that range, or stg_scale=0")
         embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
             prompt=request.prompt, negative_prompt=request.negative_prompt,
-            do_classifier_free_guidance=settings.cfg, max_sequence_length=request.max_sequence_length,
+            do_classifier_free_guidance=settings.cfg,
+            max_sequence_length=request.max_sequence_length or _TEXT_TOKENS,
             device=device,
         )
         if settings.cfg:
@@ -391,12 +395,27 @@ class LTX2Model:
         return rescale * (guided * (std_cond / std_guided)) + (1 - rescale) * guided
 
     def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
-             latents_local: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, torch.Tensor]:
+             latents_local: dict[str, torch.Tensor], prepared: Prepared,
+             plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
         x = prepared.extras
         x["step"] += 1
         return {name: x["schedulers"][name].step(noise_pred_local[name], t, latents_local[name],
                                                  return_dict=False)[0]
                 for name in ("video", "audio")}
+
+    def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
+        """LTX2Pipeline's ``output_type="latent"``: video ``[B, C, F, H, W]`` and audio ``[B, C, L, M]``, unpacked and
+        denormalised."""
+        pipe, vae, audio_vae = self.pipe, self.components.vae, self.pipe.audio_vae
+        x = prepared.extras
+        shape: LatentShape = x["shape"]
+        video = pipe._unpack_latents(latents["video"], shape.frames, shape.height, shape.width,
+                                     pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
+        video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        audio = pipe._denormalize_audio_latents(latents["audio"], audio_vae.latents_mean, audio_vae.latents_std)
+        mel_bins = audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
+        audio = pipe._unpack_audio_latents(audio, x["audio_frames"], num_mel_bins=mel_bins)
+        return {"latents": video.float().cpu().numpy(), "audio_latents": audio.float().cpu().numpy()}
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """Video: unpack, (timestep-conditioned VAEs) noise, denormalise, decode this rank's range. Audio: the

@@ -22,13 +22,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from diffusers import LTXPipeline
+from diffusers import LTXConditionPipeline, LTXImageToVideoPipeline, LTXPipeline
 from diffusers.models.transformers.transformer_ltx import LTXAttention, apply_rotary_emb
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
+from diffusers.pipelines.ltx.pipeline_ltx_condition import linear_quadratic_schedule
+from PIL import Image
 
 from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
 from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit
-from cp_infer.request import GenerationRequest
+from cp_infer.request import Condition, GenerationRequest, resolve_frame_index
 from cp_infer.sampler import Decoder, Prepared
 
 from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
@@ -141,10 +143,13 @@ class LTXVideoModel:
         self.components = components
         # NOTE(pipeline): the pipeline object is used only for diffusers' own prompt encoding, noise, packing
         # and post-processing, so that a 1-rank run is the reference implementation step for step.
-        self.pipe = LTXPipeline(
-            scheduler=components.scheduler, vae=components.vae, text_encoder=components.text_encoder,
-            tokenizer=components.tokenizer, transformer=components.transformer,
-        )
+        parts = dict(scheduler=components.scheduler, vae=components.vae, text_encoder=components.text_encoder,
+                     tokenizer=components.tokenizer, transformer=components.transformer)
+        self.pipe = LTXPipeline(**parts)
+        # The conditioned pipelines over the same modules: their latent preparation (media encode, noise, masks,
+        # conditioning-token coordinates) is used as it is.
+        self.i2v_pipe = LTXImageToVideoPipeline(**parts)
+        self.cond_pipe = LTXConditionPipeline(**parts)
         refuse_stochastic_sampling(self.scheduler)
         cfg = components.transformer.config
         self.geometry = VideoGeometry(
@@ -185,66 +190,160 @@ class LTXVideoModel:
         return _scoped(self._ctx, "plan", plan)
 
     def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared:
+        """LTXPipeline's preparation; with ``request.image`` LTXImageToVideoPipeline's, with ``request.conditions``
+        LTXConditionPipeline's (the media encoded on every rank alike: an image or a short clip is one small encode,
+        not worth a time-parallel split)."""
         pipe, device = self.pipe, self.device
         cfg_on = request.guidance_scale > 1.0
-        embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
+        # The pipelines' own defaults: LTXPipeline and LTXImageToVideoPipeline 128, LTXConditionPipeline 256.
+        text_tokens = request.max_sequence_length or (256 if request.conditions else 128)
+        # Each pipeline's own prompt encoding (LTXConditionPipeline's passes the attention mask to T5).
+        encoder = self.cond_pipe if request.conditions else pipe
+        embeds, mask, neg_embeds, neg_mask = encoder.encode_prompt(
             prompt=request.prompt, negative_prompt=request.negative_prompt, do_classifier_free_guidance=cfg_on,
-            max_sequence_length=request.max_sequence_length, device=device,
+            max_sequence_length=text_tokens, device=device,
         )
         if cfg_on:
             embeds, mask = torch.cat([neg_embeds, embeds]), torch.cat([neg_mask, mask])
         # NOTE(noise): drawn on the CPU from the request's seed so that every rank, and every device
         # type, starts from the same latents.
         generator = torch.Generator("cpu").manual_seed(request.seed)
-        latents = pipe.prepare_latents(
-            1, self.transformer.config.in_channels, request.height, request.width, request.num_frames,
-            torch.float32, torch.device("cpu"), generator,
-        ).to(device)
-        sigmas = np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps)
-        cfg = self.scheduler.config
-        mu = calculate_shift(shape.tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                             cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
-        timesteps, _ = retrieve_timesteps(self.scheduler, request.num_inference_steps, device, sigmas=sigmas, mu=mu)
         t_ratio = self.geometry.temporal_compression
         s_ratio = self.geometry.spatial_compression
-        return Prepared(latents={"video": latents}, timesteps=list(timesteps), extras=dict(
-            embeds=embeds, mask=mask, cfg_on=cfg_on, guidance=request.guidance_scale, generator=generator,
-            shape=shape, rope_scale=(t_ratio / request.fps, s_ratio, s_ratio), request=request,
-        ))
+        extras = dict(embeds=embeds, mask=mask, cfg_on=cfg_on, guidance=request.guidance_scale, generator=generator,
+                      shape=shape, rope_scale=(t_ratio / request.fps, s_ratio, s_ratio), request=request,
+                      mode="text", extra_tokens=0)
+        if request.conditions:
+            return self._prepare_conditions(request, shape, extras)
+        channels = self.transformer.config.in_channels
+        if request.image is not None:
+            image = _pil(request.image.frames[0])
+            image = self.i2v_pipe.video_processor.preprocess(image, height=request.height, width=request.width)
+            latents, cond_mask = self.i2v_pipe.prepare_latents(
+                image.to(device=device, dtype=embeds.dtype), 1, channels, request.height, request.width,
+                request.num_frames, torch.float32, device, generator)
+            extras.update(mode="image", cond_mask=cond_mask)
+        else:
+            latents = pipe.prepare_latents(1, channels, request.height, request.width, request.num_frames,
+                                           torch.float32, torch.device("cpu"), generator).to(device)
+        sigmas = np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps)
+        timesteps, _ = retrieve_timesteps(self.scheduler, request.num_inference_steps, device, sigmas=sigmas,
+                                          mu=self._shift(shape))
+        return Prepared(latents={"video": latents}, timesteps=list(timesteps), extras=extras)
+
+    def _shift(self, shape: LatentShape) -> float:
+        cfg = self.scheduler.config
+        return calculate_shift(shape.tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                               cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+
+    def _prepare_conditions(self, request: GenerationRequest, shape: LatentShape, extras: dict) -> Prepared:
+        """LTXConditionPipeline: the media encoded as conditioning latents (at frame 0 they replace the first latent
+        frames; later, their first two latent frames become extra tokens placed before the video's, with their own
+        coordinates), a linear-quadratic schedule and per-token timesteps."""
+        pipe, device = self.cond_pipe, self.device
+        vae_dtype = self.components.vae.dtype
+        tensors, strengths, indices = [], [], []
+        for cond in request.conditions:
+            index = resolve_frame_index(cond.frame_index, request.num_frames)
+            tensors.append(_condition_tensor(pipe, cond, index, request).to(device, dtype=vae_dtype))
+            strengths.append(float(cond.strength))
+            indices.append(index)
+        steps = request.num_inference_steps
+        timesteps = linear_quadratic_schedule(steps) * 1000
+        # NOTE(shift): LTXConditionPipeline passes no shift; a scheduler with dynamic shifting (LTX-Video 0.9.0/0.9.1's
+        # config) then refuses its schedule, so it gets LTXPipeline's resolution-dependent shift instead.
+        mu = self._shift(shape) if self.scheduler.config.get("use_dynamic_shifting", False) else None
+        timesteps, _ = retrieve_timesteps(self.scheduler, steps, device, timesteps, mu=mu)
+        latents, cond_mask, coords, extra = pipe.prepare_latents(
+            tensors, strengths, indices, batch_size=1, num_channels_latents=self.transformer.config.in_channels,
+            height=request.height, width=request.width, num_frames=request.num_frames, sigma=None, latents=None,
+            generator=extras["generator"], device=device, dtype=torch.float32)
+        coords = coords.float()
+        coords[:, 0] = coords[:, 0] * (1.0 / request.fps)
+        noise_scale = 0.15 if request.image_cond_noise_scale is None else float(request.image_cond_noise_scale)
+        extras.update(mode="conditions", cond_mask=cond_mask, init_latents=latents.clone(), extra_tokens=extra,
+                      video_coords=torch.cat([coords] * 2) if extras["cfg_on"] else coords, noise_scale=noise_scale)
+        return Prepared(latents={"video": latents}, timesteps=list(timesteps), extras=extras)
 
     def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
                 plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
         x = prepared.extras
         latents_local, plan = latents_local["video"], plans["video"]
-        model_in = torch.cat([latents_local] * 2) if x["cfg_on"] else latents_local
-        model_in = model_in.to(x["embeds"].dtype)
-        shape: LatentShape = x["shape"]
+        mode, batch = x["mode"], 2 if x["cfg_on"] else 1
+        rank = self.state.cp_rank
+        cond_mask = None if mode == "text" else plan.shard(x["cond_mask"], rank)  # 1, S -> 1, S_LOCAL
+        if mode == "conditions" and x["noise_scale"] > 0:
+            # LTXConditionPipeline re-noises the fully conditioned tokens at every step; the noise of the whole
+            # sequence is drawn on every rank from the same generator, each keeping its shard.
+            noise = torch.randn(x["init_latents"].shape, generator=x["generator"], dtype=torch.float32)
+            noise = plan.shard(noise, rank).to(latents_local.device)
+            init = plan.shard(x["init_latents"], rank)
+            noised = init + x["noise_scale"] * noise * ((t / 1000.0) ** 2)
+            latents_local.copy_(torch.where((cond_mask > 1.0 - 1e-6).unsqueeze(-1), noised, latents_local))
+        model_in = torch.cat([latents_local] * batch).to(x["embeds"].dtype)
+        timestep = t.expand(batch)
+        kwargs = {}
+        if mode == "conditions":
+            timestep = torch.min(timestep.unsqueeze(-1).float(), (1 - torch.cat([cond_mask] * batch)) * 1000.0)
+            kwargs.update(video_coords=x["video_coords"])
+        else:
+            if mode == "image":
+                timestep = timestep.unsqueeze(-1) * (1 - torch.cat([cond_mask] * batch))
+            shape: LatentShape = x["shape"]
+            kwargs.update(num_frames=shape.frames, height=shape.height, width=shape.width,
+                          rope_interpolation_scale=x["rope_scale"])
         with self.sharded(plan):
             noise_pred = self.transformer(
-                hidden_states=model_in, encoder_hidden_states=x["embeds"], timestep=t.expand(model_in.shape[0]),
-                encoder_attention_mask=x["mask"], num_frames=shape.frames, height=shape.height, width=shape.width,
-                rope_interpolation_scale=x["rope_scale"], return_dict=False,
-            )[0].float()
+                hidden_states=model_in, encoder_hidden_states=x["embeds"], timestep=timestep,
+                encoder_attention_mask=x["mask"], return_dict=False, **kwargs,
+            )[0]
+        if mode != "conditions":
+            noise_pred = noise_pred.float()  # LTXConditionPipeline keeps the transformer's dtype
         if x["cfg_on"]:
             uncond, cond = noise_pred.chunk(2)
             noise_pred = uncond + x["guidance"] * (cond - uncond)
+        x["timestep_local"], x["cond_mask_local"] = timestep[:1], cond_mask
         return {"video": noise_pred}
 
     def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
-             latents_local: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, torch.Tensor]:
-        return {"video": self.scheduler.step(noise_pred_local["video"], t, latents_local["video"],
-                                             return_dict=False)[0]}
+             latents_local: dict[str, torch.Tensor], prepared: Prepared,
+             plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
+        x = prepared.extras
+        noise_pred, latents, mode = noise_pred_local["video"], latents_local["video"], x["mode"]
+        if mode == "conditions":
+            # Per-token timesteps (this rank's shard of them); tokens still above their conditioning level stay.
+            denoised = self.scheduler.step(-noise_pred, t, latents, per_token_timesteps=x["timestep_local"],
+                                           return_dict=False)[0]
+            keep = (t / 1000 - 1e-6 < (1.0 - x["cond_mask_local"])).unsqueeze(-1)
+            return {"video": torch.where(keep, denoised, latents)}
+        stepped = self.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        if mode == "image":
+            # The first frame's tokens are never stepped (the step is elementwise: stepping all and keeping those
+            # is LTXImageToVideoPipeline's stepping of the others alone).
+            return {"video": torch.where(x["cond_mask_local"].unsqueeze(-1) > 0.5, latents, stepped)}
+        return {"video": stepped}
+
+    def _video_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> torch.Tensor:
+        """The video's own tokens unpacked to ``[B, C, F, H, W]`` (conditioning tokens dropped)."""
+        shape: LatentShape = prepared.extras["shape"]
+        cfg = self.transformer.config
+        return self.pipe._unpack_latents(latents["video"][:, prepared.extras["extra_tokens"]:], shape.frames,
+                                         shape.height, shape.width, cfg.patch_size, cfg.patch_size_t)
+
+    def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
+        """``output_type="latent"``: LTXPipeline and LTXImageToVideoPipeline return the packed ``[B, S, C]``
+        latents, LTXConditionPipeline the unpacked ``[B, C, F, H, W]`` ones."""
+        if prepared.extras["mode"] == "conditions":
+            return {"latents": self._video_latents(latents, prepared).float().cpu().numpy()}
+        return {"latents": latents["video"].float().cpu().numpy()}
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """Unpack, denormalise and (timestep-conditioned VAEs) noise the latents once; decode this rank's piece of
         each round (``cp_infer.decode``: rounds of ``decode_frames_per_rank`` latent frames per rank)."""
         pipe, vae = self.pipe, self.components.vae
         x = prepared.extras
-        shape: LatentShape = x["shape"]
         request: GenerationRequest = x["request"]
-        cfg = self.transformer.config
-        latents = pipe._unpack_latents(latents["video"], shape.frames, shape.height, shape.width, cfg.patch_size,
-                                       cfg.patch_size_t)
+        latents = self._video_latents(latents, prepared)
         latents = pipe._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         latents = latents.to(x["embeds"].dtype)
         latents, timestep = noise_for_decode(latents, vae=vae, generator=x["generator"], request=request)
@@ -262,3 +361,16 @@ class LTXVideoModel:
     def decode_split(self, split: TemporalSplit) -> contextlib.AbstractContextManager[None]:
         """Inside this block, ``decode_round(vae, ..., a, b)`` decodes one round's piece of ``split``."""
         return _scoped(self._decode_ctx, "split", split)
+
+
+def _pil(frame: np.ndarray) -> Image.Image:
+    return Image.fromarray(frame, mode="RGB")
+
+
+def _condition_tensor(pipe, cond: Condition, index: int, request: GenerationRequest) -> torch.Tensor:
+    """``[1, 3, F, H, W]`` in [-1, 1]: the media resized as LTXConditionPipeline resizes it, a clip trimmed to the
+    frames left from ``index`` on, to ``8k + 1``."""
+    if cond.is_image:
+        return pipe.video_processor.preprocess(_pil(cond.frames[0]), request.height, request.width).unsqueeze(2)
+    tensor = pipe.video_processor.preprocess_video([_pil(f) for f in cond.frames], request.height, request.width)
+    return tensor[:, :, :pipe.trim_conditioning_sequence(index, tensor.size(2), request.num_frames)]

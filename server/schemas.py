@@ -38,9 +38,6 @@ __all__ = [
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
-# Text tokens the text encoder sees; fixed server-side: LTX-Video's T5 training length, and a multiple of 128 as
-# LTX-2's text connectors need.
-_TEXT_TOKENS = 128
 _LTX2_FIELDS = tuple(sorted(FAMILY_OPTIONS["ltx2"]))
 
 
@@ -300,7 +297,7 @@ def build_request(params: VideoCreateParams, *, geometry: VideoGeometry, limits:
                              else params.num_inference_steps),
         guidance_scale=defaults.guidance_scale if params.guidance_scale is None else params.guidance_scale,
         seed=seed if params.seed is None else params.seed,
-        fps=fps, max_sequence_length=_TEXT_TOKENS,
+        fps=fps,
         **ltx2,
     )
     try:

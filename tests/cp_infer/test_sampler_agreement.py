@@ -36,7 +36,7 @@ class _FakeModel:
     def predict(self, latents, t, prepared, plans):
         return {name: 0.1 * x for name, x in latents.items()}
 
-    def step(self, noise_pred, t, latents, prepared):
+    def step(self, noise_pred, t, latents, prepared, plans):
         return {name: latents[name] - noise_pred[name] for name in latents}
 
     def decoder(self, latents, prepared):
