@@ -34,7 +34,9 @@ class AppConfig:
     api_key: str | None = None
     """Bearer token every route but ``/health`` requires; ``None``: no authentication."""
     max_body_bytes: int = 64 * 1024
-    """Largest request body; larger ones get 413."""
+    """Largest request body without media; larger ones get 413."""
+    max_upload_bytes: int = 32 * 2**20
+    """Largest uploaded media file (or data URL's content); a body may be this much larger (twice: base64)."""
     cors_origins: tuple[str, ...] = ()
     """Origins allowed by CORS; empty: no CORS headers at all."""
 
@@ -43,6 +45,8 @@ class AppConfig:
             raise ValueError("api_key is shorter than 8 characters; use a long random token")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1024")
+        if self.max_upload_bytes < 1024:
+            raise ValueError(f"max_upload_bytes={self.max_upload_bytes} must be >= 1024")
 
 
 def _error_response(status: int, code: str, message: str, param: str | None = None,
@@ -191,8 +195,11 @@ def create_app(config: AppConfig, engine) -> FastAPI:
     app.state.recovered = []
     _install_error_handlers(app)
     app.include_router(_health_router(engine))
-    app.include_router(videos_router(engine, max_body_bytes=config.max_body_bytes))
-    app.add_middleware(_GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.include_router(videos_router(engine, max_body_bytes=config.max_body_bytes,
+                                     max_upload_bytes=config.max_upload_bytes))
+    # Routes cap their own bodies (those that carry media higher); the guard only stops what no route takes.
+    app.add_middleware(_GuardMiddleware, api_key=config.api_key,
+                       max_body_bytes=config.max_body_bytes + 2 * config.max_upload_bytes)
     if config.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 

@@ -13,6 +13,8 @@ Invariants:
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import re
 import secrets
@@ -20,11 +22,13 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from cp_infer.request import FAMILY_OPTIONS, GenerationRequest
+import numpy as np
+
+from cp_infer.request import FAMILY_OPTIONS, Condition, GenerationRequest
 
 __all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
 
@@ -92,14 +96,42 @@ class Job:
             "guidance_scale": r.guidance_scale, "seed": r.seed,
             **{name: getattr(r, name) for name in sorted(FAMILY_OPTIONS["ltx2"] - {"stg_blocks"})},
             "stg_blocks": None if r.stg_blocks is None else list(r.stg_blocks),
+            "image_cond_noise_scale": r.image_cond_noise_scale,
+            "input_reference": r.image is not None,
+            "conditions": [{"frame_index": c.frame_index, "strength": c.strength,
+                            "num_frames": int(c.frames.shape[0])} for c in r.conditions] or None,
         }
 
 
+def _condition_to_json(cond: Condition) -> dict[str, Any]:
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, frames=cond.frames)
+    return {"frames_npz": base64.b64encode(buffer.getvalue()).decode("ascii"), "frame_index": cond.frame_index,
+            "strength": cond.strength}
+
+
+def _condition_from_json(data: dict[str, Any]) -> Condition:
+    with np.load(io.BytesIO(base64.b64decode(data["frames_npz"])), allow_pickle=False) as archive:
+        frames = archive["frames"]
+    return Condition(frames, frame_index=data["frame_index"], strength=data["strength"])
+
+
+def _request_to_json(request: GenerationRequest) -> str:
+    """The request as stored: its fields, conditioning media as compressed arrays (the validated pixels)."""
+    data = {f.name: getattr(request, f.name) for f in fields(request)}
+    data["image"] = None if request.image is None else _condition_to_json(request.image)
+    data["conditions"] = [_condition_to_json(c) for c in request.conditions]
+    return json.dumps(data)
+
+
 def _request_from_json(text: str) -> GenerationRequest:
-    fields = json.loads(text)
-    if fields.get("stg_blocks") is not None:
-        fields["stg_blocks"] = tuple(fields["stg_blocks"])  # JSON has only lists; the request holds a tuple
-    return GenerationRequest(**fields)
+    data = json.loads(text)
+    if data.get("stg_blocks") is not None:
+        data["stg_blocks"] = tuple(data["stg_blocks"])  # JSON has only lists; the request holds a tuple
+    if data.get("image") is not None:
+        data["image"] = _condition_from_json(data["image"])
+    data["conditions"] = tuple(_condition_from_json(c) for c in data.get("conditions") or ())
+    return GenerationRequest(**data)
 
 
 def _row_to_job(row: sqlite3.Row) -> Job:
@@ -214,7 +246,7 @@ class JobStore:
                 raise QueueFull(depth)
             self._db.execute(
                 "INSERT INTO jobs (id, status, created_at, model, request) VALUES (?, 'queued', ?, ?, ?)",
-                (job_id, int(time.time()), model, json.dumps(asdict(request))))
+                (job_id, int(time.time()), model, _request_to_json(request)))
             job = self._get(job_id)
             self._log(job)
             self._work.notify_all()

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cp_infer.request import FAMILY_OPTIONS, GenerationLimits, GenerationRequest, check_request
+from cp_infer.request import FAMILY_OPTIONS, Condition, GenerationLimits, GenerationRequest, check_request
 from cp_infer.shapes import VideoGeometry
 
 __all__ = [
@@ -66,6 +66,30 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class MediaRef(BaseModel):
+    """A completed job's video, by id."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+
+
+class ImageReference(BaseModel):
+    """The OpenAI API's reference object: an image as a data URL (this server fetches nothing from the network)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    image_url: str
+
+
+class ConditionParams(BaseModel):
+    """One conditioning item: an image or a clip (a data URL, an uploaded file's form field, or a completed job's
+    id), the output frame its first frame applies at (negative counts from the end) and its strength in [0, 1]."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    media: str | MediaRef
+    frame_index: int = 0
+    strength: float = 1.0
+
+
 class _LTX2Options(BaseModel):
     """The LTX-2 (audio-video) controls, declared once for requests and job objects: the names of
     ``FAMILY_OPTIONS["ltx2"]``. LTX-2 models only; other families refuse them. Unset: LTX2Pipeline's defaults."""
@@ -100,6 +124,13 @@ class _VideoCreateFields(BaseModel):
     fps: int | None = None
     stream: bool | None = None
     """Extension: respond with the MP4 itself, sent while it is made (also a query parameter)."""
+    input_reference: str | ImageReference | None = None
+    """The first frame (image-to-video): an uploaded file (multipart), a data URL or ``{"image_url": data URL}``. A
+    video clip here conditions from frame 0 on."""
+    conditions: list[ConditionParams] | None = None
+    """Images or clips at frame indices with strengths (LTX-Video models)."""
+    image_cond_noise_scale: float | None = None
+    """Noise re-added at every step to fully conditioned tokens (with ``conditions``; default 0.15)."""
 
 
 class VideoCreateParams(_LTX2Options, _VideoCreateFields):
@@ -133,6 +164,10 @@ class _VideoJobFields(BaseModel):
     num_inference_steps: int
     guidance_scale: float
     seed: int
+    input_reference: bool = False
+    """Whether the video was made from a reference image."""
+    conditions: list[dict] | None = None
+    """The conditioning items (``frame_index``, ``strength``, ``num_frames`` of the media), without their pixels."""
 
 
 class VideoJob(_LTX2Options, _VideoJobFields):
@@ -173,6 +208,10 @@ def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | N
         "seed": f"an integer in [0, {2**63 - 1}]",
         "fps": f"an integer in [1, {limits.max_fps}]",
         "stream": "true or false",
+        "input_reference": "an uploaded image (multipart), a data URL, or {\"image_url\": data URL}",
+        "conditions": "a list of {\"media\": data URL or {\"id\": video id}, \"frame_index\": int, "
+                      "\"strength\": number in [0, 1]}",
+        "image_cond_noise_scale": "a number in [0, 1]",
         "stg_blocks": "a list of transformer block indices, e.g. [28] (a form: \"20,28\"; LTX-2 models only)",
         "guidance_rescale": "a number in [0, 1] (LTX-2 models only)",
         "audio_guidance_rescale": "a number in [0, 1] (LTX-2 models only)",
@@ -182,10 +221,23 @@ def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | N
     return hints.get(name, "a valid value")
 
 
+def _loc_name(loc: tuple) -> str | None:
+    """``("conditions", 0, "strength")`` -> ``conditions[0].strength`` (pydantic's union branches dropped)."""
+    if not loc:
+        return None
+    name = str(loc[0])
+    for part in loc[1:]:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part in ConditionParams.model_fields or part in ("id", "image_url"):
+            name += f".{part}"
+    return name
+
+
 def _from_validation_error(exc: ValidationError, limits: GenerationLimits,
-                           geometry: VideoGeometry | None) -> ApiError:
+                           geometry: VideoGeometry | None, prefix: tuple = ()) -> ApiError:
     err = exc.errors()[0]
-    param = str(err["loc"][0]) if err["loc"] else None
+    param = _loc_name(prefix + tuple(err["loc"]))
     kind = err["type"]
     if kind == "extra_forbidden":
         valid = ", ".join(VideoCreateParams.model_fields)
@@ -195,9 +247,10 @@ def _from_validation_error(exc: ValidationError, limits: GenerationLimits,
                         f"{param} is required: {_field_hint(param or '', limits, geometry)}", param)
     value = err.get("input")
     shown = repr(value) if not isinstance(value, (str, bytes)) or len(value) < 80 else f"{str(value)[:77]!r}..."
+    base = re.match(r"[a-z_]*", param or "").group(0)
     return ApiError(400, "invalid_type" if kind.endswith("_type") else "invalid_value",
-                    f"{param}={shown} is invalid ({err['msg']}); expected "
-                    f"{_field_hint(param or '', limits, geometry)}", param)
+                    f"{param}={shown} is invalid ({err['msg']}); expected {_field_hint(base, limits, geometry)}",
+                    param)
 
 
 def params_from_json(data: Any, *, limits: GenerationLimits, geometry: VideoGeometry | None) -> VideoCreateParams:
@@ -215,13 +268,41 @@ def params_from_form(data: dict[str, str], *, limits: GenerationLimits,
     """Form fields (all strings) -> params, converting each string to its field's type; the one list,
     ``stg_blocks``, is written as on the command line: ``"20,28"``."""
     blocks = data.get("stg_blocks")
+    nested = {k: data[k] for k in ("conditions", "input_reference") if not isinstance(data.get(k, ""), str)}
     try:
         params = VideoCreateParams.model_validate_strings(
-            {k: v for k, v in data.items() if k != "stg_blocks"}, strict=False)
+            {k: v for k, v in data.items() if k != "stg_blocks" and k not in nested}, strict=False)
     except ValidationError as exc:
         raise _from_validation_error(exc, limits, geometry) from None
+    # NOTE(forms): pydantic's string validation takes no nested lists: each item is validated on its own.
+    update: dict[str, Any] = {}
+    if isinstance(nested.get("input_reference"), dict):
+        try:
+            update["input_reference"] = ImageReference.model_validate_strings(nested["input_reference"])
+        except ValidationError as exc:
+            raise _from_validation_error(exc, limits, geometry, prefix=("input_reference",)) from None
+    if "conditions" in nested:
+        items = nested["conditions"]
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            raise ApiError(400, "invalid_value", "conditions in a form are fields conditions[0][media], "
+                           "conditions[0][frame_index], conditions[0][strength], ...", "conditions")
+        conditions = []
+        for i, item in enumerate(items):
+            try:
+                conditions.append(ConditionParams.model_validate_strings(item, strict=False))
+            except ValidationError as exc:
+                raise _from_validation_error(exc, limits, geometry, prefix=("conditions", i)) from None
+        update["conditions"] = conditions
+    elif "input_reference" in nested and not isinstance(nested["input_reference"], dict):
+        raise ApiError(400, "invalid_value", "input_reference is invalid; expected "
+                       f"{_field_hint('input_reference', limits, geometry)}", "input_reference")
+    if update:
+        params = params.model_copy(update=update)
     if blocks is None:
         return params
+    if not isinstance(blocks, str):
+        raise ApiError(400, "invalid_value", "stg_blocks is invalid; expected "
+                       f"{_field_hint('stg_blocks', limits, geometry)}", "stg_blocks")
     # NOTE(forms): pydantic's string validation has no list syntax, so the list is parsed here.
     if not re.fullmatch(r"\s*\d{1,6}\s*(,\s*\d{1,6}\s*)*", blocks):
         raise ApiError(400, "invalid_value", f"stg_blocks={blocks[:80]!r} is invalid; expected "
@@ -246,16 +327,17 @@ def frames_for_seconds(seconds: float, fps: int, temporal_compression: int) -> i
 
 
 def _param_of(message: str) -> str | None:
-    match = re.match(r"^([a-z_]+)", message)
+    match = re.match(r"^([a-z_]+)(\[\d+\](\.[a-z_]+)?)?", message)
     if match and match.group(1) in VideoCreateParams.model_fields:
-        return match.group(1)
+        return match.group(0)
     return None
 
 
 def build_request(params: VideoCreateParams, *, geometry: VideoGeometry, limits: GenerationLimits,
-                  served_model: str, seed: int, family: str = "ltx-video",
-                  layers: int | None = None) -> GenerationRequest:
-    """Resolve the OpenAI-style fields and validate; ``seed`` is used when the client gave none."""
+                  served_model: str, seed: int, family: str = "ltx-video", layers: int | None = None,
+                  image: Condition | None = None, conditions: tuple[Condition, ...] = ()) -> GenerationRequest:
+    """Resolve the OpenAI-style fields and validate; ``seed`` is used when the client gave none. ``image`` and
+    ``conditions``: the request's media, already decoded (``server.conditions``)."""
     if params.model is not None and params.model != served_model:
         raise ApiError(400, "model_not_found", f"model={params.model!r} is not served here; use {served_model!r} "
                        "or leave model out", "model")
@@ -297,7 +379,7 @@ def build_request(params: VideoCreateParams, *, geometry: VideoGeometry, limits:
                              else params.num_inference_steps),
         guidance_scale=defaults.guidance_scale if params.guidance_scale is None else params.guidance_scale,
         seed=seed if params.seed is None else params.seed,
-        fps=fps,
+        fps=fps, image=image, conditions=conditions, image_cond_noise_scale=params.image_cond_noise_scale,
         **ltx2,
     )
     try:
@@ -305,6 +387,8 @@ def build_request(params: VideoCreateParams, *, geometry: VideoGeometry, limits:
     except ValueError as exc:
         message = str(exc)
         param = _param_of(message)
+        if param is None and message.startswith("image"):
+            param = "input_reference"
         if params.size is not None and param in ("width", "height"):
             message, param = f"size={params.size!r}: {message}", "size"
         elif params.seconds is not None and param == "num_frames":

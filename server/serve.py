@@ -51,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="allow browser requests from ORIGIN (repeatable; default: no CORS)")
     group.add_argument("--max-queue", type=int, default=16, help="queued jobs before 429 (default 16)")
-    group.add_argument("--max-body-bytes", type=int, default=64 * 1024, help="largest request body (default 64 KiB)")
+    group.add_argument("--max-body-bytes", type=int, default=64 * 1024,
+                       help="largest request body without media (default 64 KiB)")
+    group.add_argument("--max-upload-bytes", type=int, default=32 * 2**20,
+                       help="largest uploaded image or clip, as a file or a data URL (default 32 MiB)")
     group.add_argument("--heartbeat-s", type=float, default=2.0, help="idle heartbeat period (default 2 s)")
     group.add_argument("--collective-timeout", type=float, default=120.0,
                        help="seconds before a silent rank fails the group (default 120)")
@@ -85,7 +88,7 @@ def _configs(args: argparse.Namespace):
     leader = LeaderConfig(runtime=runtime, data_dir=args.data_dir, heartbeat_s=args.heartbeat_s,
                           max_queue=args.max_queue, keep_frames=args.keep_frames, model_name=args.served_model_name)
     app = AppConfig(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
-                    cors_origins=tuple(args.cors_origin))
+                    max_upload_bytes=args.max_upload_bytes, cors_origins=tuple(args.cors_origin))
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} must be in [1, 65535]")
     if args.max_restarts < 0:

@@ -15,10 +15,13 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import re
 import secrets
 import time
+from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import parse_qsl
 
@@ -26,6 +29,8 @@ import anyio
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
 
+from cp_infer.request import Condition
+from server.conditions import UPLOAD_PREFIX, Resolved, job_frames, load_media, media_limits, resolve_media
 from server.jobs import TERMINAL, Job, QueueFull, valid_job_id
 from server.schemas import (
     ApiError,
@@ -73,21 +78,64 @@ async def _read_body(request: Request, cap: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _params(request: Request, body: bytes, engine) -> VideoCreateParams:
+@dataclass
+class _Body:
+    """A parsed body: its fields (``form``: all strings, nested by their ``a[0][b]`` keys) and uploaded files."""
+
+    data: dict
+    form: bool
+    uploads: dict[str, bytes] = field(default_factory=dict)
+
+
+# ``conditions[0][media]`` -> ("conditions", "0", "media"); ``video[id]`` -> ("video", "id")
+_KEY_RE = re.compile(r"^([A-Za-z_]+)((?:\[[A-Za-z0-9_]+\])*)$")
+
+
+def _nest(pairs: list[tuple[str, object]]) -> dict:
+    """Form fields with bracketed keys as nested objects and lists (``conditions[1][strength]``)."""
+    data: dict = {}
+    for key, value in pairs:
+        match = _KEY_RE.match(key)
+        if not match:
+            raise ApiError(400, "invalid_value", f"form field {key[:80]!r} is not a parameter name", key[:80])
+        path = [match.group(1), *re.findall(r"\[([A-Za-z0-9_]+)\]", match.group(2))]
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ApiError(400, "invalid_value", f"{key} conflicts with another field", key)
+        if path[-1] in node:
+            raise ApiError(400, "invalid_value", f"{key} is given more than once", key)
+        node[path[-1]] = value
+
+    def lists(node):
+        if not isinstance(node, dict):
+            return node
+        if node and all(k.isdigit() for k in node):
+            if sorted(int(k) for k in node) != list(range(len(node))):
+                raise ApiError(400, "invalid_value", "list items in a form must be numbered 0, 1, 2, ...")
+            return [lists(node[str(i)]) for i in range(len(node))]
+        return {k: lists(v) for k, v in node.items()}
+
+    return lists(data)
+
+
+async def _body(request: Request, body: bytes) -> _Body:
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    kw = dict(limits=engine.limits, geometry=engine.geometry)
     if ctype in ("application/json", "text/json") or ctype.endswith("+json"):
         try:
             data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise ApiError(400, "invalid_json", f"the body is not valid JSON: {exc}") from None
-        return params_from_json(data, **kw)
+        if not isinstance(data, dict):
+            raise ApiError(400, "invalid_json", f"the body must be a JSON object, got {type(data).__name__}")
+        return _Body(data, form=False)
     if ctype == "application/x-www-form-urlencoded":
         try:
             pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=bool(body))
         except (UnicodeDecodeError, ValueError) as exc:
             raise ApiError(400, "invalid_form", f"the form body is malformed: {exc}") from None
-        return _form_params(pairs, kw)
+        return _Body(_nest(pairs), form=True)
     if ctype == "multipart/form-data":
         if not multipart_available():
             raise ApiError(415, "unsupported_media_type", "multipart/form-data needs python-multipart on the "
@@ -96,25 +144,46 @@ async def _params(request: Request, body: bytes, engine) -> VideoCreateParams:
         async def replay():
             return {"type": "http.request", "body": body, "more_body": False}
 
-        form = await Request(request.scope, receive=replay).form()
-        pairs = []
+        # NOTE(uploads): no per-part size limit of Starlette's; the whole body is already capped.
+        form = await Request(request.scope, receive=replay).form(max_part_size=len(body) + 1)
+        pairs, uploads = [], {}
         for key, value in form.multi_items():
-            if not isinstance(value, str):
-                raise ApiError(400, "unsupported_parameter", f"{key}: file uploads (e.g. input_reference) are not "
-                               "supported by this server", key)
-            pairs.append((key, value))
-        return _form_params(pairs, kw)
+            if isinstance(value, str):
+                pairs.append((key, value))
+            else:  # an uploaded file: the parameters refer to it by its field name
+                uploads[key] = await value.read()
+                pairs.append((key, UPLOAD_PREFIX + key))
+        return _Body(_nest(pairs), form=True, uploads=uploads)
     raise ApiError(415, "unsupported_media_type", f"Content-Type {ctype!r} is not accepted; send application/json"
                    + (" or multipart/form-data" if multipart_available() else ""))
 
 
-def _form_params(pairs: list[tuple[str, str]], kw: dict) -> VideoCreateParams:
-    data: dict[str, str] = {}
-    for key, value in pairs:
-        if key in data:
-            raise ApiError(400, "invalid_value", f"{key} is given more than once", key)
-        data[key] = value
-    return params_from_form(data, **kw)
+def _media_bytes(node) -> int:
+    """Bytes of the data URLs in a parsed body."""
+    if isinstance(node, str):
+        return len(node) if node[:5].lower() == "data:" else 0
+    if isinstance(node, dict):
+        return sum(_media_bytes(v) for v in node.values())
+    if isinstance(node, list):
+        return sum(_media_bytes(v) for v in node)
+    return 0
+
+
+async def _read_media_body(request: Request, *, max_body_bytes: int, max_upload_bytes: int) -> _Body:
+    """A body that may carry media: the media (uploads, data URLs) may take up to twice ``max_upload_bytes``
+    (each item is checked against ``max_upload_bytes`` when decoded), everything else ``max_body_bytes``."""
+    raw = await _read_body(request, max_body_bytes + 2 * max_upload_bytes)
+    body = await _body(request, raw)
+    rest = len(raw) - sum(len(v) for v in body.uploads.values()) - _media_bytes(body.data)
+    if rest > max_body_bytes:
+        raise ApiError(413, "request_too_large", f"the body is over the limit of {max_body_bytes} bytes "
+                       "(besides its media)")
+    return body
+
+
+def _create_params(body: _Body, engine) -> VideoCreateParams:
+    kw = dict(limits=engine.limits, geometry=engine.geometry)
+    return params_from_form(body.data, **kw) if body.form else params_from_json(body.data, **kw)
 
 
 def _job_or_404(engine, video_id: str) -> Job:
@@ -182,9 +251,55 @@ class _MP4StreamResponse(StreamingResponse):
             return False
 
 
-def videos_router(engine, *, max_body_bytes: int) -> APIRouter:
+def _submit(engine, generation, *, streamed: bool):
+    try:
+        if streamed:
+            return engine.submit_streamed(generation, model=engine.served_model)
+        return engine.store.submit(generation, model=engine.served_model), None
+    except QueueFull as exc:
+        raise ApiError(429, "queue_full", f"{exc}; retry later", headers={
+            "Retry-After": str(engine.retry_after_s())}) from None
+
+
+def _require_ready(engine) -> None:
+    if engine.geometry is None:
+        raise ApiError(503, "not_ready", "the worker group is still starting; retry shortly",
+                       headers={"Retry-After": "5"})
+
+
+def _build(engine, params: VideoCreateParams, resolved: Resolved):
+    return build_request(params, geometry=engine.geometry, family=engine.family, layers=engine.layers,
+                         limits=engine.limits, served_model=engine.served_model, seed=secrets.randbelow(2**31),
+                         image=resolved.image, conditions=resolved.conditions)
+
+
+def _edit_defaults(body: _Body, frames, source: Job | None, engine) -> _Body:
+    """An edit keeps the source's length and size unless the client gives them: a job's own settings, or an
+    upload's frame count (down to ``t*k + 1``) and size (down to the model's size step)."""
+    defaults = {}
+    data = body.data
+    if "seconds" not in data and "num_frames" not in data:
+        t = engine.geometry.temporal_compression
+        count = min(len(frames), engine.limits.max_frames)
+        defaults["num_frames"] = source.request.num_frames if source else (count - 1) // t * t + 1
+    if "size" not in data and "width" not in data and "height" not in data:
+        step = engine.geometry.spatial_step
+        if source:
+            defaults["width"], defaults["height"] = source.request.width, source.request.height
+        else:
+            defaults["width"] = max(step, frames.shape[2] // step * step)
+            defaults["height"] = max(step, frames.shape[1] // step * step)
+    if source and "fps" not in data:
+        defaults["fps"] = source.request.fps
+    if body.form:  # form fields are strings, converted with the rest
+        defaults = {k: str(v) for k, v in defaults.items()}
+    return dataclasses.replace(body, data={**data, **defaults})
+
+
+def videos_router(engine, *, max_body_bytes: int, max_upload_bytes: int = 32 * 2**20) -> APIRouter:
     router = APIRouter(prefix="/v1/videos", tags=["videos"])
     store = engine.store
+    body_caps = dict(max_body_bytes=max_body_bytes, max_upload_bytes=max_upload_bytes)
 
     errors = {code: {"model": ErrorResponse} for code in (400, 401, 413, 415, 429, 503)}
     body_schema = {"requestBody": {"required": True, "content": {
@@ -198,29 +313,91 @@ def videos_router(engine, *, max_body_bytes: int) -> APIRouter:
     async def create_video(request: Request, stream: bool | None = Query(
             None, description="respond with the MP4 itself, sent while it is made (or give stream in the body)")):
         """Queue a text-to-video job (JSON, urlencoded, or multipart when python-multipart is installed)."""
-        body = await _read_body(request, max_body_bytes)
-        params = await _params(request, body, engine)
+        body = await _read_media_body(request, **body_caps)
+        params = _create_params(body, engine)
         if stream is not None and params.stream is not None and stream != params.stream:
             raise ApiError(400, "conflicting_parameters", f"stream={str(stream).lower()} in the query but "
                            f"stream={str(params.stream).lower()} in the body; give it once", "stream")
         streamed = bool(stream or params.stream)
-        if engine.geometry is None:
-            raise ApiError(503, "not_ready", "the worker group is still starting; retry shortly",
-                           headers={"Retry-After": "5"})
-        generation = build_request(params, geometry=engine.geometry, family=engine.family, layers=engine.layers,
-                                   limits=engine.limits,
-                                   served_model=engine.served_model, seed=secrets.randbelow(2**31))
-        try:
-            if streamed:
-                job, handle = engine.submit_streamed(generation, model=engine.served_model)
-            else:
-                job = store.submit(generation, model=engine.served_model)
-        except QueueFull as exc:
-            raise ApiError(429, "queue_full", f"{exc}; retry later", headers={
-                "Retry-After": str(engine.retry_after_s())}) from None
+        _require_ready(engine)
+        resolved = await anyio.to_thread.run_sync(lambda: resolve_media(
+            params, uploads=body.uploads, store=store, limits=media_limits(max_upload_bytes, engine.limits)))
+        job, handle = _submit(engine, _build(engine, params, resolved), streamed=streamed)
         if streamed:
             return _MP4StreamResponse(handle, engine=engine, headers={
                 "X-Video-Id": job.id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return job.public()
+
+    @router.post("/edits", response_model=VideoJob, responses=errors)
+    async def edit_video(request: Request) -> dict:
+        """A new job that redoes a video with a new prompt: ``video`` (an upload, a data URL, or ``{"id": ...}`` of
+        a completed job) conditions every frame from frame 0 at ``strength`` (default 0.6: how much of the source
+        is kept; 1 returns it unchanged), as LTXConditionPipeline(video=..., strength=...). Other fields as for
+        ``POST /v1/videos``; length and size default to the source's."""
+        _require_ready(engine)
+        body = await _read_media_body(request, **body_caps)
+        data = dict(body.data)
+        if "video" not in data:
+            raise ApiError(400, "missing_required_parameter", "video is required: an uploaded file, a data URL or "
+                           "{\"id\": video id}", "video")
+        ref, strength = data.pop("video"), data.pop("strength", 0.6)
+        limits = media_limits(max_upload_bytes, engine.limits)
+        source = None
+        if isinstance(ref, dict) and set(ref) == {"id"} and isinstance(ref["id"], str):
+            source = _job_or_404(engine, ref["id"]) if valid_job_id(ref["id"]) else None
+            if source is None:
+                raise ApiError(404, "video_not_found", f"video: no video with id {ref['id']!r}", "video")
+            frames = await anyio.to_thread.run_sync(
+                lambda: job_frames(store, ref["id"], field="video", limits=limits))
+        elif isinstance(ref, str):
+            frames = await anyio.to_thread.run_sync(lambda: load_media(
+                ref, field="video", uploads=body.uploads, store=store, limits=limits))
+        else:
+            raise ApiError(400, "invalid_value", "video must be an uploaded file, a data URL or {\"id\": video id}",
+                           "video")
+        if body.form:
+            try:
+                strength = float(strength)
+            except ValueError:
+                raise ApiError(400, "invalid_value", f"strength={strength!r} is not a number in [0, 1]",
+                               "strength") from None
+        params = _create_params(_edit_defaults(dataclasses.replace(body, data=data), frames, source, engine), engine)
+        if params.input_reference is not None or params.conditions:
+            raise ApiError(400, "conflicting_parameters", "an edit is conditioned on its video alone; remove "
+                           "input_reference and conditions", "video")
+        try:
+            generation = _build(engine, params, Resolved(conditions=(Condition(frames, strength=strength),)))
+        except ApiError as exc:
+            if exc.param and exc.param.startswith("conditions[0]"):
+                exc.param = "video" if ".media" in exc.param else "strength"
+                exc.message = exc.message.replace("conditions[0].media", "video").replace(
+                    "conditions[0].strength", "strength")
+            raise
+        job, _ = _submit(engine, generation, streamed=False)
+        return job.public()
+
+    @router.post("/{video_id}/remix", response_model=VideoJob, responses=errors)
+    async def remix_video(video_id: str, request: Request) -> dict:
+        """A new job with the settings and media of ``video_id`` and a new ``prompt``."""
+        source = _job_or_404(engine, video_id)
+        body = await _body(request, await _read_body(request, max_body_bytes))
+        if set(body.data) - {"prompt"}:
+            extra = sorted(set(body.data) - {"prompt"})[0]
+            raise ApiError(400, "unknown_parameter", f"unknown parameter {extra!r}; a remix takes prompt only",
+                           extra)
+        prompt = body.data.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ApiError(400, "missing_required_parameter", "prompt is required: the new prompt", "prompt")
+        _require_ready(engine)
+        generation = dataclasses.replace(source.request, prompt=prompt)
+        try:
+            from cp_infer.request import check_request
+
+            check_request(generation, geometry=engine.geometry, limits=engine.limits, family=engine.family,
+                          layers=engine.layers)
+        except ValueError as exc:
+            raise ApiError(400, "invalid_value", str(exc), "prompt") from None
+        job, _ = _submit(engine, generation, streamed=False)
         return job.public()
 
     @router.get("", response_model=VideoList)
