@@ -17,8 +17,10 @@ Invariants:
   1024 priming samples are hidden by the MP4 edit list, so the audio lines up with the video sample for sample
   and lasts as long as the waveform (:func:`read_audio` gives back exactly its length; the stream's duration
   is rounded to the movie's millisecond clock). Audio and video are muxed interleaved.
-- A frames folder holds ``frame_00000.png`` ... (bit-exact), ``audio.wav`` (16-bit PCM) when there is audio, and
-  ``video.json``, written last: a folder with ``video.json`` is complete.
+- A frames folder holds ``frame_00000.png`` ... (bit-exact), ``audio.wav`` (16-bit PCM) when there is audio,
+  ``NAME.npy`` for each latents array given (``latents.npy``; ``audio_latents.npy`` for LTX-2), and ``video.json``,
+  written last: a folder with ``video.json`` is complete. ``video.json`` lists the arrays it has, so a rewrite
+  removes those of the old video (and no other ``.npy`` of the user's).
 - :func:`write_output` never leaves a half-written output under the final name: it writes a hidden temporary
   sibling and renames it into place, so "the output exists" means "the output is complete" (into an existing
   folder it writes in place, and ``video.json``, written last, is the mark of completeness).
@@ -29,9 +31,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import uuid
 import wave
+from collections.abc import Mapping
 from fractions import Fraction
 from pathlib import Path
 
@@ -268,16 +272,42 @@ def read_audio(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     return (waveform[:, :round(end * time_base * rate)] if end > 0 else waveform), rate
 
 
+_ARRAY_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+def _check_latents(latents: Mapping[str, np.ndarray] | None) -> None:
+    for name, array in (latents or {}).items():
+        if not isinstance(name, str) or not _ARRAY_NAME.fullmatch(name):
+            raise ValueError(f"latents name {name!r} must be 1-64 of a-z 0-9 _ (starting with a letter): it names "
+                             "the file NAME.npy")
+        if not isinstance(array, np.ndarray):
+            raise ValueError(f"latents[{name!r}] must be a numpy array, got {type(array).__name__}")
+
+
+def _old_arrays(root: Path) -> list[Path]:
+    """The ``.npy`` files an earlier ``video.json`` in ``root`` lists (none if it has no readable one)."""
+    try:
+        info = json.loads((root / VIDEO_JSON).read_text())
+        names = list(info.get("latents", {}))
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [root / f"{name}.npy" for name in names if isinstance(name, str) and _ARRAY_NAME.fullmatch(name)]
+
+
 def write_frames_dir(frames: np.ndarray, directory: str | os.PathLike, fps: float, *,
-                     audio: np.ndarray | None = None, sample_rate: int | None = None) -> None:
-    """Write ``frame_00000.png`` ..., ``audio.wav`` if ``audio`` is given, and ``video.json`` into ``directory``
-    (created; old frames and audio replaced)."""
+                     audio: np.ndarray | None = None, sample_rate: int | None = None,
+                     latents: Mapping[str, np.ndarray] | None = None) -> None:
+    """Write ``frame_00000.png`` ..., ``audio.wav`` if ``audio`` is given, ``NAME.npy`` for each array of ``latents``
+    and ``video.json`` into ``directory`` (created; old frames, audio and arrays replaced)."""
     num_frames, height, width = _check_frames(frames)
     rate = check_fps(fps)
     waveform = check_audio(audio, sample_rate, aac=False)
+    _check_latents(latents)
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    # The folder may hold an older, longer video (or one with audio); none of it may survive next to ours.
+    # The folder may hold an older, longer video (or one with audio or latents); none of it may survive next to ours.
+    for old in _old_arrays(root):
+        old.unlink(missing_ok=True)
     (root / VIDEO_JSON).unlink(missing_ok=True)
     (root / AUDIO_WAV).unlink(missing_ok=True)
     for old in root.glob(_FRAME_GLOB):
@@ -291,6 +321,11 @@ def write_frames_dir(frames: np.ndarray, directory: str | os.PathLike, fps: floa
         _write_wav(root / AUDIO_WAV, waveform, int(sample_rate))
         info["audio"] = {"file": AUDIO_WAV, "sample_rate": int(sample_rate), "channels": waveform.shape[0],
                          "num_samples": waveform.shape[1]}
+    if latents:
+        info["latents"] = {}
+        for name, array in latents.items():
+            np.save(root / f"{name}.npy", array, allow_pickle=False)
+            info["latents"][name] = {"file": f"{name}.npy", "shape": list(array.shape), "dtype": str(array.dtype)}
     (root / VIDEO_JSON).write_text(json.dumps(info, indent=2) + "\n")
 
 
@@ -325,10 +360,11 @@ def is_frames_dir_target(out: str | os.PathLike) -> bool:
 
 
 def write_output(frames: np.ndarray, out: str | os.PathLike, fps: float, *, audio: np.ndarray | None = None,
-                 sample_rate: int | None = None) -> Path:
+                 sample_rate: int | None = None, latents: Mapping[str, np.ndarray] | None = None) -> Path:
     """Write ``frames`` to ``out``: a frames folder if :func:`is_frames_dir_target`, else an MP4.
 
-    ``audio`` at ``sample_rate`` Hz goes into the MP4 as AAC, or into the folder as ``audio.wav``.
+    ``audio`` at ``sample_rate`` Hz goes into the MP4 as AAC, or into the folder as ``audio.wav``; ``latents``
+    (name -> array) into the folder as ``NAME.npy`` (an MP4 has no place for them: ``ValueError``).
     Parent folders are created. The output appears under its final name only once complete.
     Returns the final path.
     """
@@ -336,18 +372,23 @@ def write_output(frames: np.ndarray, out: str | os.PathLike, fps: float, *, audi
     check_fps(fps)
     as_dir = is_frames_dir_target(out)
     check_audio(audio, sample_rate, aac=not as_dir)  # before anything is created
+    _check_latents(latents)
+    if latents and not as_dir:
+        raise ValueError(f"latents are saved into a frames folder only; {os.fspath(out)!r} is an MP4: end the path "
+                         "in '/' for a folder, or leave the latents out")
     sound = {"audio": audio, "sample_rate": sample_rate}
+    folder = {**sound, "latents": latents}
     final = Path(os.fspath(out).rstrip("/" + os.sep) or os.sep).expanduser()
     final.parent.mkdir(parents=True, exist_ok=True)
     if as_dir and final.is_dir():
         # An existing folder may hold other files of the user's: write into it (video.json last marks the
         # frames complete) rather than replace it.
-        write_frames_dir(frames, final, fps, **sound)
+        write_frames_dir(frames, final, fps, **folder)
         return final
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         if as_dir:
-            write_frames_dir(frames, tmp, fps, **sound)
+            write_frames_dir(frames, tmp, fps, **folder)
         else:
             write_mp4(frames, tmp, fps, **sound)
         os.replace(tmp, final)

@@ -1,8 +1,12 @@
 """``cp-infer batch``: generate every prompt of a JSONL file with the model loaded once.
 
 Invariants:
-- Only rank 0 (the leader) reads the prompts file. Every line is checked (JSON, keys, name, the request against the
-  model's limits, family and geometry) before the group forms; a bad line is reported ``invalid`` and the rest run.
+- Only rank 0 (the leader) reads the prompts file. Every line is checked (JSON, keys, name, its media files, the
+  request against the model's limits, family and geometry) before the group forms; a bad line is reported
+  ``invalid`` and the rest run.
+- A line's media (``image``, ``video``, ``conditions``; relative paths from the prompts file's folder) is decoded
+  for that check and again just before the line runs, so that no more than one line's media is held at a time. A
+  file that can no longer be read, or now decodes to another frame count, fails that line only.
 - Outputs appear under their final name only once complete (``write_output`` renames them into place), so an
   existing output means a finished one: a rerun skips it, and resumes where the last run stopped. Outside torchrun
   nothing is started when nothing is left to do.
@@ -19,7 +23,7 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +32,16 @@ from server.cli_common import (
     LTX2_FIELDS,
     REQUEST_FLAGS,
     Leader,
+    MediaRef,
     UsageError,
     WriteError,
     add_request_arguments,
     add_runtime_arguments,
+    attach_media,
     check_device,
+    media_error,
     model_info,
+    parse_condition,
     quiet_libraries,
     result_writer,
     run_group,
@@ -50,7 +58,10 @@ _BATCH_KEYS = {"prompt": "prompt", "negative_prompt": "negative_prompt", "frames
                "num_frames": "num_frames", "height": "height", "width": "width", "steps": "num_inference_steps",
                "num_inference_steps": "num_inference_steps", "guidance": "guidance_scale",
                "guidance_scale": "guidance_scale", "seed": "seed", "fps": "fps",
-               **{f: f for f in LTX2_FIELDS}}
+               "image_cond_noise_scale": "image_cond_noise_scale", **{f: f for f in LTX2_FIELDS}}
+# Conditioning media keys (LTX-Video models), and the keys of one ``conditions`` object.
+_MEDIA_KEYS = ("image", "video", "conditions")
+_CONDITION_KEYS = ("media", "frame_index", "strength")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -61,15 +72,30 @@ def add_batch_parser(commands) -> argparse.ArgumentParser:
         description="One JSON object per line: 'prompt' (required), optional 'name' (the output's stem, default "
                     "the line number) and any generation option by name (negative_prompt, frames|num_frames, "
                     "height, width, steps|num_inference_steps, guidance|guidance_scale, seed, fps; for LTX-2 "
-                    f"models also {', '.join(LTX2_FIELDS)}). The model is loaded once; outputs that already "
-                    "exist are skipped, so a rerun resumes.")
+                    f"models also {', '.join(LTX2_FIELDS)}). LTX-Video models also take media, paths relative to "
+                    "the prompts file's folder: 'image' (image-to-video), 'video' (a clip at frame 0), or "
+                    "'conditions': a list of {\"media\": PATH, \"frame_index\": 0, \"strength\": 1.0} or "
+                    "\"PATH@FRAME[:STRENGTH]\" items, and image_cond_noise_scale. The model is loaded once; outputs "
+                    "that already exist are skipped, so a rerun resumes.")
     batch.add_argument("prompts", type=Path, metavar="PROMPTS.jsonl", help="one JSON object per line")
     batch.add_argument("--out-dir", type=Path, required=True, metavar="DIR", help="where outputs go (created)")
     batch.add_argument("--ext", choices=("mp4", "frames"), default="mp4",
-                       help="NAME.mp4, or a NAME/ folder of PNG frames (and audio.wav for LTX-2) (default mp4)")
+                       help="NAME.mp4, or a NAME/ folder of PNG frames, the final latents (latents.npy) and, for "
+                            "LTX-2, audio.wav and audio_latents.npy (default mp4)")
     add_request_arguments(batch, batch=True)
     add_runtime_arguments(batch)
     return batch
+
+
+@dataclass(frozen=True)
+class _LineMedia:
+    """A line's conditioning files, read when the line is checked and again when it runs."""
+
+    image: MediaRef | None = None
+    conditions: tuple[MediaRef, ...] = ()
+    """``video`` first, then the line's ``conditions``: the request's ``conditions`` in order."""
+    frame_counts: tuple[int, ...] = ()
+    """Frames of each file (``image`` first) when the line was checked: the check holds while they are the same."""
 
 
 @dataclass
@@ -79,6 +105,8 @@ class _Item:
     status: str
     """``todo`` until run, then ``ok`` or ``failed``; or ``skipped`` / ``invalid`` from the start."""
     request: GenerationRequest | None = None
+    """Checked with its media; held without them (``media`` says which files to read)."""
+    media: _LineMedia | None = None
     message: str = ""
     seconds: float | None = None
 
@@ -100,8 +128,66 @@ def _output_done(path: Path, ext: str) -> bool:
     return path.is_file() if ext == "mp4" else (path / VIDEO_JSON).is_file()
 
 
-def _parse_line(text: str, line: int, defaults: dict[str, Any]) -> tuple[str, GenerationRequest]:
-    """One JSONL line -> (output name, request); ``_LineError`` (carrying ``name`` once known) if it is bad."""
+def _media_path(value: object, label: str, base: Path, name: str) -> Path:
+    if not isinstance(value, str) or not value:
+        raise _LineError(f"{label} must be a file path (a non-empty string), got {value!r}", name)
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def _parse_media(obj: dict[str, Any], base: Path, name: str) -> _LineMedia | None:
+    """A line's ``image``, ``video`` and ``conditions`` -> the files to read (not read yet)."""
+    image, video, conditions = (obj.get(key) for key in _MEDIA_KEYS)
+    if image is None and video is None and conditions is None:
+        return None
+    if image is not None and (video is not None or conditions is not None):
+        raise _LineError("'image' and 'video'/'conditions' were both given: 'image' is image-to-video on its own; "
+                         "to combine media give the image as a condition, e.g. \"conditions\": [\"photo.png@0\"]",
+                         name)
+    if image is not None:
+        return _LineMedia(image=MediaRef(f"image ({image})", _media_path(image, "image", base, name), kind="image"))
+    refs = [] if video is None else [MediaRef(f"video ({video})", _media_path(video, "video", base, name),
+                                              kind="video")]
+    if conditions is not None and not isinstance(conditions, list):
+        raise _LineError(f"conditions must be a list of {{\"media\": PATH, \"frame_index\": F, \"strength\": S}} "
+                         f"or \"PATH@FRAME[:STRENGTH]\" items, got {type(conditions).__name__}", name)
+    for j, item in enumerate(conditions or []):
+        key = f"conditions[{j}]"
+        if isinstance(item, str):
+            try:
+                path, frame_index, strength = parse_condition(item)
+            except ValueError as exc:
+                raise _LineError(f"{key}: {exc}", name) from exc
+            refs.append(MediaRef(f"{key} ({item})", _media_path(path, key, base, name), frame_index=frame_index,
+                                 strength=strength))
+        elif isinstance(item, dict):
+            unknown = sorted(set(item) - set(_CONDITION_KEYS))
+            if unknown or "media" not in item:
+                problem = f"unknown key(s) {', '.join(map(repr, unknown))}" if unknown else "no 'media'"
+                raise _LineError(f"{key} has {problem}; known: {', '.join(_CONDITION_KEYS)} ('media' required)",
+                                 name)
+            refs.append(MediaRef(f"{key} ({item['media']})", _media_path(item["media"], f"{key}.media", base, name),
+                                 frame_index=item.get("frame_index", 0), strength=item.get("strength", 1.0)))
+        else:
+            raise _LineError(f"{key} must be an object or a \"PATH@FRAME[:STRENGTH]\" string, got "
+                             f"{type(item).__name__}", name)
+    return _LineMedia(conditions=tuple(refs))
+
+
+def _frame_counts(request: GenerationRequest) -> tuple[int, ...]:
+    media = ([] if request.image is None else [request.image]) + list(request.conditions)
+    return tuple(c.frames.shape[0] for c in media)
+
+
+def _with_media(request: GenerationRequest, media: _LineMedia) -> GenerationRequest:
+    """The request with its files read and decoded; ``UsageError`` naming the key and file."""
+    return attach_media(request, image=media.image, conditions=media.conditions)
+
+
+def _parse_line(text: str, line: int, defaults: dict[str, Any],
+                base: Path) -> tuple[str, GenerationRequest, _LineMedia | None]:
+    """One JSONL line -> (output name, request without media, the media files it names, relative to ``base``);
+    ``_LineError`` (carrying ``name`` once known) if it is bad."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -111,16 +197,17 @@ def _parse_line(text: str, line: int, defaults: dict[str, Any]) -> tuple[str, Ge
     name = obj.get("name", f"{line:05d}")
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise _LineError(f"name={name!r} must be 1-128 of A-Z a-z 0-9 . _ - (not starting with . _ -)")
-    unknown = sorted(set(obj) - set(_BATCH_KEYS) - {"name"})
+    unknown = sorted(set(obj) - set(_BATCH_KEYS) - {"name", *_MEDIA_KEYS})
     if unknown:
-        raise _LineError(f"unknown key(s) {', '.join(map(repr, unknown))}; known: name, {', '.join(_BATCH_KEYS)}",
-                         name)
+        raise _LineError(f"unknown key(s) {', '.join(map(repr, unknown))}; known: name, {', '.join(_BATCH_KEYS)}, "
+                         f"{', '.join(_MEDIA_KEYS)}", name)
     if "prompt" not in obj:
         raise _LineError("missing 'prompt'", name)
     values = dict(defaults)
     seen: dict[str, str] = {}
+    media = _parse_media(obj, base, name)
     for key, value in obj.items():
-        if key == "name":
+        if key == "name" or key in _MEDIA_KEYS:
             continue
         field = _BATCH_KEYS[key]
         if field in seen:
@@ -129,7 +216,7 @@ def _parse_line(text: str, line: int, defaults: dict[str, Any]) -> tuple[str, Ge
         values[field] = value
     if isinstance(values.get("stg_blocks"), list):
         values["stg_blocks"] = tuple(values["stg_blocks"])  # the request's own type (JSON has only lists)
-    return name, GenerationRequest(**values)
+    return name, GenerationRequest(**values), media
 
 
 def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
@@ -142,27 +229,53 @@ def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
     defaults = {f: getattr(args, f) for f in REQUEST_FLAGS if f != "prompt" and getattr(args, f) is not None}
     items: list[_Item] = []
     names: dict[str, int] = {}
+    base = args.prompts.parent
+
+    def check(request: GenerationRequest, media: _LineMedia | None, name: str) -> None:
+        try:
+            check_request(request, geometry=info.geometry, limits=limits, family=info.family, layers=info.layers)
+        except (ValueError, TypeError) as exc:
+            if media is None or isinstance(exc, TypeError):
+                raise _LineError(str(exc), name) from exc
+            raise _LineError(str(media_error(exc, image=media.image, conditions=media.conditions)), name) from exc
+
     for line, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
         try:
-            name, request = _parse_line(raw, line, defaults)
+            name, request, media = _parse_line(raw, line, defaults, base)
             if name in names:
                 raise _LineError(f"name {name!r} is already used on line {names[name]}", name)
             names[name] = line
-            try:
-                check_request(request, geometry=info.geometry, limits=limits, family=info.family,
-                              layers=info.layers)
-            except (ValueError, TypeError) as exc:
-                raise _LineError(str(exc), name) from exc
+            check(request, media, name)  # the frames count is good before a clip is decoded up to it
+            done = _output_done(_batch_output(args.out_dir, name, args.ext), args.ext)
+            if media is not None and not done:
+                try:
+                    conditioned = _with_media(request, media)
+                except UsageError as exc:
+                    raise _LineError(str(exc), name) from exc
+                check(conditioned, media, name)
+                media = replace(media, frame_counts=_frame_counts(conditioned))
         except _LineError as exc:
             items.append(_Item(line, exc.name, "invalid", message=str(exc)))
             continue
-        if _output_done(_batch_output(args.out_dir, name, args.ext), args.ext):
+        if done:
             items.append(_Item(line, name, "skipped", message="output exists"))
         else:
-            items.append(_Item(line, name, "todo", request=request))
+            items.append(_Item(line, name, "todo", request=request, media=media))
     return items
+
+
+def _request_to_run(item: _Item) -> GenerationRequest:
+    """``item``'s request with its media read again (``UsageError`` if a file went bad since it was checked)."""
+    if item.media is None:
+        return item.request
+    request = _with_media(item.request, item.media)
+    counts = _frame_counts(request)
+    if counts != item.media.frame_counts:
+        raise UsageError(f"its media changed since the batch was checked (frames {list(item.media.frame_counts)}, "
+                         f"now {list(counts)}); run the batch again")
+    return request
 
 
 def _summary(items: list[_Item]) -> int:
@@ -190,16 +303,18 @@ def _lead_batch(leader: Leader, items: list[_Item], args: argparse.Namespace) ->
                 continue
             started = time.perf_counter()
             path = _batch_output(args.out_dir, item.name, args.ext)
-            # NOTE(group): JobFailed ends the job on every rank at the same step, and a write error happens
-            # after the group is done with the job: either way the workers are back waiting for a command.
-            # Any other exception from the group leaves it in an unknown state and aborts the batch.
+            # NOTE(group): JobFailed ends the job on every rank at the same step, a write error happens after
+            # the group is done with the job, and media that went bad (UsageError) before it is sent: either
+            # way the workers are back waiting for a command. Any other exception from the group leaves it in
+            # an unknown state and aborts the batch.
             try:
-                result = leader.generate(item.request, item.name)
+                request = _request_to_run(item)
+                result = leader.generate(request, item.name)
                 write_output(result, f"{path}/" if args.ext == "frames" else path, item.request.fps)
                 item.status, item.message = "ok", str(path)
-            except (JobFailed, WriteError) as exc:
+            except (JobFailed, WriteError, UsageError) as exc:
                 item.status = "failed"
-                item.message = str(exc) if isinstance(exc, WriteError) else f"generation failed: {exc}"
+                item.message = f"generation failed: {exc}" if isinstance(exc, JobFailed) else str(exc)
                 log.warning("line %d (%s): failed: %s", item.line, item.name, item.message)
             item.seconds = time.perf_counter() - started
     except BaseException:

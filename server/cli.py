@@ -10,6 +10,10 @@ Invariants:
   ``generate`` and ``batch`` share is in ``server.cli_common``; ``batch`` itself in ``server.batch``.)
 - An audio-video model's soundtrack goes into the output with its frames: AAC in an MP4, ``audio.wav`` in a frames
   folder; on stdout it is muxed into the fragments as the frames arrive (the sampler hands it over first).
+- ``generate --image/--video/--condition`` files are read and decoded (a clip: at most ``--frames`` frames) and the
+  request with them checked before any group forms: a bad file exits 2 naming the flag and the file. A frames
+  folder (``--out DIR/``) also gets the final latents, ``latents.npy`` (and ``audio_latents.npy`` for LTX-2): the
+  arrays the reference pipeline returns for ``output_type="latent"``.
 - ``generate --out -`` writes a fragmented MP4 to stdout as the decode delivers each piece (rank 0 alone).
   Every process of the command (the parent, torchrun's ranks) first points its fd 1 at stderr and keeps the real
   stdout for the video, so no print, log or library chatter can land inside the MP4 bytes.
@@ -35,12 +39,15 @@ from server.cli_common import (
     REQUEST_FLAGS,
     USAGE_ERROR,
     Leader,
+    MediaRef,
     UsageError,
     WriteError,
+    add_media_arguments,
     add_request_arguments,
     add_runtime_arguments,
+    attach_media,
     check_device,
-    field_error,
+    media_error,
     model_info,
     quiet_libraries,
     result_writer,
@@ -62,10 +69,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                                "(LTX-2 models: with their soundtrack, AAC in the MP4, audio.wav in "
                                                "the folder).")
     add_request_arguments(generate, batch=False)
+    add_media_arguments(generate)
     add_runtime_arguments(generate)
     generate.add_argument("--out", required=True, metavar="FILE.mp4|DIR/|-",
-                          help="an .mp4 file, a folder (existing, or ending in '/') of lossless PNG frames, or '-': "
-                               "a fragmented MP4 on stdout, written while the video is decoded")
+                          help="an .mp4 file, a folder (existing, or ending in '/') of lossless PNG frames and the "
+                               "final latents (latents.npy), or '-': a fragmented MP4 on stdout, written while the "
+                               "video is decoded")
     add_batch_parser(commands)
 
     # NOTE(serve): server.serve (FastAPI, uvicorn) is imported only when asked for, so generate and batch
@@ -171,19 +180,45 @@ class _StdoutVideo:
         return self.writer.frames_written
 
 
+def _media_refs(args: argparse.Namespace) -> tuple[MediaRef | None, tuple[MediaRef, ...]]:
+    """``--image``, and ``--video`` then each ``--condition`` (the request's ``conditions`` in that order)."""
+    if args.image is not None and (args.video is not None or args.condition):
+        given = "--video" if args.video is not None else "--condition"
+        raise UsageError(f"--image and {given} were both given: --image is image-to-video on its own; to combine "
+                         f"media give the image as --condition {args.image}@0")
+    image = None if args.image is None else MediaRef(f"--image {args.image}", Path(args.image).expanduser(),
+                                                     kind="image")
+    conditions = [] if args.video is None else [MediaRef(f"--video {args.video}", Path(args.video).expanduser(),
+                                                         kind="video")]
+    for text, path, frame_index, strength in args.condition:
+        conditions.append(MediaRef(f"--condition {text}", Path(path).expanduser(), frame_index=frame_index,
+                                   strength=strength))
+    return image, tuple(conditions)
+
+
 def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     video_out = _claim_stdout() if args.out == "-" else None
     request = GenerationRequest(**{f: getattr(args, f) for f in REQUEST_FLAGS})
     config = runtime_config_from_args(args)
     nproc = group_size(args.nproc)
     _check_out(args.out)
+    image, conditions = _media_refs(args)
     quiet_libraries()
     check_device(config)
     info = model_info(config)
-    try:
-        check_request(request, geometry=info.geometry, limits=config.limits, family=info.family, layers=info.layers)
-    except ValueError as exc:
-        raise field_error(exc) from exc
+
+    def check(request: GenerationRequest) -> None:
+        try:
+            check_request(request, geometry=info.geometry, limits=config.limits, family=info.family,
+                          layers=info.layers)
+        except ValueError as exc:
+            raise media_error(exc, image=image, conditions=conditions,
+                              conditions_label="--video/--condition") from exc
+
+    check(request)  # the frames count is good before a clip is decoded up to it
+    if image is not None or conditions:
+        request = attach_media(request, image=image, conditions=conditions)
+        check(request)
     if nproc > 1 and not in_torchrun():
         return relaunch_under_torchrun(nproc, argv, stdout=video_out)
     if video_out is not None and int(os.environ.get("RANK", "0")) != 0:

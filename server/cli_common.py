@@ -8,23 +8,28 @@ Invariants:
   bad request is refused, with exit code 2, before any rank loads anything.
 - Every job the leader runs is broadcast to every rank before it runs, and every path that leaves the group in step
   ends with ``stop`` (:meth:`Leader.stop`); ``run_group`` tears the group down on every rank.
-- Writing an output never raises anything but :class:`WriteError` (the job itself succeeded).
+- Conditioning media (``--image``, ``--video``, ``--condition``, a prompts file's ``image`` / ``video`` /
+  ``conditions``) is read and decoded here, on the front end, with :func:`server.media.decode_media` (at most the
+  request's frames), before any group forms; an error names the flag or key and the file (:func:`media_error`).
+- Writing an output never raises anything but :class:`WriteError` (the job itself succeeded). A frames folder
+  also gets the final latents (``latents.npy``, and ``audio_latents.npy`` for LTX-2).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK
-from cp_infer.request import FAMILY_OPTIONS, GenerationRequest
+from cp_infer.request import FAMILY_OPTIONS, Condition, GenerationRequest
 from server.launch import leader_exit_code
 
 __all__ = [
@@ -34,13 +39,18 @@ __all__ = [
     "USAGE_ERROR",
     "Generated",
     "Leader",
+    "MediaRef",
     "UsageError",
     "WriteError",
+    "add_media_arguments",
     "add_request_arguments",
     "add_runtime_arguments",
+    "attach_media",
     "check_device",
     "field_error",
+    "media_error",
     "model_info",
+    "parse_condition",
     "quiet_libraries",
     "result_writer",
     "run_group",
@@ -60,7 +70,9 @@ REQUEST_FLAGS = {"prompt": "--prompt", "negative_prompt": "--negative-prompt", "
                  "audio_guidance_scale": "--audio-guidance", "stg_scale": "--stg", "audio_stg_scale": "--audio-stg",
                  "modality_scale": "--modality", "audio_modality_scale": "--audio-modality",
                  "guidance_rescale": "--guidance-rescale", "audio_guidance_rescale": "--audio-guidance-rescale",
-                 "stg_blocks": "--stg-blocks"}
+                 "stg_blocks": "--stg-blocks",
+                 # LTX-Video conditions only
+                 "image_cond_noise_scale": "--image-cond-noise-scale"}
 LTX2_FIELDS = tuple(f for f in REQUEST_FLAGS if f in FAMILY_OPTIONS["ltx2"])
 assert set(LTX2_FIELDS) == FAMILY_OPTIONS["ltx2"], "every LTX-2 request option needs a CLI flag"
 
@@ -130,6 +142,9 @@ def add_request_arguments(parser: argparse.ArgumentParser, *, batch: bool) -> No
     add("--guidance", "guidance_scale", float, "classifier-free guidance scale; <= 1 turns it off")
     add("--seed", "seed", int, "noise seed")
     add("--fps", "fps", int, "frames per second (conditions the model and sets the output rate)")
+    group.add_argument("--image-cond-noise-scale", dest="image_cond_noise_scale", type=float, default=None,
+                       metavar="X", help="noise added at every step to fully conditioned tokens, 0..1 (conditions "
+                                         "on LTX-Video models only; default LTXConditionPipeline's 0.15)")
     ltx2 = parser.add_argument_group("LTX-2 guidance (audio-video models only; default: LTX2Pipeline's)")
     for flag, field, help_text in (
         ("--audio-guidance", "audio_guidance_scale", "CFG scale of the soundtrack (7)"),
@@ -143,6 +158,42 @@ def add_request_arguments(parser: argparse.ArgumentParser, *, batch: bool) -> No
         ltx2.add_argument(flag, dest=field, type=float, default=None, metavar="X", help=help_text)
     ltx2.add_argument("--stg-blocks", dest="stg_blocks", type=_block_list, default=None, metavar="I,J",
                       help="transformer blocks that spatio-temporal guidance perturbs (28)")
+
+
+def add_media_arguments(parser: argparse.ArgumentParser) -> None:
+    """``generate``'s conditioning media (LTX-Video models): an image to start from, a clip, or media at frames."""
+    group = parser.add_argument_group(
+        "conditioning media (LTX-Video models; PNG, JPEG, WebP, GIF, BMP images, MP4, MOV, WebM, MKV, AVI clips)")
+    group.add_argument("--image", metavar="PATH", default=None,
+                       help="image-to-video: the video starts from this image (LTXImageToVideoPipeline)")
+    group.add_argument("--video", metavar="PATH", default=None,
+                       help="video-to-video: a clip at frame 0, strength 1 (LTXConditionPipeline's video=); "
+                            "at most --frames frames")
+    group.add_argument("--condition", dest="condition", action="append", default=[], type=_condition_arg,
+                       metavar="PATH@FRAME[:STRENGTH]",
+                       help="an image or clip applied from output frame FRAME on (negative: from the end, -1 is the "
+                            "last frame) with STRENGTH 0..1 (default 1: kept as it is); repeatable "
+                            "(LTXConditionPipeline's conditions)")
+
+
+def parse_condition(text: str) -> tuple[str, int, float]:
+    """``PATH@FRAME[:STRENGTH]`` -> ``(path, frame_index, strength)``; ``ValueError`` if it is not that."""
+    path, at, where = text.rpartition("@")
+    frame, colon, strength = where.partition(":")
+    try:
+        if not at or not path:
+            raise ValueError
+        return path, int(frame), float(strength) if colon else 1.0
+    except ValueError:
+        raise ValueError(f"{text!r} is not PATH@FRAME[:STRENGTH], e.g. clip.mp4@0, last.png@-1 or "
+                         "mid.png@16:0.8") from None
+
+
+def _condition_arg(text: str) -> tuple[str, str, int, float]:
+    try:
+        return (text, *parse_condition(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _block_list(text: str) -> tuple[int, ...]:
@@ -193,6 +244,79 @@ def check_device(config) -> None:
         raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu")
 
 
+@dataclass(frozen=True)
+class MediaRef:
+    """A conditioning file named by a flag or a prompts file's key, not read yet."""
+
+    label: str
+    """What the user wrote, for messages: ``--condition clip.mp4@8``, ``line's conditions[1] (clip.mp4@8)``."""
+    path: Path
+    """Where it is read from (a prompts file's relative paths already resolved)."""
+    kind: str | None = None
+    """``"image"`` or ``"video"`` when the flag or key takes that kind only."""
+    frame_index: int = 0
+    strength: float = 1.0
+
+
+def _read_media(ref: MediaRef, *, max_frames: int | None) -> Condition:
+    from server.media import MediaError, MediaLimits, decode_media
+
+    limits = MediaLimits()
+    try:
+        with ref.path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limits.max_bytes:  # refused before it is read
+                raise UsageError(f"{ref.label}: {str(ref.path)!r} is {size} bytes, over the limit of "
+                                 f"{limits.max_bytes}; use a smaller or shorter file")
+            data = f.read()
+    except OSError as exc:
+        raise UsageError(f"{ref.label}: cannot read {str(ref.path)!r}: {exc.strerror or exc}") from exc
+    try:
+        media = decode_media(data, field=ref.label, limits=limits, max_frames=max_frames)
+    except MediaError as exc:
+        raise UsageError(str(exc)) from exc
+    if ref.kind == "image" and media.kind != "image":
+        raise UsageError(f"{ref.label}: is a video ({media.num_frames} frames), not an image; give a clip as the "
+                         "video (video-to-video) or as a condition at a frame")
+    if ref.kind == "video" and media.kind != "video":
+        raise UsageError(f"{ref.label}: is an image, not a video; give it as the image to start from, or as a "
+                         "condition at frame 0")
+    return Condition(media.frames, frame_index=ref.frame_index, strength=ref.strength)
+
+
+def attach_media(request: GenerationRequest, *, image: MediaRef | None = None,
+                 conditions: Sequence[MediaRef] = ()) -> GenerationRequest:
+    """``request`` with its media read and decoded (a clip: at most the request's frames); ``UsageError`` naming the
+    flag or key for a file that cannot be read or is not good media."""
+    frames = request.num_frames
+    max_frames = frames if isinstance(frames, int) and not isinstance(frames, bool) and frames >= 1 else None
+    return replace(request, image=None if image is None else _read_media(image, max_frames=max_frames),
+                   conditions=tuple(_read_media(ref, max_frames=max_frames) for ref in conditions))
+
+
+_MEDIA_FIELD = re.compile(r"(image|conditions)(?:\[(\d+)\])?(\.|:\s*|(?=\s))")
+
+
+def media_error(exc: ValueError, *, image: MediaRef | None = None, conditions: Sequence[MediaRef] = (),
+                conditions_label: str = "conditions") -> UsageError:
+    """A ``check_request`` error about ``image`` or ``conditions[i]`` told with the flag or key (and file) the user
+    gave (``conditions_label`` for the list as a whole); any other error as :func:`field_error`."""
+    message = str(exc)
+    match = _MEDIA_FIELD.match(message)
+    if match is None:
+        return field_error(exc)
+    name, index, sep = match.groups()
+    if name == "image":
+        label = image.label if image is not None else "image"
+    elif index is not None and int(index) < len(conditions):
+        label = conditions[int(index)].label
+    else:
+        label = conditions_label
+    # "conditions[1].frame_index=..." -> "<label>: frame_index=..."; a sentence ("image and ...") is kept whole.
+    rest = message[match.end():] if sep.strip() else message
+    return UsageError(f"{label}: {rest}")
+
+
 # ------------------------------------------------------------------------------------------- the leader's side
 
 
@@ -234,6 +358,9 @@ class Generated:
     audio: Any = None
     """float ``[C, S]`` waveform of audio-video models, else None."""
     sample_rate: int | None = None
+    latents: dict[str, Any] | None = None
+    """The final latents (``SampleControl.on_latents``: ``latents``, and ``audio_latents`` for LTX-2), float32
+    arrays in the layout the reference pipeline returns for ``output_type="latent"``."""
 
 
 @dataclass
@@ -245,7 +372,8 @@ class Leader:
     def generate(self, request: GenerationRequest, job_id: str, *, on_frames: Callable[..., None] | None = None,
                  on_audio: Callable[..., None] | None = None) -> Generated:
         """The frames (``None`` with ``on_frames``, called with each decoded piece in order: no rank then holds the
-        whole video) and, for audio-video models, the soundtrack (also handed to ``on_audio`` before the frames)."""
+        whole video), the final latents and, for audio-video models, the soundtrack (also handed to ``on_audio``
+        before the frames)."""
         from cp_infer import broadcast_object
         from server.runtime import Command
 
@@ -258,7 +386,10 @@ class Leader:
             if on_audio is not None:
                 on_audio(waveform, sample_rate)
 
-        control = replace(progress.control(), on_audio=keep_audio)
+        def keep_latents(latents: dict) -> None:
+            result.latents = latents
+
+        control = replace(progress.control(), on_audio=keep_audio, on_latents=keep_latents)
         if on_frames is not None:
             def both(frames, first: int, total: int) -> None:
                 on_frames(frames, first, total)
@@ -298,15 +429,17 @@ class WriteError(RuntimeError):
 
 
 def result_writer() -> Callable[[Generated, Any, int], Path]:
-    """``write_output`` (frames and soundtrack) with its failures (the job itself succeeded) raised as
-    ``WriteError``."""
+    """``write_output`` (frames and soundtrack; into a frames folder also the latents) with its failures (the job
+    itself succeeded) raised as ``WriteError``."""
     import av
 
-    from cp_infer.video_io import write_output
+    from cp_infer.video_io import is_frames_dir_target, write_output
 
     def write(result: Generated, out, fps) -> Path:
+        latents = result.latents if is_frames_dir_target(out) else None
         try:
-            return write_output(result.frames, out, fps, audio=result.audio, sample_rate=result.sample_rate)
+            return write_output(result.frames, out, fps, audio=result.audio, sample_rate=result.sample_rate,
+                                latents=latents)
         except (OSError, ValueError, av.FFmpegError) as exc:
             raise WriteError(f"could not write {out}: {type(exc).__name__}: {exc}") from exc
 

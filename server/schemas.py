@@ -166,6 +166,7 @@ class _VideoJobFields(BaseModel):
     seed: int
     input_reference: bool = False
     """Whether the video was made from a reference image."""
+    image_cond_noise_scale: float | None = None
     conditions: list[dict] | None = None
     """The conditioning items (``frame_index``, ``strength``, ``num_frames`` of the media), without their pixels."""
 

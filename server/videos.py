@@ -173,7 +173,13 @@ async def _read_media_body(request: Request, *, max_body_bytes: int, max_upload_
     """A body that may carry media: the media (uploads, data URLs) may take up to twice ``max_upload_bytes``
     (each item is checked against ``max_upload_bytes`` when decoded), everything else ``max_body_bytes``."""
     raw = await _read_body(request, max_body_bytes + 2 * max_upload_bytes)
-    body = await _body(request, raw)
+    try:
+        body = await _body(request, raw)
+    except ApiError:
+        if len(raw) > max_body_bytes:  # no media could be told apart: the whole body counts
+            raise ApiError(413, "request_too_large", f"the body is over the limit of {max_body_bytes} bytes") \
+                from None
+        raise
     rest = len(raw) - sum(len(v) for v in body.uploads.values()) - _media_bytes(body.data)
     if rest > max_body_bytes:
         raise ApiError(413, "request_too_large", f"the body is over the limit of {max_body_bytes} bytes "

@@ -37,7 +37,8 @@ API_FAULTS = ";".join([
 # Small limits so that every limit can be hit with a small body.
 API_ARGS = ["--max-queue", "3", "--max-prompt-chars", "300", "--max-tokens", "512", "--max-frames", "65",
             "--max-side", "512", "--max-steps", "50", "--max-guidance", "20", "--max-fps", "60", "--keep-frames",
-            "--max-body-bytes", "16384", "--max-upload-bytes", "200000", "--heartbeat-s", "0.5", "--collective-timeout", "30"]
+            "--max-body-bytes", "16384", "--max-upload-bytes", "200000", "--heartbeat-s", "0.5",
+            "--collective-timeout", "30"]
 
 
 def tiny(prompt: str = "a red fox runs through fresh snow", **overrides) -> dict:
