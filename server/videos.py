@@ -350,7 +350,7 @@ def videos_router(engine, *, max_body_bytes: int, max_upload_bytes: int = 32 * 2
         limits = media_limits(max_upload_bytes, engine.limits)
         source = None
         if isinstance(ref, dict) and set(ref) == {"id"} and isinstance(ref["id"], str):
-            source = _job_or_404(engine, ref["id"]) if valid_job_id(ref["id"]) else None
+            source = store.get(ref["id"]) if valid_job_id(ref["id"]) else None
             if source is None:
                 raise ApiError(404, "video_not_found", f"video: no video with id {ref['id']!r}", "video")
             frames = await anyio.to_thread.run_sync(
