@@ -10,30 +10,16 @@ Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import numpy as np
 
+from .options import STANDARD, ModelOptions
 from .shapes import LatentShape, VideoGeometry
 
-__all__ = ["FAMILY_OPTIONS", "Condition", "GenerationRequest", "GenerationLimits", "check_request",
-           "resolve_frame_index"]
-
-# Request fields that only some model families understand (``None`` = the family's default), by family.
-# A request that sets one for another family is refused: silently ignoring it would hand back a video made
-# with settings the client did not ask for.
-_AUDIO_VIDEO_OPTIONS = (
-    "audio_guidance_scale", "stg_scale", "audio_stg_scale", "modality_scale", "audio_modality_scale",
-    "guidance_rescale", "audio_guidance_rescale", "stg_blocks",
-)
-_CONDITION_OPTIONS = ("image_cond_noise_scale",)
-# Families whose adapters take conditioning media (``image``, ``conditions``).
-_CONDITIONING_FAMILIES = frozenset({"ltx-video"})
-FAMILY_OPTIONS: dict[str, frozenset[str]] = {
-    "ltx-video": frozenset(_CONDITION_OPTIONS),
-    "ltx2": frozenset(_AUDIO_VIDEO_OPTIONS),
-}
-
+__all__ = ["Condition", "GenerationRequest", "GenerationLimits", "check_request", "resolve_frame_index",
+           "resolve_request"]
 
 @dataclass(frozen=True)
 class Condition:
@@ -60,47 +46,40 @@ def resolve_frame_index(frame_index: int, num_frames: int) -> int:
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation: text-to-video, or conditioned on an image (``image``) or on media at frames
-    (``conditions``)."""
+    (``conditions``). The standard options (``cp_infer.options.STANDARD``) are fields, every other option the
+    model declares is in ``options``; ``None`` / absent means the model's declared default, which
+    :func:`resolve_request` fills in."""
 
     prompt: str
-    negative_prompt: str = ""
-    num_frames: int = 49
-    height: int = 256
-    width: int = 384
-    num_inference_steps: int = 20
-    guidance_scale: float = 3.0
+    negative_prompt: str | None = None
+    num_frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
     seed: int = 0
-    fps: int = 24
-    decode_timestep: float = 0.0
-    """LTX-Video 0.9.1+ VAEs are timestep-conditioned; 0.05 is what Lightricks recommends for them."""
-    decode_noise_scale: float | None = None
-    """Noise mixed into the latents before decode; ``None`` means equal to ``decode_timestep``."""
-    max_sequence_length: int | None = None
-    """Text tokens the prompt is padded or cut to; ``None``: the model's reference pipeline's default."""
-    # LTX-2 only (audio and video generated together); None = LTX2Pipeline's default.
-    audio_guidance_scale: float | None = None
-    """CFG scale of the soundtrack (default 7)."""
-    stg_scale: float | None = None
-    """Spatio-temporal guidance of the video (default 1; 0 turns it off)."""
-    audio_stg_scale: float | None = None
-    """Spatio-temporal guidance of the soundtrack (default 1)."""
-    modality_scale: float | None = None
-    """Modality-isolation guidance of the video (default 3; 1 turns it off)."""
-    audio_modality_scale: float | None = None
-    """Modality-isolation guidance of the soundtrack (default 3)."""
-    guidance_rescale: float | None = None
-    """CFG rescale of the video, in [0, 1] (default 0.7)."""
-    audio_guidance_rescale: float | None = None
-    """CFG rescale of the soundtrack, in [0, 1] (default 0.7)."""
-    stg_blocks: tuple[int, ...] | None = None
-    """Transformer blocks whose self-attention spatio-temporal guidance perturbs (default (28,))."""
+    fps: int | None = None
+    """The frame rate (the option ``frame_rate``): conditions the model and sets the output's rate."""
     image: Condition | None = None
     """Image-to-video: the first frame (frame_index 0, strength 1), as the models' image-to-video pipelines take it."""
     conditions: tuple[Condition, ...] = ()
     """Images or clips at frame indices with strengths, as the models' condition pipelines take them."""
-    image_cond_noise_scale: float | None = None
-    """Noise added at every step to fully conditioned tokens (``conditions`` only; the pipeline's default when
-    unset)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The model's own options by declared name (after :func:`resolve_request`: every one of them)."""
+
+    @classmethod
+    def of(cls, **values: Any) -> GenerationRequest:
+        """A request from flat keyword values: fields by name (``frame_rate`` for ``fps``), any other key an
+        option of the model's (checked when the request is resolved)."""
+        names = {f.name for f in fields(cls)} - {"options"}
+        if "frame_rate" in values:
+            values["fps"] = values.pop("frame_rate")
+        own = {k: values.pop(k) for k in list(values) if k in names}
+        return cls(**own, options=values)
+
+    def option(self, name: str) -> Any:
+        """A resolved option's value, standard or the model's own."""
+        return getattr(self, STANDARD[name]) if name in STANDARD else self.options[name]
 
 
 @dataclass(frozen=True)
@@ -138,36 +117,6 @@ def _check_number(name: str, value: object, lo: float, hi: float) -> None:
         raise ValueError(f"{name}={value} is out of range; use a value in [{lo}, {hi}]")
 
 
-def _check_family_options(request: GenerationRequest, family: str, limits: GenerationLimits,
-                          layers: int | None) -> None:
-    if family not in FAMILY_OPTIONS:
-        raise ValueError(f"model family {family!r} is unknown; known: {', '.join(FAMILY_OPTIONS)}")
-    accepted = FAMILY_OPTIONS[family]
-    if family == "ltx2" and request.max_sequence_length is not None and request.max_sequence_length % 128:
-        # NOTE(registers): LTX-2's text connectors append 128 learnable registers per 128 text tokens.
-        raise ValueError(f"max_sequence_length={request.max_sequence_length} is not a multiple of 128, which LTX-2 "
-                         f"models need; try {max(128, request.max_sequence_length // 128 * 128)}")
-    for name in _AUDIO_VIDEO_OPTIONS + _CONDITION_OPTIONS:
-        value = getattr(request, name)
-        if value is None:
-            continue
-        if name not in accepted:
-            users = ", ".join(f for f, options in FAMILY_OPTIONS.items() if name in options)
-            raise ValueError(f"{name} applies to {users} models only; the loaded model is {family}: remove {name}")
-        if name == "stg_blocks":
-            if not isinstance(value, (tuple, list)) or not value or len(value) > 256:
-                raise ValueError(f"stg_blocks={value!r} must be a non-empty list of block indices")
-            top = 1023 if layers is None else layers - 1
-            for block in value:
-                if layers is not None and isinstance(block, int) and block >= layers:
-                    raise ValueError(f"stg_blocks={list(value)} names block {block}, but the model has {layers} "
-                                     f"transformer blocks; use indices in [0, {layers - 1}]")
-                _check_int("stg_blocks[]", block, 0, top)
-        else:
-            hi = 1.0 if name.endswith("rescale") or name == "image_cond_noise_scale" else limits.max_guidance
-            _check_number(name, value, 0.0, hi)
-
-
 def _check_condition(name: str, cond: object, num_frames: int, temporal_compression: int) -> None:
     if not isinstance(cond, Condition):
         raise ValueError(f"{name} must be a Condition, got {type(cond).__name__}")
@@ -191,14 +140,13 @@ def _check_condition(name: str, cond: object, num_frames: int, temporal_compress
                          f"{temporal_compression + 1}: use a longer clip, or an image")
 
 
-def _check_conditions(request: GenerationRequest, family: str, geometry: VideoGeometry) -> None:
+def _check_conditions(request: GenerationRequest, options: ModelOptions, geometry: VideoGeometry) -> None:
     if request.image is None and not request.conditions:
         return
     field_name = "image" if request.image is not None else "conditions"
-    if family not in _CONDITIONING_FAMILIES:
-        takers = ", ".join(sorted(_CONDITIONING_FAMILIES))
-        raise ValueError(f"{field_name}: the loaded model ({family}) takes no conditioning media; remove "
-                         f"{field_name}, or serve a model that takes them ({takers})")
+    if not options.takes_media:
+        raise ValueError(f"{field_name}: the loaded model ({options.model}) takes no conditioning media; remove "
+                         f"{field_name}, or serve a model that takes them")
     if request.image is not None and request.conditions:
         raise ValueError("image and conditions were both given; give the image as conditions[0] (frame_index 0) "
                          "instead")
@@ -212,10 +160,30 @@ def _check_conditions(request: GenerationRequest, family: str, geometry: VideoGe
         _check_condition(f"conditions[{i}]", cond, request.num_frames, geometry.temporal_compression)
 
 
+def _given(request: GenerationRequest) -> dict[str, Any]:
+    if not isinstance(request.options, dict):
+        raise ValueError(f"options must be a mapping of option names to values, got {type(request.options).__name__}")
+    values = {name: getattr(request, attr) for name, attr in STANDARD.items()}
+    for key, value in request.options.items():
+        if key in values and values[key] is not None:
+            raise ValueError(f"{key} was given twice; give it once")
+        values[key] = value
+    return values
+
+
+def resolve_request(request: GenerationRequest, options: ModelOptions, *,
+                    limits: GenerationLimits | None = None) -> GenerationRequest:
+    """``request`` with every option the model declares set: the given values checked (an undeclared option is
+    refused, naming it), the declaration's defaults for the rest. Idempotent."""
+    values = options.resolve(_given(request), limits=limits)
+    return replace(request, **{attr: values[name] for name, attr in STANDARD.items()},
+                   options={name: value for name, value in values.items() if name not in STANDARD})
+
+
 def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits: GenerationLimits,
-                  family: str = "ltx-video", layers: int | None = None) -> LatentShape:
-    """Validate ``request`` for a model of ``family`` with ``geometry`` and ``layers`` transformer blocks (when
-    known; block indices are then checked); return its latent shape."""
+                  options: ModelOptions) -> LatentShape:
+    """Validate a resolved ``request`` (:func:`resolve_request`) for a model with ``geometry`` that declares
+    ``options``; return its latent shape."""
     for name in ("prompt", "negative_prompt"):
         text = getattr(request, name)
         if not isinstance(text, str):
@@ -224,24 +192,12 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
             raise ValueError(f"{name} has {len(text)} characters; the limit is {limits.max_prompt_chars}")
     if not request.prompt.strip():
         raise ValueError("prompt is empty; describe the video to generate")
-    _check_int("num_frames", request.num_frames, 1, limits.max_frames)
-    _check_int("height", request.height, 1, limits.max_side)
-    _check_int("width", request.width, 1, limits.max_side)
-    # NOTE(steps): at least 2: flow-matching schedules with a terminal shift (LTX-Video 0.9.x) divide by zero
-    # when stretching a single sigma, and one step is no video anyway.
-    _check_int("num_inference_steps", request.num_inference_steps, 2, limits.max_steps)
     _check_int("seed", request.seed, 0, 2**63 - 1)
-    _check_int("fps", request.fps, 1, limits.max_fps)
-    if request.max_sequence_length is not None:
-        _check_int("max_sequence_length", request.max_sequence_length, 1, 1024)
-    for name, lo, hi in (("guidance_scale", 0.0, limits.max_guidance), ("decode_timestep", 0.0, 1.0)):
-        _check_number(name, getattr(request, name), lo, hi)
-    _check_family_options(request, family, limits, layers)
-    _check_conditions(request, family, geometry)
-    scale = request.decode_noise_scale
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale) or not 0.0 <= scale <= 1.0):
-        raise ValueError(f"decode_noise_scale={scale!r} must be a number in [0, 1] or null")
+    values = _given(request)
+    unset = [name for name in options.names if values.get(name) is None and options[name].default is not None]
+    assert not unset, f"check_request needs a resolved request (unset: {unset}); call resolve_request first"
+    options.resolve(values, limits=limits)
+    _check_conditions(request, options, geometry)
     shape = geometry.latent_shape(request.num_frames, request.height, request.width)
     if shape.tokens > limits.max_tokens:
         raise ValueError(

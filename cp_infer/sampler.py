@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from .collectives import all_reduce_max_int, gather_sequence
 from .decode import TemporalSplit, decode_parallel
-from .request import GenerationLimits, GenerationRequest, check_request
+from .options import ModelOptions
+from .request import GenerationLimits, GenerationRequest, check_request, resolve_request
 from .shapes import LatentShape, VideoGeometry
 from .shard import ShardPlan
 from .state import ParallelState
@@ -73,10 +74,8 @@ class DenoiseModel(Protocol):
     """What the sampler needs from a model adapter."""
 
     geometry: VideoGeometry
-    family: str
-    """Which request options apply (``cp_infer.request.FAMILY_OPTIONS``)."""
-    layers: int
-    """Transformer blocks (request options may name them)."""
+    options: ModelOptions
+    """Every option its requests may set, with its defaults (``cp_infer.options``)."""
 
     def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared: ...
 
@@ -186,10 +185,12 @@ def sample(
     limits: GenerationLimits | None = None,
     control: SampleControl | None = None,
 ) -> np.ndarray | None:
-    """Generate one video. Returns uint8 frames ``[F, H, W, 3]`` on group rank 0, ``None`` on the others."""
+    """Generate one video. Returns uint8 frames ``[F, H, W, 3]`` on group rank 0, ``None`` on the others. Options
+    ``request`` leaves unset take the model's declared defaults."""
     control = control or SampleControl()
-    shape = check_request(request, geometry=model.geometry, limits=limits or GenerationLimits(), family=model.family,
-                          layers=model.layers)
+    limits = limits or GenerationLimits()
+    request = resolve_request(request, model.options, limits=limits)
+    shape = check_request(request, geometry=model.geometry, limits=limits, options=model.options)
     # Preparing (text encoding, noise, schedule) is local to each rank: agreed on like a step, so that a failure on
     # any rank fails the job on every rank instead of leaving the others in the first exchange.
     prepared_box: list[Prepared] = []

@@ -47,8 +47,9 @@ def noise_for_decode(latents: torch.Tensor, *, vae, generator: torch.Generator,
         return latents, None
     # Drawn on every rank from the same generator state, so every rank noises the same way.
     noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype).to(latents.device)
-    scale = request.decode_timestep if request.decode_noise_scale is None else request.decode_noise_scale
-    timestep = torch.tensor([request.decode_timestep], device=latents.device, dtype=latents.dtype)
+    decode_timestep, scale = request.options["decode_timestep"], request.options["decode_noise_scale"]
+    scale = decode_timestep if scale is None else scale
+    timestep = torch.tensor([decode_timestep], device=latents.device, dtype=latents.dtype)
     return (1 - scale) * latents + scale * noise, timestep
 
 

@@ -35,6 +35,7 @@ from cp_infer.sampler import Decoder, Prepared
 
 from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx_decoder
+from .ltx_video_options import ltx_video_options
 
 __all__ = ["LTXVideoModel", "parallelize_ltx_transformer"]
 
@@ -137,6 +138,7 @@ class LTXVideoModel:
     """An LTX-Video pipeline's components, parallelised, behind the sampler's ``DenoiseModel`` interface."""
 
     family = "ltx-video"
+    options = ltx_video_options()
 
     def __init__(self, components, *, state: ParallelState):
         self.state = state
@@ -196,7 +198,7 @@ class LTXVideoModel:
         pipe, device = self.pipe, self.device
         cfg_on = request.guidance_scale > 1.0
         # The pipelines' own defaults: LTXPipeline and LTXImageToVideoPipeline 128, LTXConditionPipeline 256.
-        text_tokens = request.max_sequence_length or (256 if request.conditions else 128)
+        text_tokens = request.options["max_sequence_length"] or (256 if request.conditions else 128)
         # Each pipeline's own prompt encoding (LTXConditionPipeline's passes the attention mask to T5).
         encoder = self.cond_pipe if request.conditions else pipe
         embeds, mask, neg_embeds, neg_mask = encoder.encode_prompt(
@@ -260,7 +262,7 @@ class LTXVideoModel:
             generator=extras["generator"], device=device, dtype=torch.float32)
         coords = coords.float()
         coords[:, 0] = coords[:, 0] * (1.0 / request.fps)
-        noise_scale = 0.15 if request.image_cond_noise_scale is None else float(request.image_cond_noise_scale)
+        noise_scale = float(request.options["image_cond_noise_scale"])
         extras.update(mode="conditions", cond_mask=cond_mask, init_latents=latents.clone(), extra_tokens=extra,
                       video_coords=torch.cat([coords] * 2) if extras["cfg_on"] else coords, noise_scale=noise_scale)
         return Prepared(latents={"video": latents}, timesteps=list(timesteps), extras=extras)

@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from cp_infer import ParallelState, VideoGeometry
+from cp_infer.options import ModelOptions
 
 from .loading import ModelLoadError, detect_family, parse_dtype, resolve_model
 
-__all__ = ["ModelInfo", "describe_model", "min_latent_side", "open_model"]
+__all__ = ["ModelInfo", "describe_model", "min_latent_side", "model_options", "open_model"]
 
 
 @dataclass(frozen=True)
@@ -28,14 +29,27 @@ class ModelInfo:
 
     path: Path
     family: str
-    """``ltx-video`` or ``ltx2`` (see ``cp_infer.request.FAMILY_OPTIONS``)."""
+    """``ltx-video`` or ``ltx2``."""
     geometry: VideoGeometry
     layers: int
-    """Transformer blocks (``stg_blocks`` must name existing ones)."""
+    """Transformer blocks."""
+    options: ModelOptions
+    """The request options the model declares (its adapter's, with its reference pipeline's defaults)."""
 
     @property
     def has_audio(self) -> bool:
         return self.family == "ltx2"
+
+
+def model_options(family: str, *, layers: int) -> ModelOptions:
+    """The request options of a ``family`` model with ``layers`` transformer blocks."""
+    if family == "ltx-video":
+        from .ltx_video_options import ltx_video_options
+
+        return ltx_video_options()
+    from .ltx2_options import ltx2_options
+
+    return ltx2_options(layers=layers)
 
 
 def _classes(family: str):
@@ -73,7 +87,9 @@ def describe_model(model: str | os.PathLike | None) -> ModelInfo:
         patch_size=transformer.get("patch_size", 1), patch_size_t=transformer.get("patch_size_t", 1),
         min_latent_side=min_latent_side(vae_config),
     )
-    return ModelInfo(path=path, family=family, geometry=geometry, layers=int(transformer.get("num_layers", 0)))
+    layers = int(transformer.get("num_layers", 0))
+    return ModelInfo(path=path, family=family, geometry=geometry, layers=layers,
+                     options=model_options(family, layers=layers))
 
 
 def open_model(model: str | os.PathLike | None, *, dtype: str | torch.dtype, state: ParallelState):

@@ -10,17 +10,20 @@ import pytest
 import torch
 
 from cp_infer.decode import TemporalSplit
+from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, JobFailed, Prepared, SampleControl, sample
 from cp_infer.shapes import VideoGeometry
+
+from models._standard_options import standard_options
 
 from ..harness import WorkerGroup
 
 
 class _FakeModel:
     geometry = VideoGeometry()
-    family = "ltx-video"
-    layers = 1
+    options = ModelOptions("fake", standard_options(height=32, width=32, num_frames=1, frame_rate=24,
+                                                    num_inference_steps=2, guidance_scale=1.0, size_step="any"))
 
     def __init__(self, state, fail: str):
         self.state, self.fail = state, fail

@@ -51,13 +51,14 @@ def folders(tmp_path_factory):
 
 def _text_tokens(r: GenerationRequest) -> dict:
     """The request's text length for LTX2Pipeline; unset: the pipeline's own default (ours must match it)."""
-    return {} if r.max_sequence_length is None else {"max_sequence_length": r.max_sequence_length}
+    text_tokens = r.options.get("max_sequence_length")
+    return {} if text_tokens is None else {"max_sequence_length": text_tokens}
 
 
 def _requests(seed):
-    return [GenerationRequest(prompt="a drummer plays on a rainy street", negative_prompt="silence, blurry",
+    return [GenerationRequest.of(prompt="a drummer plays on a rainy street", negative_prompt="silence, blurry",
                               num_frames=f, height=h, width=w, num_inference_steps=3, seed=seed + i, fps=24,
-                              stg_blocks=(0,), **GUIDANCE)
+                              spatio_temporal_guidance_blocks=(0,), **GUIDANCE)
             for i, (f, h, w) in enumerate(SHAPES)]
 
 
@@ -100,7 +101,7 @@ def test_one_rank_equals_ltx2_pipeline(folders, rope):
     for r, (frames, audio) in zip(_requests(seed), ours, strict=True):
         ref = pipe(prompt=r.prompt, negative_prompt=r.negative_prompt, num_frames=r.num_frames, height=r.height,
                    width=r.width, num_inference_steps=r.num_inference_steps, frame_rate=r.fps,
-                   spatio_temporal_guidance_blocks=list(r.stg_blocks), **_text_tokens(r),
+                   spatio_temporal_guidance_blocks=list(r.options["spatio_temporal_guidance_blocks"]), **_text_tokens(r),
                    generator=torch.Generator("cpu").manual_seed(r.seed), output_type="np", **GUIDANCE)
         ref8 = (np.clip(ref.frames[0], 0, 1) * 255).round().astype(np.uint8)
         assert frames.shape == (r.num_frames, r.height, r.width, 3)

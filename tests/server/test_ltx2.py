@@ -108,7 +108,7 @@ def test_job_store_keeps_the_ltx2_options(tmp_path):
     from server.jobs import JobStore
 
     rng = np.random.default_rng()
-    request = GenerationRequest(prompt="surf", seed=int(rng.integers(0, 2**31)), stg_scale=float(rng.uniform(0, 3)),
+    request = GenerationRequest.of(prompt="surf", seed=int(rng.integers(0, 2**31)), stg_scale=float(rng.uniform(0, 3)),
                                 stg_blocks=tuple(int(b) for b in rng.integers(0, 48, size=3)), guidance_rescale=0.25)
     store = JobStore(tmp_path, max_queue=2)
     try:

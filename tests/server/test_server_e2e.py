@@ -142,7 +142,7 @@ def test_two_ranks_equal_one_rank(api_server, one_rank, tmp_path):
     got = np.load(io.BytesIO(s.client.get(f"/v1/videos/{job['id']}/content?variant=frames").content))
     fields = ("prompt", "negative_prompt", "num_frames", "height", "width", "num_inference_steps",
               "guidance_scale", "seed", "fps")
-    expected = one_rank.generate(GenerationRequest(**{k: job[k] for k in fields}, max_sequence_length=128))
+    expected = one_rank.generate(GenerationRequest.of(**{k: job[k] for k in fields}, max_sequence_length=128))
     diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
     assert got.shape == expected.shape and diff.max() <= 1 and diff.mean() < 0.01, (diff.max(), diff.mean())
 

@@ -1,0 +1,214 @@
+"""Request options as a model declares them: names, types, ranges, defaults and help, in one place.
+
+Invariants:
+- A model adapter declares every option a request may set (:class:`ModelOptions`); the HTTP schema, the CLI flags,
+  the batch keys and the docs are all derived from that one declaration, so they cannot disagree.
+- :meth:`ModelOptions.resolve` is the only way values enter a request: aliases become the declared name, an
+  undeclared name is refused naming it, every value is checked against its option's type and range, and every
+  option the caller left out gets its declared default. Its errors are ``ValueError`` naming the option and the fix.
+- The engine reads a few options by their standard names (:data:`STANDARD`: what every video model has: frames,
+  size, steps, guidance, frame rate, negative prompt); a model declares them with its own defaults. Every other
+  option is the model's alone and travels in ``GenerationRequest.options``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["STANDARD", "ModelOptions", "Option", "UnknownOption"]
+
+# Declared option name -> the GenerationRequest field that holds it (the engine reads these).
+STANDARD: dict[str, str] = {
+    "negative_prompt": "negative_prompt",
+    "num_frames": "num_frames",
+    "height": "height",
+    "width": "width",
+    "num_inference_steps": "num_inference_steps",
+    "guidance_scale": "guidance_scale",
+    "frame_rate": "fps",
+}
+
+_KINDS = (int, float, str, bool, tuple)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One request option. Its name is the reference pipeline's argument name wherever one exists."""
+
+    name: str
+    kind: type
+    """``int``, ``float``, ``str``, ``bool``, or ``tuple`` (a list of integers)."""
+    default: Any
+    help: str
+    """One line: what it does (the default and range are added where it is shown)."""
+    lo: float | None = None
+    hi: float | None = None
+    """Inclusive range of a number (of each item, for a list)."""
+    limit: str | None = None
+    """The name of a deployment limit (a ``GenerationLimits`` field) that caps the value instead of ``hi``."""
+    nullable: bool = False
+    """``None`` is a value (``default`` may then be ``None``: the model decides, as its help says)."""
+    multiple_of: int | None = None
+    aliases: tuple[str, ...] = ()
+    """Other names a request may use for it (older names of this server)."""
+    flags: tuple[str, ...] = ()
+    """Short command-line flags besides the derived ``--name-with-dashes``."""
+    max_items: int = 256
+    """For a list: at most this many items."""
+    check: Callable[[Any], None] | None = field(default=None, compare=False)
+    """A further check of a resolved value (raises ``ValueError`` naming the option)."""
+
+    def __post_init__(self) -> None:
+        assert self.kind in _KINDS, f"{self.name}: kind {self.kind} is not one of {_KINDS}"
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def bounds(self, limits: object | None = None) -> tuple[float | None, float | None]:
+        hi = self.hi
+        if self.limit is not None and limits is not None:
+            hi = getattr(limits, self.limit)
+        return self.lo, hi
+
+    def describe(self, limits: object | None = None) -> str:
+        """What the option accepts, for error messages and help: ``an integer in [2, 200]``."""
+        lo, hi = self.bounds(limits)
+        what = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+                tuple: "a list of integers"}[self.kind]
+        if self.multiple_of:
+            what += f" multiple of {self.multiple_of}"
+        if lo is not None or hi is not None:
+            what += f" in [{_fmt(lo, '-inf')}, {_fmt(hi, 'inf')}]"
+        if self.nullable:
+            what += ", or null"
+        return what
+
+    def validate(self, value: Any, limits: object | None = None) -> Any:
+        """``value`` in the option's own type (a list becomes a tuple); ``ValueError`` naming the option."""
+        if value is None:
+            if self.nullable:
+                return None
+            raise ValueError(f"{self.name} must be {self.describe(limits)}, not null")
+        lo, hi = self.bounds(limits)
+        if self.kind is tuple:
+            if not isinstance(value, (list, tuple)) or not value or len(value) > self.max_items:
+                raise ValueError(f"{self.name}={value!r} must be a non-empty list of at most {self.max_items} "
+                                 f"integers, e.g. [{_fmt(lo if lo is not None else 0, '0')}]")
+            return tuple(_number(f"{self.name}[]", item, int, lo, hi, self.multiple_of) for item in value)
+        if self.kind is str:
+            if not isinstance(value, str):
+                raise ValueError(f"{self.name} must be a string, got {type(value).__name__}")
+            return value
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"{self.name}={value!r} must be true or false")
+            return value
+        return _number(self.name, value, self.kind, lo, hi, self.multiple_of)
+
+
+def _fmt(x: float | None, missing: str) -> str:
+    if x is None:
+        return missing
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _number(name: str, value: Any, kind: type, lo: float | None, hi: float | None, multiple_of: int | None):
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}={value!r} must be an integer")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name}={value} is out of range; use a value in [{_fmt(lo, '-inf')}, {_fmt(hi, 'inf')}]")
+    if multiple_of and value % multiple_of:
+        nearest = max(multiple_of, int(value) // multiple_of * multiple_of)
+        raise ValueError(f"{name}={value} is not a multiple of {multiple_of}; try {nearest}")
+    return kind(value)
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Every option one model's requests may set, in the order they are shown."""
+
+    model: str
+    """Whose options these are, for messages: ``LTX-Video``."""
+    options: tuple[Option, ...]
+    takes_media: bool = True
+    """Whether requests may carry conditioning media (``image``, ``conditions``)."""
+
+    def __post_init__(self) -> None:
+        names = [o.name for o in self.options] + [a for o in self.options for a in o.aliases]
+        assert len(names) == len(set(names)), f"{self.model}: option names and aliases must be unique"
+        missing = set(STANDARD) - {o.name for o in self.options}
+        assert not missing, f"{self.model} must declare the standard options {sorted(missing)}"
+
+    def __iter__(self):
+        return iter(self.options)
+
+    def __contains__(self, name: object) -> bool:
+        return any(o.name == name for o in self.options)
+
+    def __getitem__(self, name: str) -> Option:
+        for option in self.options:
+            if option.name == name:
+                return option
+        raise KeyError(name)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.options)
+
+    @property
+    def extra(self) -> tuple[Option, ...]:
+        """The options that are the model's alone (not :data:`STANDARD`)."""
+        return tuple(o for o in self.options if o.name not in STANDARD)
+
+    def canonical_name(self, name: str) -> str | None:
+        """The declared name for ``name`` (itself or an alias), or ``None`` when the model has no such option."""
+        for option in self.options:
+            if name == option.name or name in option.aliases:
+                return option.name
+        return None
+
+    def canonical(self, values: Mapping[str, Any], *, known: Iterable[str] = ()) -> dict[str, Any]:
+        """``values`` with aliases renamed to the declared names; keys in ``known`` (the caller's own fields) are
+        kept as they are. An undeclared name, or an option given under two names, is a ``ValueError``."""
+        known = set(known)
+        out: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in known:
+                out[key] = value
+                continue
+            name = self.canonical_name(key)
+            if name is None:
+                raise UnknownOption(key, self)
+            if name in out:
+                raise ValueError(f"{name} was given twice (as {name} and its alias {key}); give it once")
+            out[name] = value
+        return out
+
+    def resolve(self, values: Mapping[str, Any], *, limits: object | None = None) -> dict[str, Any]:
+        """Every declared option's value: ``values`` (declared names or aliases, ``None`` meaning unset) checked,
+        the defaults filled in."""
+        given = self.canonical(values)
+        out = {}
+        for option in self.options:
+            value = given.get(option.name)
+            value = option.default if value is None else option.validate(value, limits)
+            if value is not None and option.check is not None:
+                option.check(value)
+            out[option.name] = tuple(value) if isinstance(value, list) else value
+        return out
+
+
+class UnknownOption(ValueError):
+    """A name the loaded model declares no option for."""
+
+    def __init__(self, name: str, options: ModelOptions):
+        self.name = name
+        super().__init__(f"{name} is not an option of {options.model} models: remove it "
+                         f"(its options: {', '.join(options.names)})")
