@@ -1,8 +1,12 @@
-"""The HTTP front end (rank 0): ``create_app(config, engine)`` builds the FastAPI app around a group leader.
+"""The HTTP front end (rank 0): ``create_app(config, engine)`` builds the FastAPI app around an engine (a group
+leader).
 
 Invariants:
 - The app never touches the process group: it reads and writes the engine's job store, and the engine's
   leader thread alone talks to the other ranks. ``lifespan`` starts and stops that thread.
+- The routers (``server.health``, ``server.videos``) are declared at module level; a route reaches the engine
+  (``app.state.engine``, a :class:`server.engine.Engine`) and this config (``app.state.config``) through the
+  dependencies :func:`server.engine.get_engine` and :func:`get_app_config`.
 - With an API key, one ASGI middleware in front of every route (FastAPI's own docs routes included) checks
   the bearer token with ``hmac.compare_digest``; only ``/health`` is exempt. Bodies over the cap are refused
   with 413, from their Content-Length before they are read, and while streaming otherwise.
@@ -16,15 +20,18 @@ import hmac
 import json
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server import health
+from server.engine import Engine
 from server.schemas import ApiError
 
-__all__ = ["AppConfig", "create_app"]
+__all__ = ["AppConfig", "ConfigDep", "create_app", "get_app_config"]
 
 _PUBLIC_PATHS = frozenset({"/health"})
 
@@ -47,6 +54,15 @@ class AppConfig:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1024")
         if self.max_upload_bytes < 1024:
             raise ValueError(f"max_upload_bytes={self.max_upload_bytes} must be >= 1024")
+
+
+def get_app_config(request: Request) -> AppConfig:
+    """The app's config (``app.state.config``, set by :func:`create_app`)."""
+    return request.app.state.config
+
+
+ConfigDep = Annotated[AppConfig, Depends(get_app_config)]
+"""A route parameter annotated ``config: ConfigDep`` receives the app's config."""
 
 
 def _error_response(status: int, code: str, message: str, param: str | None = None,
@@ -113,69 +129,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(500, "internal_error", f"{type(exc).__name__}: the server failed; see its log")
 
 
-def _health_router(engine) -> APIRouter:
-    router = APIRouter(tags=["health"])
-
-    @router.get("/health")
-    async def health() -> dict:
-        """The process lives (no authentication)."""
-        return {"status": "ok"}
-
-    @router.get("/ready")
-    async def ready() -> JSONResponse:
-        """The worker group is up and answered the last heartbeat collective (or is running a job)."""
-        ok, reason = engine.ready()
-        body = {"status": "ready" if ok else "not_ready", "reason": reason, "world_size": engine.world_size,
-                "heartbeat_rtt_ms": None if engine.last_ping_rtt_s is None else round(engine.last_ping_rtt_s * 1e3, 3)}
-        if ok:
-            return JSONResponse(body)
-        return JSONResponse({**ApiError(503, "not_ready", reason).body(), **body}, status_code=503,
-                            headers={"Retry-After": "5"})
-
-    @router.get("/metrics", response_class=PlainTextResponse)
-    async def metrics(request: Request) -> PlainTextResponse:
-        """Prometheus text format."""
-        return PlainTextResponse(_metrics_text(engine, request.app.state.rejected),
-                                 media_type="text/plain; version=0.0.4")
-
-    return router
-
-
-def _metrics_text(engine, rejected: dict[int, int]) -> str:
-    store = engine.store
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, samples: list[str]) -> None:
-        lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
-
-    metric("cp_infer_queue_depth", "gauge", "Jobs waiting to run.", [f"cp_infer_queue_depth {store.queue_depth()}"])
-    metric("cp_infer_jobs", "gauge", "Jobs in the store by state.",
-           [f'cp_infer_jobs{{state="{s}"}} {n}' for s, n in store.counts().items()])
-    metric("cp_infer_jobs_finished_total", "counter", "Jobs this leader ended, by final state.",
-           [f'cp_infer_jobs_finished_total{{state="{s}"}} {n}' for s, n in engine.jobs_done.items()])
-    metric("cp_infer_requests_broadcast_total", "counter", "Validated requests the leader broadcast to the group.",
-           [f"cp_infer_requests_broadcast_total {engine.broadcasts}"])
-    metric("cp_infer_requests_rejected_total", "counter", "Requests refused by the front end, by status code.",
-           [f'cp_infer_requests_rejected_total{{code="{c}"}} {n}' for c, n in sorted(rejected.items())])
-    metric("cp_infer_step_seconds", "histogram", "Denoising step latency on rank 0.",
-           engine.step_seconds.lines("cp_infer_step_seconds"))
-    metric("cp_infer_generation_seconds", "histogram", "Time from broadcast to a written video.",
-           engine.generation_seconds.lines("cp_infer_generation_seconds"))
-    ok, _ = engine.ready()
-    metric("cp_infer_group_ready", "gauge", "1 when the worker group answers.", [f"cp_infer_group_ready {int(ok)}"])
-    metric("cp_infer_group_world_size", "gauge", "Ranks in the group.",
-           [f"cp_infer_group_world_size {engine.world_size or 0}"])
-    metric("cp_infer_group_restarts", "gauge", "torchrun restarts of the group so far.",
-           [f"cp_infer_group_restarts {engine.restart_count}"])
-    rtt = engine.last_ping_rtt_s
-    metric("cp_infer_heartbeat_rtt_seconds", "gauge", "Round trip of the last heartbeat collective.",
-           [f"cp_infer_heartbeat_rtt_seconds {rtt if rtt is not None else 'NaN'}"])
-    return "\n".join(lines) + "\n"
-
-
-def create_app(config: AppConfig, engine) -> FastAPI:
-    """The FastAPI app over ``engine`` (a :class:`server.leader.GroupLeader`, or anything with its interface)."""
-    from server.videos import videos_router
+def create_app(config: AppConfig, engine: Engine) -> FastAPI:
+    """The FastAPI app over ``engine`` (a :class:`server.leader.GroupLeader`, or any other :class:`Engine`)."""
+    # NOTE(imports): server.videos imports AppConfig from here, so it is imported once this module is.
+    from server import videos
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -190,13 +147,14 @@ def create_app(config: AppConfig, engine) -> FastAPI:
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="cp-infer", version="0.1.0", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.config = config
     app.state.rejected = {}
     app.state.shutting_down = False
     app.state.recovered = []
     _install_error_handlers(app)
-    app.include_router(_health_router(engine))
-    app.include_router(videos_router(engine, max_body_bytes=config.max_body_bytes,
-                                     max_upload_bytes=config.max_upload_bytes))
+    app.include_router(health.router)
+    app.include_router(videos.router)
     # Routes cap their own bodies (those that carry media higher); the guard only stops what no route takes.
     app.add_middleware(_GuardMiddleware, api_key=config.api_key,
                        max_body_bytes=config.max_body_bytes + 2 * config.max_upload_bytes)

@@ -7,7 +7,8 @@ Invariants:
 - The model is described from its config files alone (:func:`model_info`: family and geometry, no weights), so a
   bad request is refused, with exit code 2, before any rank loads anything.
 - Every job the leader runs is broadcast to every rank before it runs, and every path that leaves the group in step
-  ends with ``stop`` (:meth:`Leader.stop`); ``run_group`` tears the group down on every rank.
+  ends with ``stop`` (:meth:`Leader.stop`); both go through ``server.runtime.GroupDriver``, the leader side of the
+  command protocol that the server uses too. ``run_group`` tears the group down on every rank.
 - Conditioning media (``--image``, ``--video``, ``--condition``, a prompts file's ``image`` / ``video`` /
   ``conditions``) is read and decoded here, on the front end, with :func:`server.media.decode_media` (at most the
   request's frames), before any group forms; an error names the flag or key and the file (:func:`media_error`).
@@ -26,11 +27,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK
 from cp_infer.request import FAMILY_OPTIONS, Condition, GenerationRequest
 from server.launch import leader_exit_code
+
+if TYPE_CHECKING:
+    from server.runtime import GroupDriver, Runtime
 
 __all__ = [
     "LTX2_FIELDS",
@@ -365,19 +369,20 @@ class Generated:
 
 @dataclass
 class Leader:
-    """Rank 0's side of the group: every job is broadcast before it runs; ``stop`` ends the workers."""
+    """Rank 0's side of a CLI run: jobs with a progress bar and their results kept, over the command protocol's
+    leader side (``group``: every job is broadcast before it runs; ``stop`` ends the workers)."""
 
-    runtime: Any
+    group: GroupDriver
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.group.runtime
 
     def generate(self, request: GenerationRequest, job_id: str, *, on_frames: Callable[..., None] | None = None,
                  on_audio: Callable[..., None] | None = None) -> Generated:
         """The frames (``None`` with ``on_frames``, called with each decoded piece in order: no rank then holds the
         whole video), the final latents and, for audio-video models, the soundtrack (also handed to ``on_audio``
         before the frames)."""
-        from cp_infer import broadcast_object
-        from server.runtime import Command
-
-        broadcast_object(Command("generate", request, job_id), state=self.runtime.state)
         progress = _Progress(job_id, request.num_inference_steps)
         result = Generated()
 
@@ -397,29 +402,26 @@ class Leader:
 
             control = replace(control, on_frames=both, collect=False)
         try:
-            result.frames = self.runtime.generate(request, control)
+            result.frames = self.group.generate(request, job_id, control)
         finally:
             progress.close()
         return result
 
     def stop(self) -> None:
-        from cp_infer import broadcast_object
-        from server.runtime import Command
-
-        broadcast_object(Command("stop"), state=self.runtime.state)
+        self.group.stop()
 
 
 def run_group(config, lead: Callable[[Leader], int]) -> int:
     """Form the group and load the model on every rank; the leader runs ``lead``, the others follow."""
     from cp_infer import destroy_parallel
-    from server.runtime import start_runtime, worker_loop
+    from server.runtime import GroupDriver, start_runtime, worker_loop
 
     runtime = start_runtime(config)
     try:
         if not runtime.state.is_leader:
             worker_loop(runtime)
             return 0
-        return leader_exit_code(lead(Leader(runtime)))
+        return leader_exit_code(lead(Leader(GroupDriver(runtime))))
     finally:
         destroy_parallel(runtime.state)
 

@@ -7,9 +7,10 @@ Invariants:
   (``submit_streamed``) is the exception: the leader thread encodes each decoded piece as it lands, with
   ``collect=False``, so that its bytes reach the client during the decode and rank 0 never holds the whole video
   (see ``server.streaming``).
-- While waiting for work the leader sends ``Command("ping")`` every ``heartbeat_s``; each rank answers with
-  one all-reduce, so the round trip proves the whole group is alive (``/ready``) and no worker sits in a
-  broadcast longer than the collective timeout.
+- Every command goes to the group through ``server.runtime.GroupDriver``, the leader side of the command
+  protocol that the CLI uses too. While waiting for work the leader pings the group every ``heartbeat_s``; each
+  rank answers with one all-reduce, so the round trip proves the whole group is alive (``/ready``) and no worker
+  sits in a broadcast longer than the collective timeout.
 - A job's request is re-checked here against the same limits and geometry every rank uses, then broadcast;
   only these server-built requests are ever broadcast (``broadcasts`` counts them, ``/metrics`` shows it).
 - Cancel: the leader's step ``poll`` returns CANCEL once the job is cancelled or deleted; the sampler's
@@ -44,7 +45,7 @@ from server.jobs import Job, JobStore
 from server.streaming import StreamedOutputs, VideoStream
 
 if TYPE_CHECKING:
-    from server.runtime import RuntimeConfig
+    from server.runtime import GroupDriver, RuntimeConfig
 
 __all__ = ["GroupLeader", "LeaderConfig", "Histogram", "group_pids", "FATAL_EXIT_CODE"]
 
@@ -144,6 +145,7 @@ class GroupLeader:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._faults: tuple = ()
+        self._group: GroupDriver | None = None
         self._counts_lock = threading.Lock()
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cp-infer-encode")
         self._streams: dict[str, VideoStream] = {}  # streamed jobs not yet claimed, by id
@@ -163,7 +165,6 @@ class GroupLeader:
         self.last_ping_rtt_s: float | None = None
         self.last_contact_at: float | None = None
         """When a collective over the whole group last completed (a heartbeat, a step, a job's end)."""
-        self.broadcasts = 0
         self.jobs_done: dict[str, int] = {"completed": 0, "failed": 0, "cancelled": 0}
         self.step_seconds = Histogram((0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.generation_seconds = Histogram((0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
@@ -177,6 +178,15 @@ class GroupLeader:
     @property
     def served_model(self) -> str:
         return self.config.served_model
+
+    @property
+    def keep_frames(self) -> bool:
+        return self.config.keep_frames
+
+    @property
+    def broadcasts(self) -> int:
+        """Jobs broadcast to the group so far."""
+        return self._group.jobs_sent if self._group is not None else 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._main, name="cp-infer-leader", daemon=True)
@@ -227,30 +237,28 @@ class GroupLeader:
     def _main(self) -> None:
         try:
             # NOTE(imports): the runtime pulls in diffusers; imported here so that `import server.app` stays light.
-            from server.runtime import FAULT_ENV, parse_faults, start_runtime
+            from server.runtime import FAULT_ENV, GroupDriver, parse_faults, start_runtime
 
             self._faults = parse_faults(os.environ.get(FAULT_ENV))
             runtime = (self._runtime_factory or start_runtime)(self.config.runtime)
+            group = self._group = GroupDriver(runtime)
             self.pids = group_pids(runtime.state)
             self.world_size = runtime.state.world_size
             self._write_group_file()
             self.family = runtime.model.family
             self.layers = runtime.model.layers
             self.geometry = runtime.model.geometry
-            self._ping(runtime)
+            self._ping(group)
             self.loaded = True
             log.info("group of %d rank(s) ready (pids %s, restart %d)", self.world_size, self.pids,
                      self.restart_count)
             while not self._stopping.is_set():
                 job = self.store.claim_next(timeout=self.config.heartbeat_s)
                 if job is None:
-                    self._ping(runtime)
+                    self._ping(group)
                 else:
-                    self._run_job(runtime, job)
-            from cp_infer import broadcast_object
-            from server.runtime import Command
-
-            broadcast_object(Command("stop"), state=runtime.state)
+                    self._run_job(group, job)
+            group.stop()
         except BaseException as exc:  # noqa: BLE001 -- the group's state is unknown: restart it
             self._die(f"{type(exc).__name__}: {exc}")
 
@@ -272,17 +280,13 @@ class GroupLeader:
         tmp.write_text(json.dumps(info) + "\n")
         os.replace(tmp, self.config.data_dir / "group.json")
 
-    def _ping(self, runtime) -> None:
-        from cp_infer import all_reduce_max_int, broadcast_object
-        from server.runtime import Command
-
+    def _ping(self, group: GroupDriver) -> None:
         started = time.monotonic()
-        broadcast_object(Command("ping"), state=runtime.state)
-        all_reduce_max_int(0, state=runtime.state)
+        group.ping()
         self.last_ping_at = self.last_contact_at = time.monotonic()
         self.last_ping_rtt_s = self.last_ping_at - started
 
-    def _run_job(self, runtime, job: Job) -> None:
+    def _run_job(self, group: GroupDriver, job: Job) -> None:
         self.current_job = job.id
         with self._streams_lock:
             stream = self._streams.pop(job.id, None)
@@ -295,7 +299,7 @@ class GroupLeader:
                 except (OSError, ValueError) as exc:
                     self._finish(job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
                     return
-            self._generate_and_write(runtime, job, outputs)
+            self._generate_and_write(group, job, outputs)
         finally:
             if outputs is not None:
                 outputs.discard()  # a no-op once committed
@@ -305,12 +309,11 @@ class GroupLeader:
                 stream.end(final.status if final is not None and final.terminal else "cancelled",
                            None if final is None else final.error_message)
 
-    def _generate_and_write(self, runtime, job: Job, outputs: StreamedOutputs | None = None) -> None:
-        from cp_infer import broadcast_object
+    def _generate_and_write(self, group: GroupDriver, job: Job, outputs: StreamedOutputs | None = None) -> None:
         from cp_infer.sampler import JobCancelled, JobFailed, SampleControl, StepStatus
-        from server.runtime import Command, with_faults
+        from server.runtime import with_faults
 
-        request = job.request
+        runtime, request = group.runtime, job.request
         try:
             check_request(request, geometry=runtime.model.geometry, limits=self.config.limits,
                           family=runtime.model.family, layers=runtime.model.layers)
@@ -376,9 +379,7 @@ class GroupLeader:
         log.info("job %s: %d frames %dx%d, %d steps%s", job.id, request.num_frames, request.width, request.height,
                  request.num_inference_steps, ", streamed" if outputs is not None else "")
         try:
-            broadcast_object(Command("generate", request=request, job_id=job.id), state=runtime.state)
-            self.broadcasts += 1
-            frames = runtime.generate(request, control)
+            frames = group.generate(request, job.id, control)
             self.last_contact_at = time.monotonic()
         except JobCancelled:
             self.last_contact_at = time.monotonic()

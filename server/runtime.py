@@ -4,9 +4,13 @@ Invariants:
 - Every rank of the group builds the same ``Runtime`` (same model folder, dtype, limits) and then runs the
   same sequence of commands; only the leader (global rank 0) decides what the next command is, and it is
   broadcast over the gloo CPU group as a server-built ``Command`` (never client bytes: broadcast is pickle).
-- ``Command("idle")`` is a heartbeat: the leader sends one at least every ``heartbeat_s`` while it waits for
-  work, so workers never sit in a broadcast longer than the collective timeout. ``Command("ping")`` is a
-  heartbeat that every rank answers with one all-reduce, so the leader learns that the whole group is alive.
+- Both sides of the protocol live here: :class:`GroupDriver` is the leader's (the CLI's ``Leader`` and the
+  server's ``GroupLeader`` both send every command through it), :func:`worker_loop` the other ranks'. Each
+  command is one broadcast followed by the same collectives on every rank: ``generate`` the sampler's, ``ping``
+  one all-reduce, ``stop`` and ``idle`` none.
+- ``Command("ping")`` is the heartbeat that every rank answers with one all-reduce, so the leader learns that the
+  whole group is alive; a leader waiting for work sends one at least every ``heartbeat_s``, so workers never sit
+  in a broadcast longer than the collective timeout. ``Command("idle")`` is a heartbeat that needs no answer.
 - Fault injection (tests only) is read from ``$CP_INFER_TEST_FAULT`` by :func:`worker_loop` and by the server's
   leader, and acts only through a :class:`SampleControl` hook, so it follows the same agreed-status path as a
   real failure. Unset, it costs nothing.
@@ -34,6 +38,7 @@ __all__ = [
     "FAULT_ENV",
     "Command",
     "FaultRule",
+    "GroupDriver",
     "Runtime",
     "RuntimeConfig",
     "parse_faults",
@@ -89,6 +94,33 @@ class Runtime:
     def generate(self, request: GenerationRequest, control: SampleControl | None = None) -> np.ndarray | None:
         """Sample ``request`` on this rank; every rank of the group must call it with the same request."""
         return sample(self.model, request, state=self.state, limits=self.config.limits, control=control)
+
+
+class GroupDriver:
+    """The leader's side of the command protocol: each method broadcasts one :class:`Command` and then runs rank
+    0's part of it, which every other rank runs in :func:`worker_loop`."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.jobs_sent = 0
+        """``generate`` commands broadcast so far (the server's ``/metrics`` shows them)."""
+
+    def generate(self, request: GenerationRequest, job_id: str, control: SampleControl | None = None
+                 ) -> np.ndarray | None:
+        """Run ``request`` on the whole group: rank 0's frames (``None`` with ``control.collect=False``). Raises as
+        :meth:`Runtime.generate`; ``JobCancelled`` and ``JobFailed`` leave every rank in step."""
+        broadcast_object(Command("generate", request=request, job_id=job_id), state=self.runtime.state)
+        self.jobs_sent += 1
+        return self.runtime.generate(request, control)
+
+    def ping(self) -> None:
+        """A heartbeat round trip: returns once every rank has answered."""
+        broadcast_object(Command("ping"), state=self.runtime.state)
+        all_reduce_max_int(0, state=self.runtime.state)
+
+    def stop(self) -> None:
+        """End every worker's loop; no command may follow."""
+        broadcast_object(Command("stop"), state=self.runtime.state)
 
 
 def start_runtime(config: RuntimeConfig) -> Runtime:

@@ -30,7 +30,9 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
 
 from cp_infer.request import Condition
+from server.app import AppConfig, ConfigDep
 from server.conditions import UPLOAD_PREFIX, Resolved, job_frames, load_media, media_limits, resolve_media
+from server.engine import EngineDep
 from server.jobs import TERMINAL, Job, QueueFull, valid_job_id
 from server.schemas import (
     ApiError,
@@ -44,7 +46,7 @@ from server.schemas import (
     params_from_json,
 )
 
-__all__ = ["videos_router", "multipart_available"]
+__all__ = ["router", "multipart_available"]
 
 log = logging.getLogger("cp_infer.videos")
 
@@ -302,212 +304,223 @@ def _edit_defaults(body: _Body, frames, source: Job | None, engine) -> _Body:
     return dataclasses.replace(body, data={**data, **defaults})
 
 
-def videos_router(engine, *, max_body_bytes: int, max_upload_bytes: int = 32 * 2**20) -> APIRouter:
-    router = APIRouter(prefix="/v1/videos", tags=["videos"])
+router = APIRouter(prefix="/v1/videos", tags=["videos"])
+
+
+def _body_caps(config: AppConfig) -> dict[str, int]:
+    return dict(max_body_bytes=config.max_body_bytes, max_upload_bytes=config.max_upload_bytes)
+
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 413, 415, 429, 503)}
+_BODY_SCHEMA = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": VideoCreateParams.model_json_schema()}}}}
+
+_CREATED = {200: {"description": "The job; with stream=true, the MP4 itself (fragmented, chunked) as it is made, "
+                                "with the job id in X-Video-Id",
+                 "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+@router.post("", response_model=VideoJob, responses={**_CREATED, **_ERRORS}, openapi_extra=_BODY_SCHEMA)
+async def create_video(request: Request, engine: EngineDep, config: ConfigDep, stream: bool | None = Query(
+        None, description="respond with the MP4 itself, sent while it is made (or give stream in the body)")):
+    """Queue a text-to-video job (JSON, urlencoded, or multipart when python-multipart is installed)."""
+    body = await _read_media_body(request, **_body_caps(config))
+    params = _create_params(body, engine)
+    if stream is not None and params.stream is not None and stream != params.stream:
+        raise ApiError(400, "conflicting_parameters", f"stream={str(stream).lower()} in the query but "
+                       f"stream={str(params.stream).lower()} in the body; give it once", "stream")
+    streamed = bool(stream or params.stream)
+    _require_ready(engine)
+    resolved = await anyio.to_thread.run_sync(lambda: resolve_media(
+        params, uploads=body.uploads, store=engine.store, limits=media_limits(config.max_upload_bytes, engine.limits)))
+    job, handle = _submit(engine, _build(engine, params, resolved), streamed=streamed)
+    if streamed:
+        return _MP4StreamResponse(handle, engine=engine, headers={
+            "X-Video-Id": job.id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return job.public()
+
+
+@router.post("/edits", response_model=VideoJob, responses=_ERRORS)
+async def edit_video(request: Request, engine: EngineDep, config: ConfigDep) -> dict:
+    """A new job that redoes a video with a new prompt: ``video`` (an upload, a data URL, or ``{"id": ...}`` of
+    a completed job) conditions every frame from frame 0 at ``strength`` (default 0.6: how much of the source
+    is kept; 1 returns it unchanged), as LTXConditionPipeline(video=..., strength=...). Other fields as for
+    ``POST /v1/videos``; length and size default to the source's."""
+    _require_ready(engine)
+    body = await _read_media_body(request, **_body_caps(config))
+    data = dict(body.data)
+    if "video" not in data:
+        raise ApiError(400, "missing_required_parameter", "video is required: an uploaded file, a data URL or "
+                       "{\"id\": video id}", "video")
+    ref, strength = data.pop("video"), data.pop("strength", 0.6)
+    store, limits = engine.store, media_limits(config.max_upload_bytes, engine.limits)
+    source = None
+    if isinstance(ref, dict) and set(ref) == {"id"} and isinstance(ref["id"], str):
+        source = store.get(ref["id"]) if valid_job_id(ref["id"]) else None
+        if source is None:
+            raise ApiError(404, "video_not_found", f"video: no video with id {ref['id']!r}", "video")
+        frames = await anyio.to_thread.run_sync(
+            lambda: job_frames(store, ref["id"], field="video", limits=limits))
+    elif isinstance(ref, str):
+        frames = await anyio.to_thread.run_sync(lambda: load_media(
+            ref, field="video", uploads=body.uploads, store=store, limits=limits))
+    else:
+        raise ApiError(400, "invalid_value", "video must be an uploaded file, a data URL or {\"id\": video id}",
+                       "video")
+    if body.form:
+        try:
+            strength = float(strength)
+        except ValueError:
+            raise ApiError(400, "invalid_value", f"strength={strength!r} is not a number in [0, 1]",
+                           "strength") from None
+    params = _create_params(_edit_defaults(dataclasses.replace(body, data=data), frames, source, engine), engine)
+    if params.input_reference is not None or params.conditions:
+        raise ApiError(400, "conflicting_parameters", "an edit is conditioned on its video alone; remove "
+                       "input_reference and conditions", "video")
+    try:
+        generation = _build(engine, params, Resolved(conditions=(Condition(frames, strength=strength),)))
+    except ApiError as exc:
+        if exc.param and exc.param.startswith("conditions[0]"):
+            exc.param = "video" if ".media" in exc.param else "strength"
+            exc.message = exc.message.replace("conditions[0].media", "video").replace(
+                "conditions[0].strength", "strength")
+        raise
+    job, _ = _submit(engine, generation, streamed=False)
+    return job.public()
+
+
+@router.post("/{video_id}/remix", response_model=VideoJob, responses=_ERRORS)
+async def remix_video(video_id: str, request: Request, engine: EngineDep, config: ConfigDep) -> dict:
+    """A new job with the settings and media of ``video_id`` and a new ``prompt``."""
+    source = _job_or_404(engine, video_id)
+    body = await _body(request, await _read_body(request, config.max_body_bytes))
+    if set(body.data) - {"prompt"}:
+        extra = sorted(set(body.data) - {"prompt"})[0]
+        raise ApiError(400, "unknown_parameter", f"unknown parameter {extra!r}; a remix takes prompt only",
+                       extra)
+    prompt = body.data.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ApiError(400, "missing_required_parameter", "prompt is required: the new prompt", "prompt")
+    _require_ready(engine)
+    generation = dataclasses.replace(source.request, prompt=prompt)
+    try:
+        from cp_infer.request import check_request
+
+        check_request(generation, geometry=engine.geometry, limits=engine.limits, family=engine.family,
+                      layers=engine.layers)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_value", str(exc), "prompt") from None
+    job, _ = _submit(engine, generation, streamed=False)
+    return job.public()
+
+
+@router.get("", response_model=VideoList)
+async def list_videos(engine: EngineDep, limit: int = Query(20, ge=1, le=100), after: str | None = None,
+                      order: Literal["asc", "desc"] = "desc") -> dict:
+    """Jobs, newest first by default; ``after`` is the last id of the previous page."""
+    if after is not None and not valid_job_id(after):
+        raise ApiError(400, "invalid_value", f"after={after!r} is not a video id", "after")
+    try:
+        jobs, has_more = engine.store.list(limit=limit, after=after, order=order)
+    except KeyError:
+        raise ApiError(400, "invalid_value", f"after={after!r}: no such video", "after") from None
+    data = [j.public() for j in jobs]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+@router.get("/{video_id}", response_model=VideoJob)
+async def get_video(video_id: str, engine: EngineDep) -> dict:
+    return _job_or_404(engine, video_id).public()
+
+
+@router.delete("/{video_id}", response_model=VideoDeleted)
+async def delete_video(video_id: str, engine: EngineDep) -> dict:
+    """Delete a job; a running one is first cancelled on every rank at the next step boundary."""
+    _job_or_404(engine, video_id)
     store = engine.store
-    body_caps = dict(max_body_bytes=max_body_bytes, max_upload_bytes=max_upload_bytes)
+    job, running = store.delete(video_id)
+    if job is None:
+        raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
+    deadline = time.monotonic() + _DELETE_WAIT_S
+    # The leader removes a running job once the group has stopped it; wait for that (bounded).
+    while running and time.monotonic() < deadline and store.snapshot_any(video_id) is not None:
+        await asyncio.sleep(_SSE_POLL_S)
+    return {"id": video_id, "object": "video.deleted", "deleted": True}
 
-    errors = {code: {"model": ErrorResponse} for code in (400, 401, 413, 415, 429, 503)}
-    body_schema = {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": VideoCreateParams.model_json_schema()}}}}
 
-    created = {200: {"description": "The job; with stream=true, the MP4 itself (fragmented, chunked) as it is made, "
-                                    "with the job id in X-Video-Id",
-                     "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}}}
+@router.post("/{video_id}/cancel", response_model=VideoJob)
+async def cancel_video(video_id: str, engine: EngineDep) -> dict:
+    """Extension: stop a job but keep its record (status ``cancelled``); a finished job is unchanged."""
+    _job_or_404(engine, video_id)
+    job = engine.store.cancel(video_id)
+    if job is None:
+        raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
+    return job.public()
 
-    @router.post("", response_model=VideoJob, responses={**created, **errors}, openapi_extra=body_schema)
-    async def create_video(request: Request, stream: bool | None = Query(
-            None, description="respond with the MP4 itself, sent while it is made (or give stream in the body)")):
-        """Queue a text-to-video job (JSON, urlencoded, or multipart when python-multipart is installed)."""
-        body = await _read_media_body(request, **body_caps)
-        params = _create_params(body, engine)
-        if stream is not None and params.stream is not None and stream != params.stream:
-            raise ApiError(400, "conflicting_parameters", f"stream={str(stream).lower()} in the query but "
-                           f"stream={str(params.stream).lower()} in the body; give it once", "stream")
-        streamed = bool(stream or params.stream)
-        _require_ready(engine)
-        resolved = await anyio.to_thread.run_sync(lambda: resolve_media(
-            params, uploads=body.uploads, store=store, limits=media_limits(max_upload_bytes, engine.limits)))
-        job, handle = _submit(engine, _build(engine, params, resolved), streamed=streamed)
-        if streamed:
-            return _MP4StreamResponse(handle, engine=engine, headers={
-                "X-Video-Id": job.id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return job.public()
 
-    @router.post("/edits", response_model=VideoJob, responses=errors)
-    async def edit_video(request: Request) -> dict:
-        """A new job that redoes a video with a new prompt: ``video`` (an upload, a data URL, or ``{"id": ...}`` of
-        a completed job) conditions every frame from frame 0 at ``strength`` (default 0.6: how much of the source
-        is kept; 1 returns it unchanged), as LTXConditionPipeline(video=..., strength=...). Other fields as for
-        ``POST /v1/videos``; length and size default to the source's."""
-        _require_ready(engine)
-        body = await _read_media_body(request, **body_caps)
-        data = dict(body.data)
-        if "video" not in data:
-            raise ApiError(400, "missing_required_parameter", "video is required: an uploaded file, a data URL or "
-                           "{\"id\": video id}", "video")
-        ref, strength = data.pop("video"), data.pop("strength", 0.6)
-        limits = media_limits(max_upload_bytes, engine.limits)
-        source = None
-        if isinstance(ref, dict) and set(ref) == {"id"} and isinstance(ref["id"], str):
-            source = store.get(ref["id"]) if valid_job_id(ref["id"]) else None
-            if source is None:
-                raise ApiError(404, "video_not_found", f"video: no video with id {ref['id']!r}", "video")
-            frames = await anyio.to_thread.run_sync(
-                lambda: job_frames(store, ref["id"], field="video", limits=limits))
-        elif isinstance(ref, str):
-            frames = await anyio.to_thread.run_sync(lambda: load_media(
-                ref, field="video", uploads=body.uploads, store=store, limits=limits))
-        else:
-            raise ApiError(400, "invalid_value", "video must be an uploaded file, a data URL or {\"id\": video id}",
-                           "video")
-        if body.form:
-            try:
-                strength = float(strength)
-            except ValueError:
-                raise ApiError(400, "invalid_value", f"strength={strength!r} is not a number in [0, 1]",
-                               "strength") from None
-        params = _create_params(_edit_defaults(dataclasses.replace(body, data=data), frames, source, engine), engine)
-        if params.input_reference is not None or params.conditions:
-            raise ApiError(400, "conflicting_parameters", "an edit is conditioned on its video alone; remove "
-                           "input_reference and conditions", "video")
-        try:
-            generation = _build(engine, params, Resolved(conditions=(Condition(frames, strength=strength),)))
-        except ApiError as exc:
-            if exc.param and exc.param.startswith("conditions[0]"):
-                exc.param = "video" if ".media" in exc.param else "strength"
-                exc.message = exc.message.replace("conditions[0].media", "video").replace(
-                    "conditions[0].strength", "strength")
-            raise
-        job, _ = _submit(engine, generation, streamed=False)
-        return job.public()
+@router.get("/{video_id}/content")
+async def download_video(video_id: str, engine: EngineDep, variant: str = "video") -> FileResponse:
+    """The MP4 (``variant=video``), a JPEG of the middle frame (``thumbnail``), or, when the server keeps
+    them, the raw uint8 frames as ``.npy`` (``frames``, lossless)."""
+    job = _job_or_404(engine, video_id)
+    allowed = [v for v in _CONTENT if v != "frames" or engine.keep_frames]
+    if variant not in allowed:
+        raise ApiError(400, "invalid_value", f"variant={variant!r} is not available; use one of {allowed}",
+                       "variant")
+    if job.status != "completed":
+        raise ApiError(409, "video_not_ready", f"video {video_id} is {job.status} (progress {job.progress}%); "
+                       "content exists once its status is completed", "video_id")
+    suffix, media_type = _CONTENT[variant]
+    path = engine.store.path(video_id, suffix)
+    if not path.is_file():
+        raise ApiError(404, "content_not_found", f"the {variant} of {video_id} is missing on the server")
+    return FileResponse(path, media_type=media_type, filename=f"{video_id}{suffix}")
 
-    @router.post("/{video_id}/remix", response_model=VideoJob, responses=errors)
-    async def remix_video(video_id: str, request: Request) -> dict:
-        """A new job with the settings and media of ``video_id`` and a new ``prompt``."""
-        source = _job_or_404(engine, video_id)
-        body = await _body(request, await _read_body(request, max_body_bytes))
-        if set(body.data) - {"prompt"}:
-            extra = sorted(set(body.data) - {"prompt"})[0]
-            raise ApiError(400, "unknown_parameter", f"unknown parameter {extra!r}; a remix takes prompt only",
-                           extra)
-        prompt = body.data.get("prompt")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ApiError(400, "missing_required_parameter", "prompt is required: the new prompt", "prompt")
-        _require_ready(engine)
-        generation = dataclasses.replace(source.request, prompt=prompt)
-        try:
-            from cp_infer.request import check_request
 
-            check_request(generation, geometry=engine.geometry, limits=engine.limits, family=engine.family,
-                          layers=engine.layers)
-        except ValueError as exc:
-            raise ApiError(400, "invalid_value", str(exc), "prompt") from None
-        job, _ = _submit(engine, generation, streamed=False)
-        return job.public()
+@router.get("/{video_id}/events")
+async def video_events(video_id: str, request: Request, engine: EngineDep) -> StreamingResponse:
+    """Server-sent events: the job's history so far (or what follows ``Last-Event-ID``), then every change of
+    status or progress, ending with the final state (``event: video.<status>``, ``data``: the job object)."""
+    if not valid_job_id(video_id):
+        raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
+    store = engine.store
+    seq, job = store.snapshot(video_id)
+    if job is None:
+        raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
+    last_id = request.headers.get("last-event-id", "0")
+    last_id = int(last_id) if last_id.isdigit() else 0
+    # The job's logged history (all of it, or what follows Last-Event-ID when a client resumes).
+    history = store.events_since(video_id, last_id)
 
-    @router.get("", response_model=VideoList)
-    async def list_videos(limit: int = Query(20, ge=1, le=100), after: str | None = None,
-                          order: Literal["asc", "desc"] = "desc") -> dict:
-        """Jobs, newest first by default; ``after`` is the last id of the previous page."""
-        if after is not None and not valid_job_id(after):
-            raise ApiError(400, "invalid_value", f"after={after!r} is not a video id", "after")
-        try:
-            jobs, has_more = store.list(limit=limit, after=after, order=order)
-        except KeyError:
-            raise ApiError(400, "invalid_value", f"after={after!r}: no such video", "after") from None
-        data = [j.public() for j in jobs]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": has_more}
-
-    @router.get("/{video_id}", response_model=VideoJob)
-    async def get_video(video_id: str) -> dict:
-        return _job_or_404(engine, video_id).public()
-
-    @router.delete("/{video_id}", response_model=VideoDeleted)
-    async def delete_video(video_id: str) -> dict:
-        """Delete a job; a running one is first cancelled on every rank at the next step boundary."""
-        _job_or_404(engine, video_id)
-        job, running = store.delete(video_id)
-        if job is None:
-            raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
-        deadline = time.monotonic() + _DELETE_WAIT_S
-        # The leader removes a running job once the group has stopped it; wait for that (bounded).
-        while running and time.monotonic() < deadline and store.snapshot_any(video_id) is not None:
-            await asyncio.sleep(_SSE_POLL_S)
-        return {"id": video_id, "object": "video.deleted", "deleted": True}
-
-    @router.post("/{video_id}/cancel", response_model=VideoJob)
-    async def cancel_video(video_id: str) -> dict:
-        """Extension: stop a job but keep its record (status ``cancelled``); a finished job is unchanged."""
-        _job_or_404(engine, video_id)
-        job = store.cancel(video_id)
-        if job is None:
-            raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
-        return job.public()
-
-    @router.get("/{video_id}/content")
-    async def download_video(video_id: str, variant: str = "video") -> FileResponse:
-        """The MP4 (``variant=video``), a JPEG of the middle frame (``thumbnail``), or, when the server keeps
-        them, the raw uint8 frames as ``.npy`` (``frames``, lossless)."""
-        job = _job_or_404(engine, video_id)
-        allowed = [v for v in _CONTENT if v != "frames" or engine.config.keep_frames]
-        if variant not in allowed:
-            raise ApiError(400, "invalid_value", f"variant={variant!r} is not available; use one of {allowed}",
-                           "variant")
-        if job.status != "completed":
-            raise ApiError(409, "video_not_ready", f"video {video_id} is {job.status} (progress {job.progress}%); "
-                           "content exists once its status is completed", "video_id")
-        suffix, media_type = _CONTENT[variant]
-        path = store.path(video_id, suffix)
-        if not path.is_file():
-            raise ApiError(404, "content_not_found", f"the {variant} of {video_id} is missing on the server")
-        return FileResponse(path, media_type=media_type, filename=f"{video_id}{suffix}")
-
-    @router.get("/{video_id}/events")
-    async def video_events(video_id: str, request: Request) -> StreamingResponse:
-        """Server-sent events: the job's history so far (or what follows ``Last-Event-ID``), then every change of
-        status or progress, ending with the final state (``event: video.<status>``, ``data``: the job object)."""
-        if not valid_job_id(video_id):
-            raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
-        seq, job = store.snapshot(video_id)
-        if job is None:
-            raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
-        last_id = request.headers.get("last-event-id", "0")
-        last_id = int(last_id) if last_id.isdigit() else 0
-        # The job's logged history (all of it, or what follows Last-Event-ID when a client resumes).
-        history = store.events_since(video_id, last_id)
-
-        async def stream():
-            if history:
-                cursor = last_id
-                for event_seq, payload in history:
-                    cursor = event_seq
-                    yield _sse(event_seq, payload)
-                    if payload["status"] in TERMINAL:
-                        return
-            else:
-                cursor = seq
-                yield _sse(seq, job.public())
-                if job.terminal:
+    async def stream():
+        if history:
+            cursor = last_id
+            for event_seq, payload in history:
+                cursor = event_seq
+                yield _sse(event_seq, payload)
+                if payload["status"] in TERMINAL:
                     return
-            last_sent, checks = time.monotonic(), 0
-            while not request.app.state.shutting_down:
-                for event_seq, payload in store.events_since(video_id, cursor):
-                    cursor = event_seq
-                    last_sent = time.monotonic()
-                    yield _sse(event_seq, payload)
-                    if payload["status"] in TERMINAL:
-                        return
-                checks += 1
-                if checks % 20 == 0 and store.snapshot_any(video_id) is None:
-                    return  # deleted, and its log already pruned
-                if time.monotonic() - last_sent > _SSE_KEEPALIVE_S:
-                    last_sent = time.monotonic()
-                    yield ": keepalive\n\n"
-                await asyncio.sleep(_SSE_POLL_S)
+        else:
+            cursor = seq
+            yield _sse(seq, job.public())
+            if job.terminal:
+                return
+        last_sent, checks = time.monotonic(), 0
+        while not request.app.state.shutting_down:
+            for event_seq, payload in store.events_since(video_id, cursor):
+                cursor = event_seq
+                last_sent = time.monotonic()
+                yield _sse(event_seq, payload)
+                if payload["status"] in TERMINAL:
+                    return
+            checks += 1
+            if checks % 20 == 0 and store.snapshot_any(video_id) is None:
+                return  # deleted, and its log already pruned
+            if time.monotonic() - last_sent > _SSE_KEEPALIVE_S:
+                last_sent = time.monotonic()
+                yield ": keepalive\n\n"
+            await asyncio.sleep(_SSE_POLL_S)
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    return router
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,5 +1,6 @@
-"""The FastAPI app in process, over a stub engine (no worker group): authentication of every route, CORS,
-and the pure request arithmetic. The real server is exercised by the other test_server_* modules."""
+"""The FastAPI app in process, over a stub engine (no worker group): the engine protocol both the stub and the
+group leader implement, authentication of every route, CORS, and the pure request arithmetic. The real server is
+exercised by the other test_server_* modules."""
 
 from __future__ import annotations
 
@@ -7,19 +8,22 @@ import re
 
 import pytest
 from fastapi.testclient import TestClient
+from typing_extensions import get_protocol_members
 
 from cp_infer.request import GenerationLimits
 from cp_infer.shapes import VideoGeometry
 from server.app import AppConfig, create_app
+from server.engine import Engine
 from server.jobs import JobStore
-from server.leader import Histogram
+from server.leader import GroupLeader, Histogram, LeaderConfig
 from server.schemas import frames_for_seconds
+from server.streaming import VideoStream
 
 KEY = "unit-test-key-0123456789"
 
 
 class StubEngine:
-    """The attributes the app reads from a ``GroupLeader``; it never runs a job."""
+    """An :class:`Engine` that never runs a job."""
 
     def __init__(self, data_dir):
         self.store = JobStore(data_dir, max_queue=4)
@@ -27,7 +31,7 @@ class StubEngine:
         self.geometry = VideoGeometry()
         self.family, self.layers = "ltx-video", 2
         self.served_model = "tiny-ltx-video"
-        self.config = type("Config", (), {"keep_frames": False})()
+        self.keep_frames = False
         self.world_size, self.last_ping_rtt_s, self.broadcasts, self.restart_count = 2, 0.001, 0, 0
         self.jobs_done = {"completed": 0, "failed": 0, "cancelled": 0}
         self.step_seconds = Histogram((0.1, 1.0))
@@ -39,11 +43,44 @@ class StubEngine:
     def retry_after_s(self) -> int:
         return 1
 
+    def submit_streamed(self, request, *, model: str):
+        job = self.store.submit(request, model=model)
+        return job, VideoStream(job.id)
+
+    def release_stream(self, job_id: str) -> None:
+        pass
+
     def start(self) -> None:
         pass
 
     def stop(self) -> None:
         pass
+
+
+def _stub(data_dir) -> Engine:
+    engine: Engine = StubEngine(data_dir)  # a type checker holds the stub to the protocol here
+    return engine
+
+
+def test_the_stub_and_the_group_leader_implement_the_engine_protocol(tmp_path):
+    from server.runtime import RuntimeConfig
+
+    members = get_protocol_members(Engine)
+    # What the app reads (server/health.py, server/videos.py): a protocol that lost one would let the app use
+    # the leader's other attributes unchecked.
+    assert {"store", "ready", "submit_streamed", "keep_frames", "geometry", "broadcasts", "start", "stop"} <= members
+    leader = GroupLeader(LeaderConfig(runtime=RuntimeConfig(), data_dir=tmp_path / "leader"),
+                         JobStore(tmp_path / "leader", max_queue=2), exit_on_fatal=False)  # not started
+    for engine in (_stub(tmp_path / "stub"), leader):
+        missing = sorted(m for m in members if not hasattr(engine, m))
+        assert not missing, f"{type(engine).__name__} lacks {missing}"
+        assert isinstance(engine, Engine)
+        for name in members:
+            declared = getattr(Engine, name)
+            # A property of the protocol is data on the implementation too, a method a method.
+            assert callable(getattr(engine, name)) != isinstance(declared, property), (type(engine).__name__, name)
+    assert leader.broadcasts == 0 and leader.keep_frames is False
+    leader.store.close()
 
 
 def _flatten(routes):
@@ -66,7 +103,7 @@ def _requests(app):
 
 
 def test_every_route_but_health_needs_the_api_key(tmp_path):
-    app = create_app(AppConfig(api_key=KEY), StubEngine(tmp_path))
+    app = create_app(AppConfig(api_key=KEY), _stub(tmp_path))
     paths = {route.path for route in _flatten(app.routes)}
     # FastAPI's own routes are there too: the guard must cover them as well.
     assert {"/docs", "/openapi.json", "/v1/videos", "/v1/videos/{video_id}/content", "/metrics"} <= paths
@@ -86,7 +123,7 @@ def test_every_route_but_health_needs_the_api_key(tmp_path):
 
 
 def test_without_a_key_nothing_asks_for_one(tmp_path):
-    app = create_app(AppConfig(), StubEngine(tmp_path))
+    app = create_app(AppConfig(), _stub(tmp_path))
     with TestClient(app) as client:
         for _, method, path in _requests(app):
             assert client.request(method, path).status_code != 401, (method, path)
@@ -94,9 +131,9 @@ def test_without_a_key_nothing_asks_for_one(tmp_path):
 
 def test_no_cors_unless_configured(tmp_path):
     origin = {"Origin": "https://example.com"}
-    with TestClient(create_app(AppConfig(), StubEngine(tmp_path / "a"))) as client:
+    with TestClient(create_app(AppConfig(), _stub(tmp_path / "a"))) as client:
         assert "access-control-allow-origin" not in client.get("/health", headers=origin).headers
-    app = create_app(AppConfig(api_key=KEY, cors_origins=("https://example.com",)), StubEngine(tmp_path / "b"))
+    app = create_app(AppConfig(api_key=KEY, cors_origins=("https://example.com",)), _stub(tmp_path / "b"))
     with TestClient(app) as client:
         preflight = client.options("/v1/videos", headers={**origin, "Access-Control-Request-Method": "POST"})
         assert preflight.status_code == 200
