@@ -1,7 +1,8 @@
 """Diffusers' own context parallelism (``enable_parallelism``, Ulysses) made to run on CPU/gloo, for the benchmark.
 
 diffusers 0.42 ships context parallelism for accelerators only. Two patches are needed, and only two, for an
-``LTXVideoTransformer3DModel`` on CPU with gloo; both are applied from here, nothing in diffusers is edited:
+``LTXVideoTransformer3DModel`` under ``LTXPipeline`` on CPU with gloo, and a third under ``LTXConditionPipeline``; all
+are applied from here, nothing in diffusers is edited:
 
 1. ``ModelMixin._resolve_parallel_config`` picks the device as
    ``torch.device(accelerator_type, rank % torch.accelerator.device_count())``; on a CPU-only torch the count is
@@ -15,14 +16,23 @@ diffusers 0.42 ships context parallelism for accelerators only. Two patches are 
    of tensor a (8) must match the size of tensor b (16)"). ``attention_dispatch._native_attention_forward_op`` is
    wrapped (process-wide, it is only reached on the context-parallel path) to narrow a per-head mask to this
    rank's heads, ``[r * H / N, (r + 1) * H / N)``, which are the heads the all-to-all delivered to rank ``r``.
+3. ``LTXConditionPipeline`` only: it passes a per-token timestep ``[B, S]`` (``min(t, (1 - conditioning_mask) *
+   1000)``), which the shipped ``_cp_plan`` does not split, so ``time_embed`` gives a ``[B, S, D]`` modulation against
+   ``[B, S / N, D]`` hidden states and the first block fails to broadcast them. ``per_token_timestep=True`` adds
+   ``timestep`` to the plan's root entry on the transformer instance, split on dim 1 like ``hidden_states``
+   (``expected_dims=2``: ``LTXPipeline``'s ``[B]`` timestep is left whole, diffusers logs that once).
 
 Everything else is diffusers' code path as shipped: the ``_cp_plan`` hooks split the latents, the text states,
 the text mask and the RoPE tables over the ranks and all-gather the output of ``proj_out`` on every step; both
 self- and cross-attention go through ``funcol.all_to_all_single`` (one per q, k, v and one for the output).
-Sequence lengths (latent and text tokens) must divide the degree (``EquipartitionSharder`` asserts it).
+Sequence lengths (latent and text tokens) must divide the degree (``EquipartitionSharder`` asserts it); with
+conditions that is the video's tokens plus the conditioning tokens placed before them.
 
-:class:`DiffusersRunner` runs ``LTXPipeline.__call__`` itself, as shipped, recording per-step times with a
-forward pre-hook on the transformer (step start) and ``callback_on_step_end`` (step end).
+:class:`DiffusersRunner` runs ``LTXPipeline.__call__`` (and, with conditions, ``LTXConditionPipeline.__call__``)
+itself, as shipped, recording per-step times from the step's start (the condition pipeline's per-step re-noise of
+the conditioned tokens, else the transformer's forward pre-hook) to ``callback_on_step_end``, and the time from the
+call to the first step's start (text encode, media preprocessing and encode, latents, schedule). Timing wraps the
+re-noise on the pipeline instance and calls it unchanged.
 """
 
 from __future__ import annotations
@@ -53,13 +63,21 @@ def _narrow_mask_to_local_heads(forward_op: Any) -> Any:
     return forward_op_local_heads
 
 
-def enable_diffusers_context_parallel(transformer: torch.nn.Module, *, ulysses_degree: int) -> None:
+def enable_diffusers_context_parallel(transformer: torch.nn.Module, *, ulysses_degree: int,
+                                      per_token_timestep: bool = False) -> None:
     """``transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=...))`` on CPU/gloo.
 
-    Needs the default process group initialised (gloo) with ``ulysses_degree`` ranks.
+    Needs the default process group initialised (gloo) with ``ulysses_degree`` ranks. ``per_token_timestep``: also
+    split a ``[B, S]`` timestep with the tokens (patch 3, for ``LTXConditionPipeline``).
     """
     from diffusers import ContextParallelConfig
     from diffusers.models import attention_dispatch
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    if per_token_timestep:
+        plan = type(transformer)._cp_plan
+        timestep = ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)  # B, S -> B, S / N
+        transformer._cp_plan = {**plan, "": {**plan[""], "timestep": timestep}}
 
     op = attention_dispatch._native_attention_forward_op
     if not hasattr(op, "__wrapped__"):  # idempotent: wrap once per process
@@ -69,38 +87,84 @@ def enable_diffusers_context_parallel(transformer: torch.nn.Module, *, ulysses_d
 
 
 class DiffusersRunner:
-    """diffusers' own ``LTXPipeline`` over the given components, context-parallel over ``ranks`` when > 1."""
+    """diffusers' own ``LTXPipeline`` over the given components, context-parallel over ``ranks`` when > 1; with
+    ``conditioned``, also ``LTXConditionPipeline`` over the same modules, for requests with ``conditions``."""
 
-    def __init__(self, components: dict[str, Any], *, ranks: int) -> None:
-        from diffusers import LTXPipeline
+    def __init__(self, components: dict[str, Any], *, ranks: int, conditioned: bool = False) -> None:
+        from diffusers import LTXConditionPipeline, LTXPipeline
 
         self.pipe = LTXPipeline(**components)
-        self.pipe.set_progress_bar_config(disable=True)
+        self.cond_pipe = LTXConditionPipeline(**components) if conditioned else None
+        for pipe in (self.pipe, self.cond_pipe):
+            if pipe is not None:
+                pipe.set_progress_bar_config(disable=True)
         if ranks > 1:
-            enable_diffusers_context_parallel(self.pipe.transformer, ulysses_degree=ranks)
-        self._starts: list[float] = []
-        self.pipe.transformer.register_forward_pre_hook(lambda _m, _a: self._starts.append(time.perf_counter()))
+            enable_diffusers_context_parallel(self.pipe.transformer, ulysses_degree=ranks,
+                                              per_token_timestep=conditioned)
+        self._step_start: float | None = None
+        self.pipe.transformer.register_forward_pre_hook(lambda _m, _a: self._mark_step_start())
+        if self.cond_pipe is not None:
+            renoise = self.cond_pipe.add_noise_to_image_conditioning_latents
+
+            def timed_renoise(*args: Any, **kwargs: Any) -> torch.Tensor:
+                self._mark_step_start()  # the condition pipeline's step begins with it, before the transformer
+                return renoise(*args, **kwargs)
+
+            self.cond_pipe.add_noise_to_image_conditioning_latents = timed_renoise
+
+    def _mark_step_start(self) -> None:
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
 
     def __call__(self, request: Any, on_last_step: Callable[[], None]) -> dict[str, Any]:
-        """Generate ``request`` (a ``GenerationRequest``); returns uint8 frames, final packed latents, step times."""
+        """Generate ``request`` (a resolved ``GenerationRequest``); returns uint8 frames, the final packed latents
+        (conditioning tokens included, as ours keeps them), step times and the time before the first step."""
         record: dict[str, Any] = {"steps": []}
+        called = time.perf_counter()
+        self._step_start = None
 
         def on_step_end(_pipe, i: int, _t, kwargs: dict[str, Any]) -> dict[str, Any]:
-            record["steps"].append(time.perf_counter() - self._starts[-1])
+            if i == 0:
+                record["before_first_step_s"] = self._step_start - called
+            record["steps"].append(time.perf_counter() - self._step_start)
+            self._step_start = None
             if i == request.num_inference_steps - 1:
                 on_last_step()
                 # B, S, C: proj_out's gather hook gave every rank the whole sequence before the scheduler step.
                 record["latents"] = kwargs["latents"].numpy().copy()
             return {}
 
-        video = self.pipe(
+        o = request.options
+        common = dict(
             prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.num_frames,
             height=request.height, width=request.width, num_inference_steps=request.num_inference_steps,
             guidance_scale=request.guidance_scale, frame_rate=request.fps,
-            generator=torch.Generator("cpu").manual_seed(request.seed), decode_timestep=request.decode_timestep,
-            decode_noise_scale=request.decode_noise_scale, max_sequence_length=request.max_sequence_length,
+            generator=torch.Generator("cpu").manual_seed(request.seed), decode_timestep=o["decode_timestep"],
+            decode_noise_scale=o["decode_noise_scale"], max_sequence_length=o["max_sequence_length"],
             output_type="np", callback_on_step_end=on_step_end, callback_on_step_end_tensor_inputs=["latents"],
-        ).frames[0]
+        )
+        if request.conditions:
+            video = self.cond_pipe(conditions=_diffusers_conditions(request),
+                                   image_cond_noise_scale=o["image_cond_noise_scale"], **common).frames[0]
+        else:
+            video = self.pipe(**common).frames[0]
         # The same float -> uint8 conversion as models.ltx_video.LTXVideoModel.decode.
         record["frames"] = (np.clip(video, 0.0, 1.0) * 255.0).round().astype(np.uint8)
         return record
+
+
+def _diffusers_conditions(request: Any) -> list[Any]:
+    """``request.conditions`` (images only) as ``LTXVideoCondition``s, frame indices counted from the start as
+    ``LTXConditionPipeline`` takes them."""
+    from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXVideoCondition
+    from PIL import Image
+
+    from cp_infer.request import resolve_frame_index
+
+    out = []
+    for cond in request.conditions:
+        if not cond.is_image:
+            raise ValueError("the benchmark's diffusers runner takes image conditions only")
+        out.append(LTXVideoCondition(image=Image.fromarray(cond.frames[0], mode="RGB"), strength=cond.strength,
+                                     frame_index=resolve_frame_index(cond.frame_index, request.num_frames)))
+    return out

@@ -126,11 +126,15 @@ def _build_components() -> dict[str, Any]:
 
 
 def _request(b: _Bench, steps: int):
-    from cp_infer.request import GenerationRequest
+    """Resolved against LTX-2's declared options (diffusers' runner reads them)."""
+    from cp_infer.request import GenerationRequest, resolve_request
+    from models.ltx2_options import ltx2_options
 
-    return GenerationRequest(prompt=_PROMPT, negative_prompt=_NEGATIVE, num_frames=b.frames, height=b.height,
-                             width=b.width, num_inference_steps=steps, seed=_SEED, fps=_FPS,
-                             stg_blocks=(_LAYERS - 1,), max_sequence_length=128, **_GUIDANCE)
+    request = GenerationRequest.of(prompt=_PROMPT, negative_prompt=_NEGATIVE, num_frames=b.frames, height=b.height,
+                                   width=b.width, num_inference_steps=steps, seed=_SEED, fps=_FPS,
+                                   spatio_temporal_guidance_blocks=(_LAYERS - 1,), max_sequence_length=128,
+                                   **_GUIDANCE)
+    return resolve_request(request, ltx2_options(layers=_LAYERS))
 
 
 class _Ours:
@@ -206,8 +210,9 @@ class _Diffusers:
 
         out = self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.num_frames,
                         height=request.height, width=request.width, num_inference_steps=request.num_inference_steps,
-                        frame_rate=request.fps, spatio_temporal_guidance_blocks=list(request.stg_blocks),
-                        max_sequence_length=request.max_sequence_length, output_type="np",
+                        frame_rate=request.fps,
+                        spatio_temporal_guidance_blocks=list(request.options["spatio_temporal_guidance_blocks"]),
+                        max_sequence_length=request.options["max_sequence_length"], output_type="np",
                         generator=torch.Generator("cpu").manual_seed(request.seed), callback_on_step_end=on_step_end,
                         **_GUIDANCE)
         record["frames"] = (np.clip(out.frames[0], 0.0, 1.0) * 255.0).round().astype(np.uint8)

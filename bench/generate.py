@@ -3,6 +3,11 @@
 Run from the repository root::
 
     python bench/generate.py [--quick] [--out FILE.md] [--rounds N] [--steps N] [--layers N] [--heads N]
+                             [--family all|ltx-video|ltx2] [--only t2v|i2v]
+
+After the text-to-video tables below comes the image-to-video table (``bench/_conditioning.py``, ``--only i2v``
+alone: text-to-video, an image at frame 0 and an image at the last frame, ours N=2 against diffusers'
+``LTXConditionPipeline`` under its own context parallelism), then LTX-2 (``bench/_ltx2.py``).
 
 Every number comes from the same run and is printed as one markdown table, with the command line and the
 environment above it and one PASS/FAIL line per target below it.
@@ -220,12 +225,15 @@ def _build_components(size: ModelSize) -> dict[str, Any]:
     return components
 
 
-def _request(workload: Workload, steps: int):
-    from cp_infer.request import GenerationRequest
+def _request(workload: Workload, steps: int, **values: Any):
+    """The workload's request, resolved against LTX-Video's declared options (diffusers' runner reads them all)."""
+    from cp_infer.request import GenerationRequest, resolve_request
+    from models.ltx_video_options import ltx_video_options
 
-    return GenerationRequest(prompt=_PROMPT, negative_prompt=_NEGATIVE, num_frames=workload.frames,
-                             height=workload.height, width=workload.width, num_inference_steps=steps,
-                             guidance_scale=_GUIDANCE, seed=_SEED, fps=_FPS, max_sequence_length=128)
+    request = GenerationRequest.of(prompt=_PROMPT, negative_prompt=_NEGATIVE, num_frames=workload.frames,
+                                   height=workload.height, width=workload.width, num_inference_steps=steps,
+                                   guidance_scale=_GUIDANCE, seed=_SEED, fps=_FPS, max_sequence_length=128, **values)
+    return resolve_request(request, ltx_video_options())
 
 
 class _Recording:
@@ -253,8 +261,11 @@ class _OursRunner:
         from cp_infer.sampler import SampleControl, sample
 
         record: dict[str, Any] = {"steps": []}
+        called = time.perf_counter()
 
         def on_step(done: int, total: int, seconds: float) -> None:
+            if done == 1:  # from the call to the first step's start: checks, prepare (text and media encode), shard
+                record["before_first_step_s"] = time.perf_counter() - seconds - called
             record["steps"].append(seconds)
             if done == total:
                 on_last_step()
@@ -545,17 +556,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="a ~2-minute smoke version: 1 layer x 8 heads, 1 round of 2 steps, no diffusers N=1")
-    parser.add_argument("--rounds", type=int, default=None, help="timed generations per configuration (default 3)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed generations per configuration (default 3; image-to-video 5; --quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps per generation (default 3, --quick 2)")
     parser.add_argument("--layers", type=int, default=None, help="transformer layers (default 2, --quick 1)")
     parser.add_argument("--heads", type=int, default=None, help="attention heads of 64 dims (default 16, --quick 8)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report to this markdown file")
     parser.add_argument("--family", choices=("all", "ltx-video", "ltx2"), default="all",
                         help="LTX-Video (the tables above), LTX-2 (bench/_ltx2.py: audio and video), or both")
+    parser.add_argument("--only", choices=("t2v", "i2v"), default=None,
+                        help="only LTX-Video's text-to-video tables, or only its image-to-video one "
+                             "(bench/_conditioning.py); default: all that --family selects")
     args = parser.parse_args(argv)
     if args.family == "ltx2":
+        if args.only is not None:
+            parser.error("--only selects LTX-Video tables; drop it with --family ltx2")
         return _ltx2_main(args)
     command = shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv])
+    if args.only == "i2v":
+        return _print_report([f"command: `{command}`", "", *_conditioning_lines(args)], args.out)
     wide = ModelSize(layers=args.layers or (1 if args.quick else 2), heads=args.heads or (8 if args.quick else 16))
     narrow = ModelSize(layers=4 if args.quick else 8, heads=2)
     config = BenchConfig(
@@ -604,7 +623,11 @@ def main(argv: list[str] | None = None) -> int:
         f"ours N=2 matches ours N=1 (latents within {_LATENT_TOL}, frames within 1 level): {not failures}.",
         *(f"CHECK FAILED: {failure}" for failure in failures),
     ]
-    if args.family == "all":
+    if args.only is None:
+        i2v_lines = _conditioning_lines(args)
+        lines += ["", "LTX-Video, image-to-video:", "", *i2v_lines]
+        failures += [line for line in i2v_lines if line.startswith("CHECK FAILED")]
+    if args.family == "all" and args.only is None:
         ltx2_lines = _ltx2_lines(args)
         lines += ["", "LTX-2 (audio + video):", "", *ltx2_lines]
         failures += [line for line in ltx2_lines if line.startswith("CHECK FAILED")]
@@ -623,12 +646,21 @@ def _ltx2_lines(args: argparse.Namespace) -> list[str]:
     return _ltx2.run(argparse.Namespace(quick=args.quick, steps=None, rounds=None, n1_threads=None))
 
 
+def _conditioning_lines(args: argparse.Namespace) -> list[str]:
+    from bench import _conditioning  # imported here: it imports this module
+
+    return _conditioning.run(args)
+
+
 def _ltx2_main(args: argparse.Namespace) -> int:
-    lines = _ltx2_lines(args)
+    return _print_report(_ltx2_lines(args), args.out)
+
+
+def _print_report(lines: list[str], out: Path | None) -> int:
     report = "\n".join(lines) + "\n"
     print(report, end="")
-    if args.out is not None:
-        args.out.write_text(report)
+    if out is not None:
+        out.write_text(report)
     return 1 if any(line.startswith("CHECK FAILED") for line in lines) else 0
 
 
