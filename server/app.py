@@ -129,6 +129,23 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(500, "internal_error", f"{type(exc).__name__}: the server failed; see its log")
 
 
+def _derive_openapi(app: FastAPI, engine: Engine) -> None:
+    """The OpenAPI document with the create body of the served model: its declared options as fields."""
+    from fastapi.openapi.utils import get_openapi
+
+    from server.schemas import params_model
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            body = schema["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]
+            body["schema"] = params_model(engine.options).model_json_schema()
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     """The FastAPI app over ``engine`` (a :class:`server.leader.GroupLeader`, or any other :class:`Engine`)."""
     # NOTE(imports): server.videos imports AppConfig from here, so it is imported once this module is.
@@ -155,6 +172,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     _install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(videos.router)
+    _derive_openapi(app, engine)
     # Routes cap their own bodies (those that carry media higher); the guard only stops what no route takes.
     app.add_middleware(_GuardMiddleware, api_key=config.api_key,
                        max_body_bytes=config.max_body_bytes + 2 * config.max_upload_bytes)

@@ -27,10 +27,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cp_infer.request import GenerationRequest, check_request
+from cp_infer.options import ModelOptions
+from cp_infer.request import GenerationRequest, check_request, resolve_request
 from server.cli_common import (
-    LTX2_FIELDS,
-    REQUEST_FLAGS,
     Leader,
     MediaRef,
     UsageError,
@@ -41,6 +40,7 @@ from server.cli_common import (
     check_device,
     media_error,
     model_info,
+    option_keys,
     parse_condition,
     quiet_libraries,
     result_writer,
@@ -53,36 +53,30 @@ __all__ = ["add_batch_parser", "run_batch"]
 
 log = logging.getLogger("cp_infer.cli")
 
-# Batch line key -> request field (aliases: the CLI flag spelling and the request field spelling).
-_BATCH_KEYS = {"prompt": "prompt", "negative_prompt": "negative_prompt", "frames": "num_frames",
-               "num_frames": "num_frames", "height": "height", "width": "width", "steps": "num_inference_steps",
-               "num_inference_steps": "num_inference_steps", "guidance": "guidance_scale",
-               "guidance_scale": "guidance_scale", "seed": "seed", "fps": "fps",
-               "image_cond_noise_scale": "image_cond_noise_scale", **{f: f for f in LTX2_FIELDS}}
-# Conditioning media keys (LTX-Video models), and the keys of one ``conditions`` object.
+# Conditioning media keys, and the keys of one ``conditions`` object. The other keys are prompt, seed and the
+# model's options (``cli_common.option_keys``).
 _MEDIA_KEYS = ("image", "video", "conditions")
 _CONDITION_KEYS = ("media", "frame_index", "strength")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-def add_batch_parser(commands) -> argparse.ArgumentParser:
-    """The ``batch`` subcommand on the CLI's subparsers."""
+def add_batch_parser(commands, options: ModelOptions) -> argparse.ArgumentParser:
+    """The ``batch`` subcommand on the CLI's subparsers; ``options``: the loaded model's."""
+    keys = ", ".join(option_keys(options))
     batch = commands.add_parser(
         "batch", help="generate every prompt of a JSONL file",
         description="One JSON object per line: 'prompt' (required), optional 'name' (the output's stem, default "
-                    "the line number) and any generation option by name (negative_prompt, frames|num_frames, "
-                    "height, width, steps|num_inference_steps, guidance|guidance_scale, seed, fps; for LTX-2 "
-                    f"models also {', '.join(LTX2_FIELDS)}). LTX-Video models also take media, paths relative to "
-                    "the prompts file's folder: 'image' (image-to-video), 'video' (a clip at frame 0), or "
-                    "'conditions': a list of {\"media\": PATH, \"frame_index\": 0, \"strength\": 1.0} or "
-                    "\"PATH@FRAME[:STRENGTH]\" items, and image_cond_noise_scale. The model is loaded once; outputs "
-                    "that already exist are skipped, so a rerun resumes.")
+                    "the line number), 'seed', and any option of the model by name, alias or flag name "
+                    f"({keys}). Media, paths relative to the prompts file's folder: 'image' (image-to-video), "
+                    "'video' (a clip at frame 0), or 'conditions': a list of {\"media\": PATH, \"frame_index\": 0, "
+                    "\"strength\": 1.0} or \"PATH@FRAME[:STRENGTH]\" items. The model is loaded once; outputs that "
+                    "already exist are skipped, so a rerun resumes.")
     batch.add_argument("prompts", type=Path, metavar="PROMPTS.jsonl", help="one JSON object per line")
     batch.add_argument("--out-dir", type=Path, required=True, metavar="DIR", help="where outputs go (created)")
     batch.add_argument("--ext", choices=("mp4", "frames"), default="mp4",
                        help="NAME.mp4, or a NAME/ folder of PNG frames, the final latents (latents.npy) and, for "
                             "LTX-2, audio.wav and audio_latents.npy (default mp4)")
-    add_request_arguments(batch, batch=True)
+    add_request_arguments(batch, options, batch=True)
     add_runtime_arguments(batch)
     return batch
 
@@ -184,8 +178,8 @@ def _with_media(request: GenerationRequest, media: _LineMedia) -> GenerationRequ
     return attach_media(request, image=media.image, conditions=media.conditions)
 
 
-def _parse_line(text: str, line: int, defaults: dict[str, Any],
-                base: Path) -> tuple[str, GenerationRequest, _LineMedia | None]:
+def _parse_line(text: str, line: int, defaults: dict[str, Any], base: Path,
+                options: ModelOptions) -> tuple[str, GenerationRequest, _LineMedia | None]:
     """One JSONL line -> (output name, request without media, the media files it names, relative to ``base``);
     ``_LineError`` (carrying ``name`` once known) if it is bad."""
     try:
@@ -197,10 +191,11 @@ def _parse_line(text: str, line: int, defaults: dict[str, Any],
     name = obj.get("name", f"{line:05d}")
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise _LineError(f"name={name!r} must be 1-128 of A-Z a-z 0-9 . _ - (not starting with . _ -)")
-    unknown = sorted(set(obj) - set(_BATCH_KEYS) - {"name", *_MEDIA_KEYS})
+    keys = {"prompt": "prompt", "seed": "seed", **option_keys(options)}
+    unknown = sorted(set(obj) - set(keys) - {"name", *_MEDIA_KEYS})
     if unknown:
-        raise _LineError(f"unknown key(s) {', '.join(map(repr, unknown))}; known: name, {', '.join(_BATCH_KEYS)}, "
-                         f"{', '.join(_MEDIA_KEYS)}", name)
+        raise _LineError(f"unknown key(s) {', '.join(map(repr, unknown))}: not options of {options.model} models; "
+                         f"known: name, {', '.join(keys)}, {', '.join(_MEDIA_KEYS)}", name)
     if "prompt" not in obj:
         raise _LineError("missing 'prompt'", name)
     values = dict(defaults)
@@ -209,14 +204,12 @@ def _parse_line(text: str, line: int, defaults: dict[str, Any],
     for key, value in obj.items():
         if key == "name" or key in _MEDIA_KEYS:
             continue
-        field = _BATCH_KEYS[key]
+        field = keys[key]
         if field in seen:
             raise _LineError(f"both {seen[field]!r} and {key!r} set {field}; keep one", name)
         seen[field] = key
         values[field] = value
-    if isinstance(values.get("stg_blocks"), list):
-        values["stg_blocks"] = tuple(values["stg_blocks"])  # the request's own type (JSON has only lists)
-    return name, GenerationRequest(**values), media
+    return name, GenerationRequest.of(**values), media
 
 
 def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
@@ -226,14 +219,17 @@ def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
         text = args.prompts.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read the prompts file {str(args.prompts)!r}: {exc}") from exc
-    defaults = {f: getattr(args, f) for f in REQUEST_FLAGS if f != "prompt" and getattr(args, f) is not None}
+    flags = ("seed", *info.options.names)
+    defaults = {f: getattr(args, f) for f in flags if getattr(args, f, None) is not None}
     items: list[_Item] = []
     names: dict[str, int] = {}
     base = args.prompts.parent
 
-    def check(request: GenerationRequest, media: _LineMedia | None, name: str) -> None:
+    def check(request: GenerationRequest, media: _LineMedia | None, name: str) -> GenerationRequest:
         try:
-            check_request(request, geometry=info.geometry, limits=limits, family=info.family, layers=info.layers)
+            request = resolve_request(request, info.options, limits=limits)
+            check_request(request, geometry=info.geometry, limits=limits, options=info.options)
+            return request
         except (ValueError, TypeError) as exc:
             if media is None or isinstance(exc, TypeError):
                 raise _LineError(str(exc), name) from exc
@@ -243,11 +239,11 @@ def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
         if not raw.strip():
             continue
         try:
-            name, request, media = _parse_line(raw, line, defaults, base)
+            name, request, media = _parse_line(raw, line, defaults, base, info.options)
             if name in names:
                 raise _LineError(f"name {name!r} is already used on line {names[name]}", name)
             names[name] = line
-            check(request, media, name)  # the frames count is good before a clip is decoded up to it
+            request = check(request, media, name)  # the frames count is good before a clip is decoded up to it
             done = _output_done(_batch_output(args.out_dir, name, args.ext), args.ext)
             if media is not None and not done:
                 try:

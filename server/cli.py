@@ -32,11 +32,11 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from cp_infer.request import GenerationRequest, check_request
+from cp_infer.options import ModelOptions
+from cp_infer.request import GenerationRequest, check_request, resolve_request
 from server.batch import add_batch_parser, run_batch
 from server.cli_common import (
     PROG,
-    REQUEST_FLAGS,
     USAGE_ERROR,
     Leader,
     MediaRef,
@@ -49,7 +49,9 @@ from server.cli_common import (
     check_device,
     media_error,
     model_info,
+    options_for,
     quiet_libraries,
+    request_from_args,
     result_writer,
     run_group,
     runtime_config_from_args,
@@ -59,7 +61,12 @@ from server.launch import group_size, in_torchrun, relaunch_under_torchrun
 __all__ = ["main", "build_parser", "add_runtime_arguments", "runtime_config_from_args"]
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None, options: ModelOptions | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; the generation flags are those ``options`` declares (default: the options of the model
+    that ``argv``'s ``--model`` names)."""
+    if options is None:
+        wants_options = argv is not None and argv[:1] in (["generate"], ["batch"])
+        options = options_for(argv[1:] if wants_options else ())
     parser = argparse.ArgumentParser(prog=PROG, description="Long-video text-to-video inference with Ulysses "
                                      "sequence parallelism over a torchrun group.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,batch,serve}")
@@ -68,14 +75,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                    description="Generate one video and write it as an MP4 or a frames folder "
                                                "(LTX-2 models: with their soundtrack, AAC in the MP4, audio.wav in "
                                                "the folder).")
-    add_request_arguments(generate, batch=False)
+    add_request_arguments(generate, options, batch=False)
     add_media_arguments(generate)
     add_runtime_arguments(generate)
     generate.add_argument("--out", required=True, metavar="FILE.mp4|DIR/|-",
                           help="an .mp4 file, a folder (existing, or ending in '/') of lossless PNG frames and the "
                                "final latents (latents.npy), or '-': a fragmented MP4 on stdout, written while the "
                                "video is decoded")
-    add_batch_parser(commands)
+    add_batch_parser(commands, options)
 
     # NOTE(serve): server.serve (FastAPI, uvicorn) is imported only when asked for, so generate and batch
     # neither pay for it nor depend on it.
@@ -198,7 +205,6 @@ def _media_refs(args: argparse.Namespace) -> tuple[MediaRef | None, tuple[MediaR
 
 def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     video_out = _claim_stdout() if args.out == "-" else None
-    request = GenerationRequest(**{f: getattr(args, f) for f in REQUEST_FLAGS})
     config = runtime_config_from_args(args)
     nproc = group_size(args.nproc)
     _check_out(args.out)
@@ -207,15 +213,17 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     check_device(config)
     info = model_info(config)
 
-    def check(request: GenerationRequest) -> None:
+    def check(request: GenerationRequest) -> GenerationRequest:
         try:
-            check_request(request, geometry=info.geometry, limits=config.limits, family=info.family,
-                          layers=info.layers)
+            request = resolve_request(request, info.options, limits=config.limits)
+            check_request(request, geometry=info.geometry, limits=config.limits, options=info.options)
         except ValueError as exc:
-            raise media_error(exc, image=image, conditions=conditions,
-                              conditions_label="--video/--condition") from exc
+            raise media_error(exc, image=image, conditions=conditions, conditions_label="--video/--condition",
+                              options=info.options, argv=argv) from exc
+        return request
 
-    check(request)  # the frames count is good before a clip is decoded up to it
+    # The frames count is good before a clip is decoded up to it.
+    request = check(request_from_args(args, info.options, prompt=args.prompt, seed=args.seed))
     if image is not None or conditions:
         request = attach_media(request, image=image, conditions=conditions)
         check(request)
@@ -285,7 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
     rank = _setup_logging()
-    args = build_parser(argv).parse_args(argv)
+    options = options_for(argv[1:]) if argv[:1] in (["generate"], ["batch"]) else None
+    parser = build_parser(argv, options)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = next((a for a in unknown if a.startswith("-")), unknown[0]).split("=", 1)[0]
+        if options is None or not flag.startswith("--"):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # The generation flags are the loaded model's: an option it does not declare is refused, naming it.
+        print(f"{PROG} {args.command}: error: {flag}: not an option of {options.model} models (the model that "
+              f"--model names); its options: {PROG} {args.command} --model ... --help", file=sys.stderr)
+        return USAGE_ERROR
     args.t0 = t0
     if args.command == "serve":
         from server import serve  # present: build_parser imported it for the serve arguments

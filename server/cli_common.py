@@ -2,8 +2,8 @@
 group forms, and the leader's side of a run (:class:`Leader`, :func:`run_group`).
 
 Invariants:
-- Request arguments map one to one onto :class:`GenerationRequest` fields (``REQUEST_FLAGS``); a request error
-  names the flag the user typed (:func:`field_error`).
+- The generation flags are derived from the loaded model's declared options (``cp_infer.options``): ``--name``
+  for ``name`` plus the option's short flags; a request error names the flag the user typed (:func:`field_error`).
 - The model is described from its config files alone (:func:`model_info`: family and geometry, no weights), so a
   bad request is refused, with exit code 2, before any rank loads anything.
 - Every job the leader runs is broadcast to every rank before it runs, and every path that leaves the group in step
@@ -30,16 +30,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK
-from cp_infer.request import FAMILY_OPTIONS, Condition, GenerationRequest
+from cp_infer.options import ModelOptions, Option
+from cp_infer.request import Condition, GenerationRequest
 from server.launch import leader_exit_code
 
 if TYPE_CHECKING:
     from server.runtime import GroupDriver, Runtime
 
 __all__ = [
-    "LTX2_FIELDS",
     "PROG",
-    "REQUEST_FLAGS",
     "USAGE_ERROR",
     "Generated",
     "Leader",
@@ -54,8 +53,11 @@ __all__ = [
     "field_error",
     "media_error",
     "model_info",
+    "option_keys",
+    "options_for",
     "parse_condition",
     "quiet_libraries",
+    "request_from_args",
     "result_writer",
     "run_group",
     "runtime_config_from_args",
@@ -65,22 +67,6 @@ log = logging.getLogger("cp_infer.cli")
 
 PROG = "cp-infer"
 USAGE_ERROR = 2
-_DEFAULTS = {f.name: f.default for f in fields(GenerationRequest)}
-# Request field -> CLI flag, to point error messages at what the user typed.
-REQUEST_FLAGS = {"prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_frames": "--frames",
-                 "height": "--height", "width": "--width", "num_inference_steps": "--steps",
-                 "guidance_scale": "--guidance", "seed": "--seed", "fps": "--fps",
-                 # LTX-2 only (the loaded model's family decides; others refuse them)
-                 "audio_guidance_scale": "--audio-guidance", "stg_scale": "--stg", "audio_stg_scale": "--audio-stg",
-                 "modality_scale": "--modality", "audio_modality_scale": "--audio-modality",
-                 "guidance_rescale": "--guidance-rescale", "audio_guidance_rescale": "--audio-guidance-rescale",
-                 "stg_blocks": "--stg-blocks",
-                 # LTX-Video conditions only
-                 "image_cond_noise_scale": "--image-cond-noise-scale"}
-LTX2_FIELDS = tuple(f for f in REQUEST_FLAGS if f in FAMILY_OPTIONS["ltx2"])
-assert set(LTX2_FIELDS) == FAMILY_OPTIONS["ltx2"], "every LTX-2 request option needs a CLI flag"
-
-
 class UsageError(ValueError):
     """A bad argument, request or file: reported in one line, exit code 2, nothing started."""
 
@@ -127,41 +113,54 @@ def _frames_per_rank(text: str) -> int | str | None:
     return value
 
 
-def add_request_arguments(parser: argparse.ArgumentParser, *, batch: bool) -> None:
-    """The generation options; for ``batch`` they are defaults (no ``--prompt``, unset unless given)."""
-    group = parser.add_argument_group("generation" + (" defaults (a line's own keys win)" if batch else ""))
+def _flags(option: Option) -> list[str]:
+    return list(dict.fromkeys([option.flag, *option.flags]))
 
-    def add(flag: str, field: str, kind: type, help_text: str, metavar: str | None = None) -> None:
-        default = None if batch else _DEFAULTS[field]
-        group.add_argument(flag, dest=field, type=kind, default=default, metavar=metavar or flag[2:].upper(),
-                           help=f"{help_text} (default {_DEFAULTS[field]!r})")
 
+def option_keys(options: ModelOptions) -> dict[str, str]:
+    """Every name a prompts file's key may use for an option (its name, aliases and flags without dashes) -> the
+    option's name."""
+    keys = {}
+    for option in options:
+        for key in (option.name, *option.aliases, *(f[2:].replace("-", "_") for f in option.flags)):
+            keys[key] = option.name
+    return keys
+
+
+def _option_type(option: Option):
+    if option.kind is tuple:
+        return _block_list
+    return option.kind
+
+
+def _default_text(option: Option) -> str:
+    default = option.default
+    if default is None:
+        return "unset"
+    return ",".join(map(str, default)) if isinstance(default, tuple) else repr(default)
+
+
+def add_request_arguments(parser: argparse.ArgumentParser, options: ModelOptions, *, batch: bool) -> None:
+    """The generation options the model declares (``options``), each ``--name`` and its short flags; unset ones
+    take the model's defaults. For ``batch`` they are defaults (a line's own keys win), and there is no
+    ``--prompt``."""
+    group = parser.add_argument_group(f"generation{' defaults (a line’s own keys win)' if batch else ''}: the "
+                                      f"options of {options.model} models (--model), defaults their reference "
+                                      "pipeline's")
     if not batch:
         group.add_argument("--prompt", required=True, metavar="TEXT", help="what the video shows")
-    add("--negative-prompt", "negative_prompt", str, "what it should not show", "TEXT")
-    add("--frames", "num_frames", int, "number of frames, 8k+1")
-    add("--height", "height", int, "pixels, a multiple of 32 (LTX-2: at least 64)")
-    add("--width", "width", int, "pixels, a multiple of 32 (LTX-2: at least 64)")
-    add("--steps", "num_inference_steps", int, "denoising steps")
-    add("--guidance", "guidance_scale", float, "classifier-free guidance scale; <= 1 turns it off")
-    add("--seed", "seed", int, "noise seed")
-    add("--fps", "fps", int, "frames per second (conditions the model and sets the output rate)")
-    group.add_argument("--image-cond-noise-scale", dest="image_cond_noise_scale", type=float, default=None,
-                       metavar="X", help="noise added at every step to fully conditioned tokens, 0..1 (conditions "
-                                         "on LTX-Video models only; default LTXConditionPipeline's 0.15)")
-    ltx2 = parser.add_argument_group("LTX-2 guidance (audio-video models only; default: LTX2Pipeline's)")
-    for flag, field, help_text in (
-        ("--audio-guidance", "audio_guidance_scale", "CFG scale of the soundtrack (7)"),
-        ("--stg", "stg_scale", "spatio-temporal guidance of the video (1; 0 = off)"),
-        ("--audio-stg", "audio_stg_scale", "spatio-temporal guidance of the soundtrack (1)"),
-        ("--modality", "modality_scale", "modality-isolation guidance of the video (3; 1 = off)"),
-        ("--audio-modality", "audio_modality_scale", "modality-isolation guidance of the soundtrack (3)"),
-        ("--guidance-rescale", "guidance_rescale", "CFG rescale of the video, 0..1 (0.7)"),
-        ("--audio-guidance-rescale", "audio_guidance_rescale", "CFG rescale of the soundtrack, 0..1 (0.7)"),
-    ):
-        ltx2.add_argument(flag, dest=field, type=float, default=None, metavar="X", help=help_text)
-    ltx2.add_argument("--stg-blocks", dest="stg_blocks", type=_block_list, default=None, metavar="I,J",
-                      help="transformer blocks that spatio-temporal guidance perturbs (28)")
+    group.add_argument("--seed", type=int, default=None if batch else 0, help="noise seed (default 0)")
+    for option in options:
+        metavar = {str: "TEXT", tuple: "I,J"}.get(option.kind, option.name.split("_")[-1].upper())
+        group.add_argument(*_flags(option), dest=option.name, type=_option_type(option), default=None,
+                           metavar=metavar, help=f"{option.help}; {option.describe()} (default "
+                                                 f"{_default_text(option)})")
+
+
+def request_from_args(args: argparse.Namespace, options: ModelOptions, **values: Any) -> GenerationRequest:
+    """The request the generation flags set (unset options left for the model's defaults)."""
+    given = {o.name: getattr(args, o.name) for o in options if getattr(args, o.name) is not None}
+    return GenerationRequest.of(**values, **given)
 
 
 def add_media_arguments(parser: argparse.ArgumentParser) -> None:
@@ -225,12 +224,40 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed(\.|$)")
 
 
-def field_error(exc: ValueError) -> UsageError:
-    """Prefix a request error with the flag that sets the field it names."""
+def _typed_flag(flags: list[str], argv: Sequence[str]) -> str:
+    for flag in flags:
+        if any(arg == flag or arg.startswith(flag + "=") for arg in argv):
+            return flag
+    return flags[0]
+
+
+def field_error(exc: ValueError, options: ModelOptions | None = None, argv: Sequence[str] = ()) -> UsageError:
+    """Prefix a request error with the flag (of those in ``argv``, the one the user typed) that sets the option it
+    names."""
     message = str(exc)
-    match = re.match(r"(\w+)[=\s]", message)
-    flag = REQUEST_FLAGS.get(match.group(1)) if match else None
+    match = re.match(r"(\w+)(\[\])?[=\s]", message)
+    name = match.group(1) if match else None
+    flags = {"prompt": ["--prompt"], "seed": ["--seed"]}
+    if options is not None:
+        flags.update({o.name: _flags(o) for o in options})
+    flag = _typed_flag(flags[name], argv) if name in flags else None
     return UsageError(f"{flag}: {message}" if flag else message)
+
+
+def options_for(argv: Sequence[str]) -> ModelOptions:
+    """The options of the model ``argv``'s ``--model`` names (config files only), so that the generation flags and
+    their help are that model's. A model that cannot be described gets the default model's: the run itself then
+    reports the folder's error (:func:`model_info`)."""
+    from models.loading import ModelLoadError
+    from models.registry import describe_model
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default=None)
+    known, _ = pre.parse_known_args(list(argv))
+    try:
+        return describe_model(known.model).options
+    except (ModelLoadError, ValueError, OSError):
+        return describe_model(None).options
 
 
 def model_info(config):
@@ -302,13 +329,14 @@ _MEDIA_FIELD = re.compile(r"(image|conditions)(?:\[(\d+)\])?(\.|:\s*|(?=\s))")
 
 
 def media_error(exc: ValueError, *, image: MediaRef | None = None, conditions: Sequence[MediaRef] = (),
-                conditions_label: str = "conditions") -> UsageError:
+                conditions_label: str = "conditions", options: ModelOptions | None = None,
+                argv: Sequence[str] = ()) -> UsageError:
     """A ``check_request`` error about ``image`` or ``conditions[i]`` told with the flag or key (and file) the user
     gave (``conditions_label`` for the list as a whole); any other error as :func:`field_error`."""
     message = str(exc)
     match = _MEDIA_FIELD.match(message)
     if match is None:
-        return field_error(exc)
+        return field_error(exc, options, argv)
     name, index, sep = match.groups()
     if name == "image":
         label = image.label if image is not None else "image"

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Protocol, runtime_checkable
 from fastapi import Depends, Request
 
 if TYPE_CHECKING:
+    from cp_infer.options import ModelOptions
     from cp_infer.request import GenerationLimits, GenerationRequest
     from cp_infer.shapes import VideoGeometry
     from server.jobs import Job, JobStore
@@ -68,13 +69,8 @@ class Engine(Protocol):
         """The model's frame geometry; ``None`` until the model is loaded (routes then answer 503)."""
 
     @property
-    def family(self) -> str | None:
-        """The model's family (``ltx-video``, ``ltx2``); set before ``geometry``."""
-
-    @property
-    def layers(self) -> int | None:
-        """The model's transformer blocks (request block indices are checked against them); set before
-        ``geometry``."""
+    def options(self) -> ModelOptions:
+        """The request options the served model declares (from its config files: known before it is loaded)."""
 
     # -- health and metrics ------------------------------------------------------------------------------------
     def ready(self) -> tuple[bool, str]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from cp_infer.request import FAMILY_OPTIONS, Condition, GenerationRequest
+from cp_infer.request import Condition, GenerationRequest
 
 __all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
 
@@ -94,9 +94,8 @@ class Job:
             "error": error, "negative_prompt": r.negative_prompt, "num_frames": r.num_frames, "width": r.width,
             "height": r.height, "fps": r.fps, "num_inference_steps": r.num_inference_steps,
             "guidance_scale": r.guidance_scale, "seed": r.seed,
-            **{name: getattr(r, name) for name in sorted(FAMILY_OPTIONS["ltx2"] - {"stg_blocks"})},
-            "stg_blocks": None if r.stg_blocks is None else list(r.stg_blocks),
-            "image_cond_noise_scale": r.image_cond_noise_scale,
+            # The model's own options, as resolved (every one it declares).
+            **{name: list(v) if isinstance(v, tuple) else v for name, v in r.options.items()},
             "input_reference": r.image is not None,
             "conditions": [{"frame_index": c.frame_index, "strength": c.strength,
                             "num_frames": int(c.frames.shape[0])} for c in r.conditions] or None,
@@ -124,10 +123,17 @@ def _request_to_json(request: GenerationRequest) -> str:
     return json.dumps(data)
 
 
+_REQUEST_FIELDS = frozenset(f.name for f in fields(GenerationRequest))
+
+
 def _request_from_json(text: str) -> GenerationRequest:
     data = json.loads(text)
-    if data.get("stg_blocks") is not None:
-        data["stg_blocks"] = tuple(data["stg_blocks"])  # JSON has only lists; the request holds a tuple
+    options = data.get("options") or {}
+    # Rows written before models declared their options hold them as fields: the set ones become options.
+    options.update({k: data.pop(k) for k in list(data) if k not in _REQUEST_FIELDS and data[k] is not None})
+    data = {k: v for k, v in data.items() if k in _REQUEST_FIELDS}
+    # JSON has only lists; a request holds tuples.
+    data["options"] = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
     if data.get("image") is not None:
         data["image"] = _condition_from_json(data["image"])
     data["conditions"] = tuple(_condition_from_json(c) for c in data.get("conditions") or ())

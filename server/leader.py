@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cp_infer.request import GenerationLimits, check_request
+from cp_infer.options import ModelOptions
+from cp_infer.request import GenerationLimits, check_request, resolve_request
 from server.jobs import Job, JobStore
 from server.streaming import StreamedOutputs, VideoStream
 
@@ -152,10 +153,7 @@ class GroupLeader:
         self._streams_lock = threading.Lock()
         # Read by the HTTP thread.
         self.geometry = None
-        self.family: str | None = None
-        """The served model's family (set before ``geometry``, which marks the group ready)."""
-        self.layers: int | None = None
-        """The served model's transformer blocks (set before ``geometry``)."""
+        self._options: ModelOptions | None = None
         self.world_size: int | None = None
         self.pids: list[int] = []
         self.loaded = False
@@ -178,6 +176,15 @@ class GroupLeader:
     @property
     def served_model(self) -> str:
         return self.config.served_model
+
+    @property
+    def options(self) -> ModelOptions:
+        """The loaded model's declared options; before it is loaded, read from its config files."""
+        if self._options is None:
+            from models.registry import describe_model
+
+            self._options = describe_model(self.config.runtime.model).options
+        return self._options
 
     @property
     def keep_frames(self) -> bool:
@@ -245,8 +252,7 @@ class GroupLeader:
             self.pids = group_pids(runtime.state)
             self.world_size = runtime.state.world_size
             self._write_group_file()
-            self.family = runtime.model.family
-            self.layers = runtime.model.layers
+            self._options = runtime.model.options
             self.geometry = runtime.model.geometry
             self._ping(group)
             self.loaded = True
@@ -315,8 +321,9 @@ class GroupLeader:
 
         runtime, request = group.runtime, job.request
         try:
+            request = resolve_request(request, runtime.model.options, limits=self.config.limits)
             check_request(request, geometry=runtime.model.geometry, limits=self.config.limits,
-                          family=runtime.model.family, layers=runtime.model.layers)
+                          options=runtime.model.options)
         except ValueError as exc:
             self._finish(job, "failed", "invalid_request", f"no longer valid under this server's limits: {exc}")
             return

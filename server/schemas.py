@@ -10,13 +10,15 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model
 
-from cp_infer.request import FAMILY_OPTIONS, Condition, GenerationLimits, GenerationRequest, check_request
+from cp_infer.options import ModelOptions, Option, UnknownOption
+from cp_infer.request import Condition, GenerationLimits, GenerationRequest, check_request, resolve_request
 from cp_infer.shapes import VideoGeometry
 
 __all__ = [
@@ -33,12 +35,12 @@ __all__ = [
     "frames_for_seconds",
     "params_from_form",
     "params_from_json",
+    "params_model",
 ]
 
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
-_LTX2_FIELDS = tuple(sorted(FAMILY_OPTIONS["ltx2"]))
 
 
 class ApiError(Exception):
@@ -90,53 +92,47 @@ class ConditionParams(BaseModel):
     strength: float = 1.0
 
 
-class _LTX2Options(BaseModel):
-    """The LTX-2 (audio-video) controls, declared once for requests and job objects: the names of
-    ``FAMILY_OPTIONS["ltx2"]``. LTX-2 models only; other families refuse them. Unset: LTX2Pipeline's defaults."""
+class VideoCreateParams(BaseModel):
+    """``POST /v1/videos``: the OpenAI fields and the media; :func:`params_model` adds the served model's declared
+    options (``cp_infer.options``). Unknown fields are refused."""
 
-    audio_guidance_scale: float | None = None
-    stg_scale: float | None = None
-    audio_stg_scale: float | None = None
-    modality_scale: float | None = None
-    audio_modality_scale: float | None = None
-    guidance_rescale: float | None = None
-    audio_guidance_rescale: float | None = None
-    stg_blocks: list[int] | None = None
-
-
-# NOTE(field-order): pydantic orders a model's fields base classes first (reversed MRO), and that order is part of
-# the API (OpenAPI properties, JSON keys, the "valid parameters" list). So each public model takes its own fields
-# from a private base listed after _LTX2Options, which keeps the LTX-2 fields last.
-class _VideoCreateFields(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     prompt: str
     model: str | None = None
     seconds: str | int | float | None = None
-    """Duration; becomes the nearest valid frame count (8k+1 for LTX) at ``fps``. Excludes ``num_frames``."""
+    """Duration; becomes the nearest valid frame count (8k+1 for LTX) at the frame rate. Excludes ``num_frames``."""
     size: str | None = None
     """``"WxH"``, e.g. ``"384x256"``. Excludes ``width``/``height``."""
-    negative_prompt: str | None = None
-    num_frames: int | None = None
-    width: int | None = None
-    height: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
     seed: int | None = None
-    fps: int | None = None
+    """Noise seed (unset: a random one, reported in the job)."""
     stream: bool | None = None
     """Extension: respond with the MP4 itself, sent while it is made (also a query parameter)."""
     input_reference: str | ImageReference | None = None
     """The first frame (image-to-video): an uploaded file (multipart), a data URL or ``{"image_url": data URL}``. A
     video clip here conditions from frame 0 on."""
     conditions: list[ConditionParams] | None = None
-    """Images or clips at frame indices with strengths (LTX-Video models)."""
-    image_cond_noise_scale: float | None = None
-    """Noise re-added at every step to fully conditioned tokens (with ``conditions``; default 0.15)."""
+    """Images or clips at frame indices with strengths."""
+    _aliases: dict[str, str] = PrivateAttr(default_factory=dict)
+    """Declared option name -> the alias the client wrote it as (``frame_rate`` -> ``fps``), for error messages."""
 
 
-class VideoCreateParams(_LTX2Options, _VideoCreateFields):
-    """``POST /v1/videos``: the OpenAI fields plus explicit generation controls. Unknown fields are refused."""
+_PY_TYPES = {int: int, float: float, str: str, bool: bool, tuple: list[int]}
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+def _option_field(option: Option) -> tuple[Any, Any]:
+    default = list(option.default) if isinstance(option.default, tuple) else option.default
+    shown = "unset" if default is None else repr(default)
+    return (_PY_TYPES[option.kind] | None,
+            Field(None, description=f"{option.help} (default {shown}: the reference pipeline's; {option.describe()})",
+                  json_schema_extra={"x-default": default}))
+
+
+@functools.cache
+def params_model(options: ModelOptions) -> type[VideoCreateParams]:
+    """The create body of a server whose model declares ``options``: the OpenAI fields plus one field per option
+    (unset: the declared default)."""
+    return create_model("VideoCreateParams", __base__=VideoCreateParams,
+                        **{o.name: _option_field(o) for o in options})
 
 
 class VideoError(BaseModel):
@@ -144,7 +140,11 @@ class VideoError(BaseModel):
     message: str
 
 
-class _VideoJobFields(BaseModel):
+class VideoJob(BaseModel):
+    """The job object (OpenAI's ``video``) plus the generation parameters this server resolved; besides the fields
+    here, every option the served model declares, with the value used."""
+
+    model_config = ConfigDict(extra="allow")
     id: str
     object: Literal["video"] = "video"
     status: JobStatus
@@ -166,13 +166,8 @@ class _VideoJobFields(BaseModel):
     seed: int
     input_reference: bool = False
     """Whether the video was made from a reference image."""
-    image_cond_noise_scale: float | None = None
     conditions: list[dict] | None = None
     """The conditioning items (``frame_index``, ``strength``, ``num_frames`` of the media), without their pixels."""
-
-
-class VideoJob(_LTX2Options, _VideoJobFields):
-    """The job object (OpenAI's ``video``) plus the generation parameters this server resolved."""
 
 
 class VideoList(BaseModel):
@@ -189,7 +184,8 @@ class VideoDeleted(BaseModel):
     deleted: bool
 
 
-def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | None) -> str:
+def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | None,
+                options: ModelOptions | None = None) -> str:
     """What a field accepts, for error messages."""
     t = geometry.temporal_compression if geometry else 8
     step = geometry.spatial_step if geometry else 32
@@ -204,22 +200,20 @@ def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | N
         "num_frames": f"an integer {t}k+1 in [1, {limits.max_frames}]",
         "width": f"an integer multiple of {step} in [{smallest}, {limits.max_side}]",
         "height": f"an integer multiple of {step} in [{smallest}, {limits.max_side}]",
-        "num_inference_steps": f"an integer in [2, {limits.max_steps}]",
-        "guidance_scale": f"a finite number in [0, {limits.max_guidance}]",
         "seed": f"an integer in [0, {2**63 - 1}]",
-        "fps": f"an integer in [1, {limits.max_fps}]",
         "stream": "true or false",
         "input_reference": "an uploaded image (multipart), a data URL, or {\"image_url\": data URL}",
         "conditions": "a list of {\"media\": data URL or {\"id\": video id}, \"frame_index\": int, "
                       "\"strength\": number in [0, 1]}",
-        "image_cond_noise_scale": "a number in [0, 1]",
-        "stg_blocks": "a list of transformer block indices, e.g. [28] (a form: \"20,28\"; LTX-2 models only)",
-        "guidance_rescale": "a number in [0, 1] (LTX-2 models only)",
-        "audio_guidance_rescale": "a number in [0, 1] (LTX-2 models only)",
     }
-    if name in _LTX2_FIELDS:
-        return hints.get(name, f"a finite number in [0, {limits.max_guidance}] (LTX-2 models only)")
-    return hints.get(name, "a valid value")
+    if name in hints:
+        return hints[name]
+    canonical = options.canonical_name(name) if options is not None else None
+    if canonical is not None:
+        option = options[canonical]
+        hint = option.describe(limits)
+        return hint + " (a form: \"20,28\")" if option.kind is tuple else hint
+    return "a valid value"
 
 
 def _loc_name(loc: tuple) -> str | None:
@@ -235,53 +229,107 @@ def _loc_name(loc: tuple) -> str | None:
     return name
 
 
-def _from_validation_error(exc: ValidationError, limits: GenerationLimits,
-                           geometry: VideoGeometry | None, prefix: tuple = ()) -> ApiError:
+def _unknown(name: str, options: ModelOptions) -> ApiError:
+    valid = ", ".join([*VideoCreateParams.model_fields, *options.names])
+    return ApiError(400, "unknown_parameter", f"unknown parameter {name!r}: the served model ({options.model}) "
+                    f"declares no such option; valid parameters: {valid}", name)
+
+
+def _from_validation_error(exc: ValidationError, limits: GenerationLimits, geometry: VideoGeometry | None,
+                           options: ModelOptions, prefix: tuple = ()) -> ApiError:
     err = exc.errors()[0]
     param = _loc_name(prefix + tuple(err["loc"]))
     kind = err["type"]
     if kind == "extra_forbidden":
-        valid = ", ".join(VideoCreateParams.model_fields)
-        return ApiError(400, "unknown_parameter", f"unknown parameter {param!r}; valid parameters: {valid}", param)
+        return _unknown(param or "", options)
     if kind == "missing":
         return ApiError(400, "missing_required_parameter",
-                        f"{param} is required: {_field_hint(param or '', limits, geometry)}", param)
+                        f"{param} is required: {_field_hint(param or '', limits, geometry, options)}", param)
     value = err.get("input")
     shown = repr(value) if not isinstance(value, (str, bytes)) or len(value) < 80 else f"{str(value)[:77]!r}..."
     base = re.match(r"[a-z_]*", param or "").group(0)
     return ApiError(400, "invalid_type" if kind.endswith("_type") else "invalid_value",
-                    f"{param}={shown} is invalid ({err['msg']}); expected {_field_hint(base, limits, geometry)}",
-                    param)
+                    f"{param}={shown} is invalid ({err['msg']}); expected "
+                    f"{_field_hint(base, limits, geometry, options)}", param)
 
 
-def params_from_json(data: Any, *, limits: GenerationLimits, geometry: VideoGeometry | None) -> VideoCreateParams:
+def _canonical(data: dict, options: ModelOptions) -> tuple[dict, dict[str, str]]:
+    """Option aliases (``fps``, ``stg_blocks``) renamed to the declared names, and which were renamed; an unknown
+    name refused."""
+    try:
+        renamed = options.canonical(data, known=VideoCreateParams.model_fields)
+    except UnknownOption as exc:
+        raise _unknown(exc.name, options) from None
+    except ValueError as exc:
+        raise ApiError(400, "conflicting_parameters", str(exc), str(exc).split(" ", 1)[0]) from None
+    aliases = {options.canonical_name(k): k for k in data if k not in VideoCreateParams.model_fields
+               and options.canonical_name(k) != k}
+    return renamed, aliases
+
+
+def _as_typed(exc: ApiError, aliases: dict[str, str]) -> ApiError:
+    """``exc`` naming an option as the client wrote it (its alias) rather than by its declared name."""
+    base = (exc.param or "").split("[", 1)[0]
+    if base in aliases:
+        exc.param = exc.param.replace(base, aliases[base], 1)
+        exc.message = exc.message.replace(base, aliases[base])
+    return exc
+
+
+def params_from_json(data: Any, *, options: ModelOptions, limits: GenerationLimits,
+                     geometry: VideoGeometry | None) -> VideoCreateParams:
     """A decoded JSON body -> params; JSON types must match exactly (``"17"`` is not an integer)."""
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_json", f"the body must be a JSON object, got {type(data).__name__}")
+    data, aliases = _canonical(data, options)
     try:
-        return VideoCreateParams.model_validate(data)
+        params = params_model(options).model_validate(data)
     except ValidationError as exc:
-        raise _from_validation_error(exc, limits, geometry) from None
+        raise _as_typed(_from_validation_error(exc, limits, geometry, options), aliases) from None
+    params._aliases = aliases
+    return params
 
 
-def params_from_form(data: dict[str, str], *, limits: GenerationLimits,
+def _int_list(name: str, text: object, limits, geometry, options) -> list[int]:
+    # NOTE(forms): pydantic's string validation has no list syntax, so a list is written as on the command line.
+    if not isinstance(text, str) or not re.fullmatch(r"\s*\d{1,6}\s*(,\s*\d{1,6}\s*)*", text):
+        shown = repr(text[:80]) if isinstance(text, str) else "not a string"
+        raise ApiError(400, "invalid_value", f"{name}={shown} is invalid; expected "
+                       f"{_field_hint(name, limits, geometry, options)}", name)
+    return [int(b) for b in text.split(",")]
+
+
+def params_from_form(data: dict[str, Any], *, options: ModelOptions, limits: GenerationLimits,
                      geometry: VideoGeometry | None) -> VideoCreateParams:
-    """Form fields (all strings) -> params, converting each string to its field's type; the one list,
-    ``stg_blocks``, is written as on the command line: ``"20,28"``."""
-    blocks = data.get("stg_blocks")
-    nested = {k: data[k] for k in ("conditions", "input_reference") if not isinstance(data.get(k, ""), str)}
+    """Form fields (all strings) -> params, converting each string to its field's type; a list option is written
+    as on the command line: ``"20,28"``."""
+    data, aliases = _canonical(data, options)
     try:
-        params = VideoCreateParams.model_validate_strings(
-            {k: v for k, v in data.items() if k != "stg_blocks" and k not in nested}, strict=False)
+        params = _form_params(data, options=options, limits=limits, geometry=geometry)
+    except ApiError as exc:
+        raise _as_typed(exc, aliases) from None
+    params._aliases = aliases
+    return params
+
+
+def _form_params(data: dict[str, Any], *, options: ModelOptions, limits: GenerationLimits,
+                 geometry: VideoGeometry | None) -> VideoCreateParams:
+    lists = {o.name for o in options if o.kind is tuple and o.name in data}
+    nested = {k: data[k] for k in ("conditions", "input_reference") if not isinstance(data.get(k, ""), str)}
+    kw = dict(limits=limits, geometry=geometry, options=options)
+    model = params_model(options)
+    try:
+        params = model.model_validate_strings(
+            {k: v for k, v in data.items() if k not in lists and k not in nested}, strict=False)
     except ValidationError as exc:
-        raise _from_validation_error(exc, limits, geometry) from None
+        raise _from_validation_error(exc, **kw) from None
     # NOTE(forms): pydantic's string validation takes no nested lists: each item is validated on its own.
-    update: dict[str, Any] = {}
+    update: dict[str, Any] = {name: _int_list(name, data[name], **kw) for name in lists}
     if isinstance(nested.get("input_reference"), dict):
         try:
             update["input_reference"] = ImageReference.model_validate_strings(nested["input_reference"])
         except ValidationError as exc:
-            raise _from_validation_error(exc, limits, geometry, prefix=("input_reference",)) from None
+            raise _from_validation_error(exc, **kw, prefix=("input_reference",)) from None
     if "conditions" in nested:
         items = nested["conditions"]
         if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
@@ -292,23 +340,12 @@ def params_from_form(data: dict[str, str], *, limits: GenerationLimits,
             try:
                 conditions.append(ConditionParams.model_validate_strings(item, strict=False))
             except ValidationError as exc:
-                raise _from_validation_error(exc, limits, geometry, prefix=("conditions", i)) from None
+                raise _from_validation_error(exc, **kw, prefix=("conditions", i)) from None
         update["conditions"] = conditions
     elif "input_reference" in nested and not isinstance(nested["input_reference"], dict):
         raise ApiError(400, "invalid_value", "input_reference is invalid; expected "
                        f"{_field_hint('input_reference', limits, geometry)}", "input_reference")
-    if update:
-        params = params.model_copy(update=update)
-    if blocks is None:
-        return params
-    if not isinstance(blocks, str):
-        raise ApiError(400, "invalid_value", "stg_blocks is invalid; expected "
-                       f"{_field_hint('stg_blocks', limits, geometry)}", "stg_blocks")
-    # NOTE(forms): pydantic's string validation has no list syntax, so the list is parsed here.
-    if not re.fullmatch(r"\s*\d{1,6}\s*(,\s*\d{1,6}\s*)*", blocks):
-        raise ApiError(400, "invalid_value", f"stg_blocks={blocks[:80]!r} is invalid; expected "
-                       f"{_field_hint('stg_blocks', limits, geometry)}", "stg_blocks")
-    return params.model_copy(update={"stg_blocks": [int(b) for b in blocks.split(",")]})
+    return params.model_copy(update=update) if update else params
 
 
 def _parse_seconds(value: str | int | float) -> float:
@@ -327,73 +364,59 @@ def frames_for_seconds(seconds: float, fps: int, temporal_compression: int) -> i
     return temporal_compression * k + 1
 
 
-def _param_of(message: str) -> str | None:
-    match = re.match(r"^([a-z_]+)(\[\d+\](\.[a-z_]+)?)?", message)
-    if match and match.group(1) in VideoCreateParams.model_fields:
-        return match.group(0)
+def _param_of(message: str, options: ModelOptions) -> str | None:
+    match = re.match(r"^([a-z_]+)(\[\d*\](\.[a-z_]+)?)?", message)
+    if match and (match.group(1) in VideoCreateParams.model_fields or match.group(1) in options):
+        return match.group(0).replace("[]", "")
     return None
 
 
-def build_request(params: VideoCreateParams, *, geometry: VideoGeometry, limits: GenerationLimits,
-                  served_model: str, seed: int, family: str = "ltx-video", layers: int | None = None,
-                  image: Condition | None = None, conditions: tuple[Condition, ...] = ()) -> GenerationRequest:
-    """Resolve the OpenAI-style fields and validate; ``seed`` is used when the client gave none. ``image`` and
-    ``conditions``: the request's media, already decoded (``server.conditions``)."""
+def build_request(params: VideoCreateParams, *, options: ModelOptions, geometry: VideoGeometry,
+                  limits: GenerationLimits, served_model: str, seed: int, image: Condition | None = None,
+                  conditions: tuple[Condition, ...] = ()) -> GenerationRequest:
+    """Resolve the OpenAI-style fields and the model's options (unset: its declared defaults) and validate;
+    ``seed`` is used when the client gave none. ``image`` and ``conditions``: the request's media, already decoded
+    (``server.conditions``)."""
     if params.model is not None and params.model != served_model:
         raise ApiError(400, "model_not_found", f"model={params.model!r} is not served here; use {served_model!r} "
                        "or leave model out", "model")
-    defaults = GenerationRequest(prompt="")
-    fps = defaults.fps if params.fps is None else params.fps
-    if params.seconds is not None and params.num_frames is not None:
+    values = {name: getattr(params, name) for name in options.names}
+    fps = options["frame_rate"].default if values["frame_rate"] is None else values["frame_rate"]
+    if params.seconds is not None and values["num_frames"] is not None:
         raise ApiError(400, "conflicting_parameters", "give seconds or num_frames, not both", "seconds")
-    if params.size is not None and (params.width is not None or params.height is not None):
+    if params.size is not None and (values["width"] is not None or values["height"] is not None):
         raise ApiError(400, "conflicting_parameters", "give size or width/height, not both", "size")
-    num_frames = defaults.num_frames if params.num_frames is None else params.num_frames
     if params.seconds is not None:
         seconds = _parse_seconds(params.seconds)
         if not isinstance(fps, int) or not 1 <= fps <= limits.max_fps:
-            raise ApiError(400, "invalid_value", f"fps={fps} is out of range; use a value in [1, {limits.max_fps}]",
-                           "fps")
+            raise ApiError(400, "invalid_value", f"frame_rate={fps} is out of range; use a value in "
+                           f"[1, {limits.max_fps}]", "frame_rate")
         t = geometry.temporal_compression
-        num_frames = frames_for_seconds(seconds, fps, t)
-        if num_frames > limits.max_frames:
+        values["num_frames"] = frames_for_seconds(seconds, fps, t)
+        if values["num_frames"] > limits.max_frames:
             longest = (limits.max_frames - 1) // t * t + 1
             raise ApiError(400, "invalid_value",
-                           f"seconds={params.seconds} is {num_frames} frames at {fps} fps; the limit is "
+                           f"seconds={params.seconds} is {values['num_frames']} frames at {fps} fps; the limit is "
                            f"{limits.max_frames} frames: use seconds <= {longest / fps:.3g}", "seconds")
-    width = defaults.width if params.width is None else params.width
-    height = defaults.height if params.height is None else params.height
     if params.size is not None:
         match = _SIZE_RE.match(params.size)
         if not match:
             raise ApiError(400, "invalid_value", f"size={params.size!r} is not \"WxH\"; "
                            f"expected {_field_hint('size', limits, geometry)}", "size")
-        width, height = int(match.group(1)), int(match.group(2))
-    ltx2 = {name: getattr(params, name) for name in _LTX2_FIELDS}
-    if ltx2["stg_blocks"] is not None:
-        ltx2["stg_blocks"] = tuple(ltx2["stg_blocks"])  # the request's own (immutable) type
-    request = GenerationRequest(
-        prompt=params.prompt,
-        negative_prompt=defaults.negative_prompt if params.negative_prompt is None else params.negative_prompt,
-        num_frames=num_frames, height=height, width=width,
-        num_inference_steps=(defaults.num_inference_steps if params.num_inference_steps is None
-                             else params.num_inference_steps),
-        guidance_scale=defaults.guidance_scale if params.guidance_scale is None else params.guidance_scale,
-        seed=seed if params.seed is None else params.seed,
-        fps=fps, image=image, conditions=conditions, image_cond_noise_scale=params.image_cond_noise_scale,
-        **ltx2,
-    )
+        values["width"], values["height"] = int(match.group(1)), int(match.group(2))
     try:
-        check_request(request, geometry=geometry, limits=limits, family=family, layers=layers)
+        request = resolve_request(GenerationRequest.of(prompt=params.prompt, seed=seed if params.seed is None
+                                                       else params.seed, image=image, conditions=conditions,
+                                                       **values), options, limits=limits)
+        check_request(request, geometry=geometry, limits=limits, options=options)
     except ValueError as exc:
         message = str(exc)
-        param = _param_of(message)
+        param = _param_of(message, options)
         if param is None and message.startswith("image"):
             param = "input_reference"
         if params.size is not None and param in ("width", "height"):
             message, param = f"size={params.size!r}: {message}", "size"
         elif params.seconds is not None and param == "num_frames":
             param = "seconds"
-        raise ApiError(400, "invalid_value", message, param) from None
+        raise _as_typed(ApiError(400, "invalid_value", message, param), params._aliases) from None
     return request
-

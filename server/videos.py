@@ -190,7 +190,7 @@ async def _read_media_body(request: Request, *, max_body_bytes: int, max_upload_
 
 
 def _create_params(body: _Body, engine) -> VideoCreateParams:
-    kw = dict(limits=engine.limits, geometry=engine.geometry)
+    kw = dict(options=engine.options, limits=engine.limits, geometry=engine.geometry)
     return params_from_form(body.data, **kw) if body.form else params_from_json(body.data, **kw)
 
 
@@ -276,7 +276,7 @@ def _require_ready(engine) -> None:
 
 
 def _build(engine, params: VideoCreateParams, resolved: Resolved):
-    return build_request(params, geometry=engine.geometry, family=engine.family, layers=engine.layers,
+    return build_request(params, options=engine.options, geometry=engine.geometry,
                          limits=engine.limits, served_model=engine.served_model, seed=secrets.randbelow(2**31),
                          image=resolved.image, conditions=resolved.conditions)
 
@@ -297,8 +297,8 @@ def _edit_defaults(body: _Body, frames, source: Job | None, engine) -> _Body:
         else:
             defaults["width"] = max(step, frames.shape[2] // step * step)
             defaults["height"] = max(step, frames.shape[1] // step * step)
-    if source and "fps" not in data:
-        defaults["fps"] = source.request.fps
+    if source and not {"fps", "frame_rate"} & set(data):
+        defaults["frame_rate"] = source.request.fps
     if body.form:  # form fields are strings, converted with the rest
         defaults = {k: str(v) for k, v in defaults.items()}
     return dataclasses.replace(body, data={**data, **defaults})
@@ -406,8 +406,7 @@ async def remix_video(video_id: str, request: Request, engine: EngineDep, config
     try:
         from cp_infer.request import check_request
 
-        check_request(generation, geometry=engine.geometry, limits=engine.limits, family=engine.family,
-                      layers=engine.layers)
+        check_request(generation, geometry=engine.geometry, limits=engine.limits, options=engine.options)
     except ValueError as exc:
         raise ApiError(400, "invalid_value", str(exc), "prompt") from None
     job, _ = _submit(engine, generation, streamed=False)

@@ -21,7 +21,7 @@ from cp_infer.request import GenerationLimits
 from cp_infer.sampler import JobFailed
 from cp_infer.video_io import read_frames_dir, read_mp4, write_mp4
 from models.default import ensure_default_model
-from models.registry import ModelInfo
+from models.registry import ModelInfo, model_options
 from server import batch, cli
 from server.cli_common import Generated
 from server.launch import leader_exit_code, strip_nproc
@@ -152,7 +152,7 @@ def test_generate_ltx2_option_on_ltx_video_exits_2_before_starting(nothing_start
     code = cli.main(["generate", "--prompt", "a fox", *flags, "--nproc", "2", "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and not out.exists()
-    assert f"error: {flags[0]}: " in err and "applies to ltx2 models only" in err and "Traceback" not in err, err
+    assert f"error: {flags[0]}: not an option of LTX-Video models" in err and "Traceback" not in err, err
 
 
 @pytest.mark.timeout(120)
@@ -184,7 +184,7 @@ def test_batch_reports_bad_lines_and_resumes(commands, out):
     fox, fps = read_mp4(out_dir / "fox.mp4")
     assert fox.shape == (9, 64, 96, 3) and fps == 8  # the line's own keys win over the command's defaults
     whale, fps = read_mp4(out_dir / "00004.mp4")
-    assert whale.shape == (17, 64, 96, 3) and fps == 24
+    assert whale.shape == (17, 64, 96, 3) and fps == 25  # LTXPipeline's frame_rate
     assert sorted(p.name for p in out_dir.iterdir()) == ["00004.mp4", "fox.mp4"]  # no temporary files left
     mtimes = {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()}
 
@@ -207,7 +207,8 @@ def test_batch_failed_job_is_reported_and_the_rest_continue(tmp_path):
     (out_dir / "00003").write_text("a file where line 3's frames folder must go")
     args = cli.build_parser(["batch"]).parse_args(["batch", str(prompts), "--out-dir", str(out_dir),
                                                    "--ext", "frames"])
-    info = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry(), layers=2)
+    info = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry(), layers=2,
+                     options=model_options("ltx-video", layers=2))
     items = batch._plan_batch(args, info, GenerationLimits())
     rng = np.random.default_rng()
 
@@ -242,19 +243,25 @@ def test_batch_lines_with_ltx2_options(tmp_path):
         {"prompt": "wind", "frames": 9, "height": 32, "width": 96},
         {"prompt": "surf", "frames": 9, "height": 64, "width": 64, "guidance_rescale": 2},
     )) + "\n")
-    args = cli.build_parser(["batch"]).parse_args(["batch", str(prompts), "--out-dir", str(tmp_path / "o"),
-                                                   "--audio-guidance", "5"])
-    ltx2 = ModelInfo(path=tmp_path, family="ltx2", geometry=VideoGeometry(min_latent_side=2), layers=2)
+    args = cli.build_parser(["batch"], options=model_options("ltx2", layers=2)).parse_args(
+        ["batch", str(prompts), "--out-dir", str(tmp_path / "o"), "--audio-guidance", "5"])
+    ltx2 = ModelInfo(path=tmp_path, family="ltx2", geometry=VideoGeometry(min_latent_side=2), layers=2,
+                     options=model_options("ltx2", layers=2))
     items = batch._plan_batch(args, ltx2, GenerationLimits())
     assert [i.status for i in items] == ["todo", "invalid", "invalid"], items
-    assert items[0].request.stg_blocks == (0, 1) and items[0].request.stg_scale == 1.5
-    assert items[0].request.audio_guidance_scale == 5  # the command's default
+    options = items[0].request.options
+    assert options["spatio_temporal_guidance_blocks"] == (0, 1) and options["stg_scale"] == 1.5
+    assert options["audio_guidance_scale"] == 5  # the command's default
+    assert options["modality_scale"] == 3.0 and options["max_sequence_length"] == 1024  # LTX2Pipeline's defaults
     assert "height=32 is not a multiple of 32 of at least 64" in items[1].message
     assert "guidance_rescale=2 is out of range" in items[2].message
-    ltx_video = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry(), layers=2)
+    ltx_video = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry(), layers=2,
+                     options=model_options("ltx-video", layers=2))
+    args = cli.build_parser(["batch"]).parse_args(["batch", str(prompts), "--out-dir", str(tmp_path / "o")])
     items = batch._plan_batch(args, ltx_video, GenerationLimits())
-    assert [i.status for i in items] == ["invalid"] * 3
-    assert all("audio_guidance_scale applies to ltx2 models only" in i.message for i in items), items
+    assert [i.status for i in items] == ["invalid", "todo", "invalid"]
+    assert "unknown key(s) 'stg_blocks', 'stg_scale': not options of LTX-Video models" in items[0].message
+    assert "unknown key(s) 'guidance_rescale'" in items[2].message
 
 
 def test_strip_nproc():

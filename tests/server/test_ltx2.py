@@ -103,19 +103,25 @@ def ltx2_cache(tmp_path_factory) -> Path:
 
 
 def test_job_store_keeps_the_ltx2_options(tmp_path):
-    """A queued request comes back from SQLite equal to what was submitted (``stg_blocks`` a tuple again)."""
-    from cp_infer.request import GenerationRequest
+    """A queued request comes back from SQLite equal to what was submitted (the block list a tuple again), every
+    declared option in the job object."""
+    from cp_infer.request import GenerationRequest, resolve_request
+    from models.ltx2_options import ltx2_options
     from server.jobs import JobStore
 
     rng = np.random.default_rng()
-    request = GenerationRequest.of(prompt="surf", seed=int(rng.integers(0, 2**31)), stg_scale=float(rng.uniform(0, 3)),
-                                stg_blocks=tuple(int(b) for b in rng.integers(0, 48, size=3)), guidance_rescale=0.25)
+    blocks = tuple(int(b) for b in rng.integers(0, 48, size=3))
+    request = resolve_request(GenerationRequest.of(
+        prompt="surf", seed=int(rng.integers(0, 2**31)), stg_scale=float(rng.uniform(0, 3)), stg_blocks=blocks,
+        guidance_rescale=0.25), ltx2_options())
     store = JobStore(tmp_path, max_queue=2)
     try:
         job = store.submit(request, model="tiny-ltx2")
         assert store.get(job.id).request == request
         assert store.claim_next(timeout=0).request == request  # what the leader broadcasts
-        assert store.get(job.id).public()["stg_blocks"] == list(request.stg_blocks)
+        public = store.get(job.id).public()
+        assert public["spatio_temporal_guidance_blocks"] == list(blocks) and public["guidance_rescale"] == 0.25
+        assert public["audio_guidance_scale"] == 7.0 and public["num_frames"] == 121  # LTX2Pipeline's defaults
     finally:
         store.close()
 
@@ -241,8 +247,10 @@ def stored_job(ltx2_server, tmp_path_factory) -> dict:
 @pytest.mark.timeout(300)
 def test_job_echoes_the_ltx2_options(stored_job):
     for job in (stored_job["submitted"], stored_job["final"]):  # as queued, and as read back from SQLite
-        assert {k: job[k] for k in OPTIONS} == OPTIONS, job
-        assert job["audio_stg_scale"] is None and job["audio_modality_scale"] is None  # unset: the model's default
+        declared = {"spatio_temporal_guidance_blocks" if k == "stg_blocks" else k: v for k, v in OPTIONS.items()}
+        assert {k: job[k] for k in declared} == declared, job
+        # Unset: LTX2Pipeline's defaults, as used.
+        assert job["audio_stg_scale"] == 1.0 and job["audio_modality_scale"] == 3.0
         assert job["model"] == "tiny-ltx2" and job["size"] == f"{WIDTH}x{HEIGHT}" and job["num_frames"] == FRAMES
 
 
@@ -263,7 +271,7 @@ def test_streamed_job_is_a_fragmented_mp4_with_both_streams(ltx2_server, stored_
     (tmp_path / "streamed.mp4").write_bytes(data)
     frames, waveform = check_media(tmp_path / "streamed.mp4")
     final = s.client.get(f"/v1/videos/{job_id}").json()
-    assert final["status"] == "completed" and final["stg_blocks"] == [0], final
+    assert final["status"] == "completed" and final["spatio_temporal_guidance_blocks"] == [0], final
     assert s.client.get(f"/v1/videos/{job_id}/content").content == data  # the same bytes, not just the same video
     # The same request as the stored job (same seed): the same video and sound, within the encoders' noise.
     stored_frames, stored_audio = read_mp4(stored_job["path"])[0], read_audio(stored_job["path"])[0]
@@ -277,10 +285,10 @@ def test_streamed_job_is_a_fragmented_mp4_with_both_streams(ltx2_server, stored_
 @pytest.mark.parametrize("overrides,param,words", [
     ({"size": None, "width": WIDTH, "height": 32}, "height", "at least 64"),
     ({"size": "32x32"}, "size", "at least 64"),
-    ({"guidance_rescale": 2.0}, "guidance_rescale", "[0.0, 1.0]"),
+    ({"guidance_rescale": 2.0}, "guidance_rescale", "[0, 1]"),
     ({"stg_blocks": []}, "stg_blocks", "non-empty"),
     ({"audio_stg_scale": -1.0}, "audio_stg_scale", "out of range"),
-    ({"stg_blocks": [0, 2]}, "stg_blocks", "2 transformer blocks"),
+    ({"stg_blocks": [0, 2]}, "stg_blocks", "stg_blocks[]=2 is out of range; use a value in [0, 1]"),  # 2 blocks
 ], ids=["height-32", "size-32x32", "guidance-rescale-2", "stg-blocks-empty", "audio-stg-negative",
         "stg-block-missing"])
 def test_bad_ltx2_requests_are_400(ltx2_server, overrides, param, words):
@@ -299,4 +307,6 @@ def test_request_without_ltx2_options_uses_the_defaults(ltx2_server):
     job = s.submit({k: v for k, v in body().items() if k not in OPTIONS})
     final = s.wait_job(job["id"])
     assert final["status"] == "completed", f"{final}\n{s.log_tail()}"
-    assert final["stg_blocks"] is None and final["stg_scale"] is None
+    # LTX2Pipeline's defaults (the last block where the model has fewer than 29).
+    assert final["spatio_temporal_guidance_blocks"] == [1] and final["stg_scale"] == 1.0, final
+    assert final["max_sequence_length"] == 1024 and final["audio_guidance_scale"] == 7.0

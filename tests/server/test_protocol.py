@@ -20,7 +20,8 @@ import cp_infer
 import cp_infer.collectives
 import server.runtime
 from cp_infer import VideoGeometry, single_process_state
-from cp_infer.request import GenerationRequest
+from cp_infer.request import GenerationRequest, resolve_request
+from models.ltx_video_options import ltx_video_options
 from server.cli_common import run_group
 from server.jobs import JobStore
 from server.leader import GroupLeader, LeaderConfig
@@ -59,7 +60,7 @@ class _Runtime:
 
     def __init__(self, events: list[str]):
         self.state = single_process_state()
-        self.model = SimpleNamespace(family="ltx-video", layers=2, geometry=VideoGeometry())
+        self.model = SimpleNamespace(options=ltx_video_options(), geometry=VideoGeometry())
         self._events = events
         self._rng = np.random.default_rng()
 
@@ -87,7 +88,8 @@ def group(monkeypatch) -> _Group:
 
 
 def _request(prompt: str) -> GenerationRequest:
-    return GenerationRequest(prompt=prompt, num_frames=9, height=64, width=96, num_inference_steps=2, seed=5)
+    return resolve_request(GenerationRequest(prompt=prompt, num_frames=9, height=64, width=96, num_inference_steps=2,
+                                             seed=5), ltx_video_options())
 
 
 def test_the_cli_leader_sends_every_command_through_the_group_driver(group, monkeypatch):

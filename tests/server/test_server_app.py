@@ -12,6 +12,7 @@ from typing_extensions import get_protocol_members
 
 from cp_infer.request import GenerationLimits
 from cp_infer.shapes import VideoGeometry
+from models.ltx_video_options import ltx_video_options
 from server.app import AppConfig, create_app
 from server.engine import Engine
 from server.jobs import JobStore
@@ -29,7 +30,7 @@ class StubEngine:
         self.store = JobStore(data_dir, max_queue=4)
         self.limits = GenerationLimits()
         self.geometry = VideoGeometry()
-        self.family, self.layers = "ltx-video", 2
+        self.options = ltx_video_options()
         self.served_model = "tiny-ltx-video"
         self.keep_frames = False
         self.world_size, self.last_ping_rtt_s, self.broadcasts, self.restart_count = 2, 0.001, 0, 0
@@ -142,10 +143,11 @@ def test_no_cors_unless_configured(tmp_path):
 
 
 def test_queued_jobs_survive_a_new_store_and_running_ones_fail(tmp_path):
-    from cp_infer.request import GenerationRequest
+    from cp_infer.request import GenerationRequest, resolve_request
 
     store = JobStore(tmp_path, max_queue=4)
-    a, b = (store.submit(GenerationRequest(prompt=p), model="m") for p in ("first", "second"))
+    a, b = (store.submit(resolve_request(GenerationRequest(prompt=p), ltx_video_options()), model="m")
+            for p in ("first", "second"))
     assert store.claim_next(timeout=0).id == a.id
     store.close()
     reopened = JobStore(tmp_path, max_queue=4)

@@ -28,8 +28,8 @@ BODIES = [
     ("steps-zero", tiny(num_inference_steps=0), 400, "invalid_value", "num_inference_steps", "[2, 50]"),
     ("steps-one", tiny(num_inference_steps=1), 400, "invalid_value", "num_inference_steps", "[2, 50]"),
     ("steps-over-limit", tiny(num_inference_steps=51), 400, "invalid_value", "num_inference_steps", "[2, 50]"),
-    ("guidance-over-limit", tiny(guidance_scale=20.5), 400, "invalid_value", "guidance_scale", "[0.0, 20.0]"),
-    ("guidance-negative", tiny(guidance_scale=-1.0), 400, "invalid_value", "guidance_scale", "[0.0, 20.0]"),
+    ("guidance-over-limit", tiny(guidance_scale=20.5), 400, "invalid_value", "guidance_scale", "[0, 20]"),
+    ("guidance-negative", tiny(guidance_scale=-1.0), 400, "invalid_value", "guidance_scale", "[0, 20]"),
     ("guidance-overflows-to-inf", b'{"prompt": "a cat", "guidance_scale": 1e400}', 400, "invalid_value",
      "guidance_scale", "finite"),
     ("guidance-nan-literal", b'{"prompt": "a cat", "guidance_scale": NaN}', 400, "invalid_json", None, "finite"),
@@ -46,13 +46,15 @@ BODIES = [
     ("unknown-model", tiny(model="sora-2"), 400, "model_not_found", "model", "tiny-ltx-video"),
     ("seed-negative", tiny(seed=-1), 400, "invalid_value", "seed", "[0, "),
     ("seed-too-big", tiny(seed=2**64), 400, "invalid_value", "seed", "[0, "),
-    ("fps-zero", tiny(fps=0), 400, "invalid_value", "fps", "[1, 60]"),
-    ("fps-over-limit", tiny(fps=61), 400, "invalid_value", "fps", "[1, 60]"),
+    # fps is frame_rate's alias: an error names what the client wrote.
+    ("fps-zero", tiny(fps=0), 400, "invalid_value", "fps", "fps=0 is out of range; use a value in [1, 60]"),
+    ("fps-over-limit", tiny(frame_rate=61), 400, "invalid_value", "frame_rate", "[1, 60]"),
+    ("fps-and-frame-rate", tiny(fps=8, frame_rate=8), 400, "conflicting_parameters", "frame_rate", "give it once"),
     ("frames-as-string", tiny(num_frames="17"), 400, "invalid_type", "num_frames", "8k+1 in [1, 65]"),
     ("frames-as-float", tiny(num_frames=17.0), 400, "invalid_type", "num_frames", "8k+1"),
     ("frames-as-bool", tiny(num_frames=True), 400, "invalid_type", "num_frames", "8k+1"),
     ("prompt-as-number", tiny(prompt=123), 400, "invalid_type", "prompt", "string"),
-    ("guidance-as-string", tiny(guidance_scale="3"), 400, "invalid_type", "guidance_scale", "[0, 20.0]"),
+    ("guidance-as-string", tiny(guidance_scale="3"), 400, "invalid_type", "guidance_scale", "[0, 20]"),
     ("unknown-field", tiny(foo=1), 400, "unknown_parameter", "foo", "valid parameters"),
     ("image-url-fetched-from-network", tiny(input_reference="http://example.com/a.png"), 400, "unsupported_url",
      "input_reference", "upload the file"),
@@ -64,13 +66,17 @@ BODIES = [
     ("not-utf8", b'{"prompt": "\xff\xfe"}', 400, "invalid_json", None, "not valid JSON"),
     ("deep-nesting", b"[" * 7000 + b"]" * 7000, 400, "invalid_json", None, "not valid JSON"),
     ("huge-body", json.dumps(tiny("y" * BIG)).encode(), 413, "request_too_large", None, "16384"),
-    # LTX-2's options on this LTX-Video model: refused, never silently ignored.
-    ("stg-on-ltx-video", tiny(stg_scale=1.0), 400, "invalid_value", "stg_scale", "applies to ltx2 models only"),
-    ("audio-guidance-on-ltx-video", tiny(audio_guidance_scale=5.0), 400, "invalid_value", "audio_guidance_scale",
-     "applies to ltx2 models only"),
-    ("stg-blocks-on-ltx-video", tiny(stg_blocks=[0]), 400, "invalid_value", "stg_blocks",
-     "applies to ltx2 models only"),
-    ("stg-blocks-not-a-list", tiny(stg_blocks=0), 400, "invalid_type", "stg_blocks", "list of transformer block"),
+    # LTX-2's options on this LTX-Video model: options it does not declare, refused, never silently ignored.
+    ("stg-on-ltx-video", tiny(stg_scale=1.0), 400, "unknown_parameter", "stg_scale",
+     "the served model (LTX-Video) declares no such option"),
+    ("audio-guidance-on-ltx-video", tiny(audio_guidance_scale=5.0), 400, "unknown_parameter", "audio_guidance_scale",
+     "declares no such option"),
+    ("stg-blocks-on-ltx-video", tiny(stg_blocks=[0]), 400, "unknown_parameter", "stg_blocks",
+     "declares no such option"),
+    ("max-sequence-length-over", tiny(max_sequence_length=1025), 400, "invalid_value", "max_sequence_length",
+     "[1, 1024]"),
+    ("decode-timestep-as-string", tiny(decode_timestep="0.05"), 400, "invalid_type", "decode_timestep",
+     "a number in [0, 1]"),
 ]
 
 
@@ -117,8 +123,10 @@ def test_huge_body_without_content_length_is_cut_off(api_server, baseline):
     ("application/x-www-form-urlencoded", b"prompt=a+cat&colour=red", 400, "unknown_parameter", "colour"),
     ("application/x-www-form-urlencoded", b"prompt=a+cat&guidance_scale=nan", 400, "invalid_value",
      "guidance_scale"),
-    ("application/x-www-form-urlencoded", b"prompt=a+cat&stg_blocks=20%2C28", 400, "invalid_value", "stg_blocks"),
-    ("application/x-www-form-urlencoded", b"prompt=a+cat&stg_blocks=%5B28%5D", 400, "invalid_value", "stg_blocks"),
+    ("application/x-www-form-urlencoded", b"prompt=a+cat&stg_blocks=20%2C28", 400, "unknown_parameter",
+     "stg_blocks"),
+    ("application/x-www-form-urlencoded", b"prompt=a+cat&image_cond_noise_scale=2", 400, "invalid_value",
+     "image_cond_noise_scale"),
 ])
 def test_bad_forms_and_media_types(api_server, baseline, ctype, body, status, code, param):
     r = api_server.client.post("/v1/videos", content=body, headers={"Content-Type": ctype})

@@ -67,7 +67,7 @@ def test_submit_follow_download_list_delete(api_server, tmp_path):
     assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
     (tmp_path / "out.mp4").write_bytes(r.content)
     frames, fps = read_mp4(tmp_path / "out.mp4")
-    assert frames.shape == (17, 64, 96, 3) and fps == 24
+    assert frames.shape == (17, 64, 96, 3) and fps == 25  # LTXPipeline's frame_rate
 
     raw = np.load(io.BytesIO(s.client.get(f"/v1/videos/{job['id']}/content?variant=frames").content))
     assert raw.shape == (17, 64, 96, 3) and raw.dtype == np.uint8 and raw.std() > 5  # not a blank video
@@ -106,8 +106,8 @@ def test_seconds_and_size_as_openai_sends_them_in_a_form(api_server):
                                           "num_inference_steps": "2", "model": "tiny-ltx-video"})
     assert r.status_code == 200, r.text
     job = r.json()
-    # 0.7 s at 24 fps is 16.8 frames; the nearest 8k+1 is 17.
-    assert (job["num_frames"], job["seconds"], job["size"]) == (17, "0.708", "96x64")
+    # 0.7 s at 25 fps (LTXPipeline's frame_rate) is 17.5 frames; the nearest 8k+1 is 17.
+    assert (job["num_frames"], job["seconds"], job["size"], job["fps"]) == (17, "0.68", "96x64", 25)
     assert s.wait_job(job["id"])["status"] == "completed"
 
 
@@ -169,7 +169,7 @@ def test_openai_sdk(api_server, tmp_path):
     assert client.videos.retrieve(video.id).status == "completed"
     client.videos.download_content(video.id).write_to_file(tmp_path / "sdk.mp4")
     frames, _ = read_mp4(tmp_path / "sdk.mp4")
-    assert frames.shape == (9, 64, 96, 3)  # 0.4 s at 24 fps is 9.6 frames: the nearest 8k+1 is 9
+    assert frames.shape == (9, 64, 96, 3)  # 0.4 s at 25 fps is 10 frames: the nearest 8k+1 is 9
     assert video.id in [v.id for v in client.videos.list(limit=100).data]
     client.videos.delete(video.id)
     with pytest.raises(openai.NotFoundError):

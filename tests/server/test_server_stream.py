@@ -46,7 +46,7 @@ def test_streamed_mp4_arrives_before_the_last_piece_and_matches_the_stored_video
 
     (tmp_path / "streamed.mp4").write_bytes(data)
     frames, fps = read_mp4(tmp_path / "streamed.mp4")
-    assert frames.shape == (65, 64, 96, 3) and fps == 24 and frames.std() > 5
+    assert frames.shape == (65, 64, 96, 3) and fps == 25 and frames.std() > 5
     with av.open(io.BytesIO(data)) as container:
         assert container.streams.video[0].codec_context.name == "h264"
 
