@@ -77,6 +77,8 @@ class Option:
     def describe(self, limits: object | None = None) -> str:
         """What the option accepts, for error messages and help: ``an integer in [2, 200]``."""
         lo, hi = self.bounds(limits)
+        if hi is None and self.limit is not None:
+            hi = self.limit  # named: the deployment sets it
         what = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
                 tuple: "a list of integers"}[self.kind]
         if self.multiple_of:
@@ -110,9 +112,11 @@ class Option:
         return _number(self.name, value, self.kind, lo, hi, self.multiple_of)
 
 
-def _fmt(x: float | None, missing: str) -> str:
+def _fmt(x: float | str | None, missing: str) -> str:
     if x is None:
         return missing
+    if isinstance(x, str):
+        return x
     return str(int(x)) if float(x).is_integer() else str(x)
 
 

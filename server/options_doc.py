@@ -47,7 +47,7 @@ def options_table(options: ModelOptions) -> str:
     for o in options:
         names = ", ".join(f"`{n}`" for n in (o.name, *o.aliases))
         flags = ", ".join(f"`{f}`" for f in dict.fromkeys((o.flag, *o.flags)))
-        accepts = o.describe() + (f" (up to `--{o.limit.replace('_', '-')}`)" if o.limit else "")
+        accepts = o.describe() + (f" (the server's `--{o.limit.replace('_', '-')}`)" if o.limit else "")
         rows.append(f"| {names} | {flags} | {_cell(accepts)} | {_default(o)} | {_cell(o.help)} |")
     return "\n".join(rows)
 
@@ -55,12 +55,12 @@ def options_table(options: ModelOptions) -> str:
 def render_readme(text: str) -> str:
     """``text`` with every options table regenerated."""
     for family in FAMILIES:
-        pattern = re.compile(rf"(<!-- options:{re.escape(family)} -->\n).*?(\n<!-- /options:{re.escape(family)} -->)",
-                             re.S)
+        name = re.escape(family)
+        pattern = re.compile(rf"(<!-- options:{name} -->\n)(?:.*?\n)?(<!-- /options:{name} -->)", re.S)
         if not pattern.search(text):
             raise ValueError(f"README has no <!-- options:{family} --> ... <!-- /options:{family} --> markers")
         table = options_table(_options(family))
-        text = pattern.sub(lambda m: m.group(1) + table + m.group(2), text)
+        text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
     return text
 
 

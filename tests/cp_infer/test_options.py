@@ -1,0 +1,93 @@
+"""``cp_infer.options``: a declaration resolves request values (aliases, defaults, types, ranges) and refuses
+what it does not declare; ``resolve_request`` / ``check_request`` on top of it. Pure Python: no process group."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cp_infer.options import ModelOptions, Option, UnknownOption
+from cp_infer.request import GenerationLimits, GenerationRequest, check_request, resolve_request
+from cp_infer.shapes import VideoGeometry
+from models._standard_options import standard_options
+
+
+def _declaration(**kw) -> ModelOptions:
+    rng = np.random.default_rng()
+    steps = int(rng.integers(2, 60))
+    return ModelOptions("Fake", (
+        *standard_options(height=64, width=96, num_frames=17, frame_rate=30, num_inference_steps=steps,
+                          guidance_scale=4.5, size_step="a multiple of 32"),
+        Option("blend", float, 0.25, "a weight", lo=0, hi=1),
+        Option("tokens", int, 256, "text tokens", lo=128, hi=1024, multiple_of=128),
+        Option("blocks", tuple, (3,), "blocks", lo=0, hi=7, aliases=("block_list",)),
+        Option("scale", float, None, "unset: the model decides", lo=0, hi=1, nullable=True),
+    ), **kw)
+
+
+def test_resolve_fills_every_default_and_keeps_given_values():
+    options = _declaration()
+    values = options.resolve({"blend": 0.5, "block_list": [1, 2], "num_frames": None})
+    assert values["blend"] == 0.5 and values["blocks"] == (1, 2)  # an alias becomes the declared name
+    assert values["num_frames"] == 17 and values["tokens"] == 256 and values["scale"] is None
+    assert values["num_inference_steps"] == options["num_inference_steps"].default
+    assert set(values) == set(options.names)
+
+
+@pytest.mark.parametrize("values,words", [
+    ({"colour": 1}, "colour is not an option of Fake models"),
+    ({"blend": 1.5}, "blend=1.5 is out of range; use a value in [0, 1]"),
+    ({"blend": "0.5"}, "blend='0.5' must be a finite number"),
+    ({"blend": float("nan")}, "must be a finite number"),
+    ({"tokens": 200}, "tokens=200 is not a multiple of 128; try 128"),
+    ({"tokens": 2.0}, "tokens=2.0 must be an integer"),
+    ({"tokens": True}, "must be an integer"),
+    ({"blocks": []}, "must be a non-empty list"),
+    ({"blocks": [8]}, "blocks[]=8 is out of range; use a value in [0, 7]"),
+    ({"blocks": [1], "block_list": [2]}, "blocks was given twice"),
+    ({"num_frames": 500}, None),  # within the declaration; capped only by a deployment's limits
+])
+def test_resolve_refuses_bad_values_naming_them(values, words):
+    options = _declaration()
+    if words is None:
+        assert options.resolve(values)["num_frames"] == 500
+        with pytest.raises(ValueError, match=r"num_frames=500 is out of range; use a value in \[1, 257\]"):
+            options.resolve(values, limits=GenerationLimits())
+        return
+    with pytest.raises(ValueError) as info:
+        options.resolve(values)
+    assert words in str(info.value)
+    if "not an option" in words:
+        assert isinstance(info.value, UnknownOption) and info.value.name == "colour"
+
+
+def test_a_declaration_must_have_the_standard_options_and_unique_names():
+    with pytest.raises(AssertionError, match="standard options"):
+        ModelOptions("Bare", (Option("blend", float, 0.0, "x"),))
+    with pytest.raises(AssertionError, match="unique"):
+        _declaration().__class__("Twice", (*_declaration().options, Option("x", int, 1, "x", aliases=("blend",))))
+
+
+def test_resolve_request_splits_standard_fields_from_the_models_own_options():
+    options = _declaration()
+    request = resolve_request(GenerationRequest.of(prompt="a fox", frame_rate=12, blend=0.75, seed=3), options)
+    assert (request.num_frames, request.height, request.width, request.fps) == (17, 64, 96, 12)
+    assert request.guidance_scale == 4.5 and request.negative_prompt == ""
+    assert request.options == {"blend": 0.75, "tokens": 256, "blocks": (3,), "scale": None}
+    assert resolve_request(request, options) == request  # idempotent
+    check_request(request, geometry=VideoGeometry(), limits=GenerationLimits(), options=options)
+    assert request.option("frame_rate") == 12 and request.option("blend") == 0.75
+    with pytest.raises(ValueError, match="colour is not an option of Fake models"):
+        resolve_request(GenerationRequest.of(prompt="a fox", colour="red"), options)
+    with pytest.raises(ValueError, match="num_frames was given twice"):
+        resolve_request(GenerationRequest(prompt="a fox", num_frames=9, options={"num_frames": 17}), options)
+
+
+def test_check_request_refuses_media_for_a_model_that_takes_none():
+    options = _declaration(takes_media=False)
+    from cp_infer.request import Condition
+
+    image = Condition(np.random.default_rng().integers(0, 256, (1, 8, 8, 3), dtype=np.uint8))
+    request = resolve_request(GenerationRequest(prompt="a fox", image=image), options)
+    with pytest.raises(ValueError, match=r"image: the loaded model \(Fake\) takes no conditioning media"):
+        check_request(request, geometry=VideoGeometry(), limits=GenerationLimits(), options=options)

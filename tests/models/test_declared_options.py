@@ -1,0 +1,55 @@
+"""Each model's declared options carry its diffusers reference pipeline's argument names and defaults."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from diffusers import LTX2ConditionPipeline, LTX2Pipeline, LTXConditionPipeline, LTXPipeline
+
+from models.registry import model_options
+
+# Declared option -> where the reference pipeline's default is not a plain argument default, what it is and why.
+_RESOLVED = {
+    # negative_prompt=None: both pipelines' encode_prompt turn it into "".
+    ("ltx-video", "negative_prompt"): "",
+    ("ltx2", "negative_prompt"): "",
+    # LTX2Pipeline: num_frames=None means 121 for checkpoints without a duration head (LTX-2.0/2.3).
+    ("ltx2", "num_frames"): 121,
+    # A list argument: the declaration holds a tuple (immutable requests); 28 of a real LTX-2's 48 blocks.
+    ("ltx2", "spatio_temporal_guidance_blocks"): (28,),
+    # LTXPipeline 128, LTXConditionPipeline 256: unset picks the one of the pipeline the request follows.
+    ("ltx-video", "max_sequence_length"): None,
+}
+# Options that LTXPipeline / LTX2Pipeline lack, and the pipeline whose argument they are.
+_FROM = {("ltx-video", "image_cond_noise_scale"): LTXConditionPipeline}
+
+
+@pytest.mark.parametrize("family,pipeline", [("ltx-video", LTXPipeline), ("ltx2", LTX2Pipeline)])
+def test_names_and_defaults_are_the_reference_pipelines(family, pipeline):
+    options = model_options(family, layers=48)
+    for option in options:
+        reference = _FROM.get((family, option.name), pipeline)
+        parameters = inspect.signature(reference.__call__).parameters
+        assert option.name in parameters, f"{option.name} is not an argument of {reference.__name__}"
+        default = parameters[option.name].default
+        expected = _RESOLVED.get((family, option.name), default)
+        # Equal values (LTX2Pipeline's frame_rate 24.0 is an integer here: it is also the output's frame rate;
+        # LTXPipeline's guidance_scale 3 a float), and None only where the pipeline's is None.
+        assert option.default == expected and (option.default is None) == (expected is None), (
+            option.name, option.default, expected)
+
+
+@pytest.mark.parametrize("family,base,conditioned", [("ltx-video", LTXPipeline, LTXConditionPipeline),
+                                                     ("ltx2", LTX2Pipeline, LTX2ConditionPipeline)])
+def test_the_condition_pipelines_take_the_same_names(family, base, conditioned):
+    """One declaration covers text-to-video and conditioned requests: every option is an argument of the condition
+    pipeline too (with the same default, except the text length LTXConditionPipeline raises to 256)."""
+    parameters = inspect.signature(conditioned.__call__).parameters
+    for option in model_options(family, layers=48):
+        assert option.name in parameters, (conditioned.__name__, option.name)
+
+
+def test_small_ltx2_models_perturb_their_last_block():
+    assert model_options("ltx2", layers=2)["spatio_temporal_guidance_blocks"].default == (1,)
+    assert model_options("ltx2", layers=2)["spatio_temporal_guidance_blocks"].hi == 1
