@@ -139,7 +139,7 @@ class ModelOptions:
     """Every option one model's requests may set, in the order they are shown."""
 
     model: str
-    """Whose options these are, for messages: ``LTX-Video``."""
+    """Whose options these are, for messages (the model's display name)."""
     options: tuple[Option, ...]
     takes_media: bool = True
     """Whether requests may carry conditioning media (``image``, ``conditions``)."""

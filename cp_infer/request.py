@@ -24,7 +24,7 @@ __all__ = ["Condition", "GenerationRequest", "GenerationLimits", "check_request"
 @dataclass(frozen=True)
 class Condition:
     """Media a generation is conditioned on: validated uint8 RGB pixels (decoded on the leader), where they apply and
-    how strongly (the semantics of diffusers' ``LTXVideoCondition``)."""
+    how strongly (the model's condition pipeline gives them their exact meaning)."""
 
     frames: np.ndarray = field(compare=False, repr=False)
     """uint8 ``[F, H, W, 3]``: one frame for an image, several for a video clip, at any size (the model resizes)."""
@@ -87,7 +87,7 @@ class GenerationLimits:
     """What a deployment accepts. The defaults suit a single GPU; the CLI and server expose each field."""
 
     max_frames: int = 257
-    """Longest video in frames (must itself be 8k+1 for LTX)."""
+    """Longest video in frames."""
     max_side: int = 1536
     """Largest height or width in pixels."""
     max_tokens: int = 65536

@@ -1,4 +1,4 @@
-"""Video <-> latent shape arithmetic for causal video VAEs such as LTX-Video's (8x temporal, 32x spatial).
+"""Video <-> latent shape arithmetic for causal video VAEs (e.g. 8x temporal, 32x spatial).
 
 Every check raises a ``ValueError`` that names the bad value and the nearest valid ones.
 """
@@ -37,7 +37,7 @@ class VideoGeometry:
     patch_size: int = 1
     patch_size_t: int = 1
     min_latent_side: int = 1
-    """Smallest latent height/width the VAE decodes (2 when its convs pad by reflection, as LTX-2's does)."""
+    """Smallest latent height/width the VAE decodes (2 when its convs pad by reflection)."""
 
     def __post_init__(self) -> None:
         for name in ("temporal_compression", "spatial_compression", "patch_size", "patch_size_t", "min_latent_side"):

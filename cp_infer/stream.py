@@ -7,7 +7,7 @@ audio track in the same container later. ``empty_moov`` puts the header first wi
 no B-frames) each frame's bytes leave the encoder when the frame goes in. Players and ffmpeg read the result
 as an ordinary MP4.
 
-Audio (optional) is known before the first frame (LTX-2 decodes its waveform before the video). Each
+Audio (optional) is known before the first frame (an audio-video model decodes its waveform before the video). Each
 :meth:`FragmentedMP4Writer.write` muxes the AAC frames that cover the time span of the frames just written, so
 fragments carry both streams as they go; :meth:`~FragmentedMP4Writer.close` muxes whatever audio is left.
 With audio, fragments are cut every frame's duration rather than at every packet (see ``NOTE(fmp4-audio)``),

@@ -91,3 +91,19 @@ def test_check_request_refuses_media_for_a_model_that_takes_none():
     request = resolve_request(GenerationRequest(prompt="a fox", image=image), options)
     with pytest.raises(ValueError, match=r"image: the loaded model \(Fake\) takes no conditioning media"):
         check_request(request, geometry=VideoGeometry(), limits=GenerationLimits(), options=options)
+
+
+def test_the_engine_names_no_model_family_and_no_familys_option():
+    """``cp_infer/`` knows models only through the interfaces it defines: no family, none of a family's options."""
+    from pathlib import Path
+
+    import cp_infer
+    from models.registry import model_options
+
+    own = {o.name for family in ("ltx-video", "ltx2") for o in model_options(family, layers=48).extra}
+    own |= {a for family in ("ltx-video", "ltx2") for o in model_options(family, layers=48).extra for a in o.aliases}
+    for path in Path(cp_infer.__file__).parent.glob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        assert "ltx" not in text.lower(), f"{path.name} names a model family"
+        named = sorted(name for name in own if name in text)
+        assert not named, f"{path.name} names model options {named}"
