@@ -14,6 +14,9 @@ applied from outside by :func:`parallelize_ltx2_transformer`:
 - text cross-attention is untouched (local queries, replicated text keys). Everything else is per token.
 Guidance is LTX2Pipeline's (CFG, spatio-temporal guidance, modality isolation, CFG rescale); the one
 sequence-wide quantity, the rescale's standard deviation, is reduced over the group from per-shard sums.
+Conditioning (``request.image``: LTX2ImageToVideoPipeline; ``request.conditions``: LTX2ConditionPipeline) is
+prepared by :mod:`models.ltx2_conditions`; its keyframe tokens, per-token timesteps and masks are part of the video
+stream, cut by the stream's plan.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from diffusers import LTX2Pipeline
+from diffusers import LTX2ConditionPipeline, LTX2ImageToVideoPipeline, LTX2Pipeline
 from diffusers.models.transformers.transformer_ltx2 import (
     LTX2Attention,
     apply_interleaved_rotary_emb,
@@ -39,12 +42,11 @@ from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
 from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
+from .ltx2_conditions import VideoConditioning, prepare_conditions, prepare_image
+from .ltx2_options import ltx2_options
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
 from .ltx_video import _scoped
 from .registry import min_latent_side
-
-# LTX2Pipeline's default max_sequence_length.
-_TEXT_TOKENS = 1024
 
 __all__ = ["LTX2Model", "LTX2Settings", "fit_duration", "parallelize_ltx2_transformer"]
 
@@ -145,28 +147,23 @@ class LTX2Settings:
     stg_blocks: tuple[int, ...]
 
     @classmethod
-    def from_request(cls, request: GenerationRequest, *, layers: int) -> LTX2Settings:
-        """``layers``: the transformer's block count. LTX2Pipeline perturbs block 28 by default (of 48 in
-        LTX-2.0); a smaller model gets its last block instead, rather than an STG pass that perturbs nothing."""
-        def pick(value, default):
-            return default if value is None else float(value)
-
-        guidance = float(request.guidance_scale)
-        stg = pick(request.stg_scale, 1.0)
-        modality = pick(request.modality_scale, 3.0)
-        rescale = pick(request.guidance_rescale, 0.7)
+    def from_request(cls, request: GenerationRequest) -> LTX2Settings:
+        """From a resolved request (``models.ltx2_options`` declares the options and their defaults)."""
+        o = request.options
+        guidance, stg = float(request.guidance_scale), float(o["stg_scale"])
+        modality, rescale = float(o["modality_scale"]), float(o["guidance_rescale"])
         # NOTE(pipeline-defaults): LTX2Pipeline treats an audio setting of 0 as "unset" (`audio_x or x`); kept so
         # that equal settings mean equal videos.
         return cls(
             guidance_scale=guidance,
-            audio_guidance_scale=pick(request.audio_guidance_scale, 7.0) or guidance,
+            audio_guidance_scale=float(o["audio_guidance_scale"]) or guidance,
             stg_scale=stg,
-            audio_stg_scale=pick(request.audio_stg_scale, 1.0) or stg,
+            audio_stg_scale=float(o["audio_stg_scale"]) or stg,
             modality_scale=modality,
-            audio_modality_scale=pick(request.audio_modality_scale, 3.0) or modality,
+            audio_modality_scale=float(o["audio_modality_scale"]) or modality,
             guidance_rescale=rescale,
-            audio_guidance_rescale=pick(request.audio_guidance_rescale, 0.7) or rescale,
-            stg_blocks=tuple(request.stg_blocks) if request.stg_blocks is not None else (min(28, layers - 1),),
+            audio_guidance_rescale=float(o["audio_guidance_rescale"]) or rescale,
+            stg_blocks=tuple(o["spatio_temporal_guidance_blocks"]),
         )
 
     @property
@@ -218,11 +215,15 @@ class LTX2Model:
         self.components = components
         # NOTE(pipeline): the pipeline object is used only for diffusers' own prompt encoding, noise, packing
         # and post-processing, so that a 1-rank run is the reference implementation step for step.
-        self.pipe = LTX2Pipeline(
+        parts = dict(
             scheduler=components.scheduler, vae=components.vae, audio_vae=components.audio_vae,
             text_encoder=components.text_encoder, tokenizer=components.tokenizer,
             connectors=components.connectors, transformer=components.transformer, vocoder=components.vocoder,
         )
+        self.pipe = LTX2Pipeline(**parts)
+        # The conditioned pipelines over the same modules: their media preparation is used as it is.
+        self.i2v_pipe = LTX2ImageToVideoPipeline(**parts)
+        self.cond_pipe = LTX2ConditionPipeline(**parts)
         refuse_stochastic_sampling(components.scheduler)
         cfg = components.transformer.config
         self.geometry = VideoGeometry(
@@ -235,6 +236,7 @@ class LTX2Model:
         parallelize_ltx2_transformer(components.transformer, self._ctx)
         self._decode_ctx = DecodeContext(state=state)
         parallelize_ltx2_decoder(components.vae, self._decode_ctx)
+        self.options = ltx2_options(layers=self.layers)
 
     decode_frames_per_rank: int | str | None = DEFAULT_FRAMES_PER_RANK
     """Latent frames each rank decodes per streamed round; ``"auto"``: by frame size
@@ -263,15 +265,18 @@ class LTX2Model:
         return _scoped(self._ctx, "plans", plans)
 
     def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared:
+        """LTX2Pipeline's preparation; with ``request.image`` LTX2ImageToVideoPipeline's, with
+        ``request.conditions`` LTX2ConditionPipeline's (the media encoded on every rank alike: an image or a short
+        clip is one small encode, not worth a time-parallel split)."""
         pipe, device = self.pipe, self.device
-        settings = LTX2Settings.from_request(request, layers=self.layers)
+        settings = LTX2Settings.from_request(request)
         if settings.stg and any(b >= self.layers for b in settings.stg_blocks):
             raise ValueError(f"stg_blocks={list(settings.stg_blocks)} names blocks this model lacks; it has "
                              f"{self.layers} (0..{self.layers - 1}); pass stg_blocks within that range, or stg_scale=0")
         embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
             prompt=request.prompt, negative_prompt=request.negative_prompt,
             do_classifier_free_guidance=settings.cfg,
-            max_sequence_length=request.max_sequence_length or _TEXT_TOKENS,
+            max_sequence_length=request.options["max_sequence_length"],
             device=device,
         )
         if settings.cfg:
@@ -282,13 +287,27 @@ class LTX2Model:
         # that every rank, and every device type, starts from the same latents.
         generator = torch.Generator("cpu").manual_seed(request.seed)
         cpu = torch.device("cpu")
-        video = pipe.prepare_latents(1, self.transformer.config.in_channels, request.height, request.width,
-                                     request.num_frames, 0.0, torch.float32, cpu, generator)
+        fps = float(request.fps)
+        channels = self.transformer.config.in_channels
+        conditioning: VideoConditioning | None = None
+        keyframe_coords = None
+        if request.image is not None:
+            video, conditioning = prepare_image(self.i2v_pipe, request, channels=channels, dtype=embeds.dtype,
+                                                device=device, generator=generator)
+        elif request.conditions:
+            video, conditioning, keyframe_coords = prepare_conditions(
+                self.cond_pipe, request, shape, channels=channels, fps=fps, device=device, generator=generator)
+        else:
+            video = pipe.prepare_latents(1, channels, request.height, request.width, request.num_frames, 0.0,
+                                         torch.float32, cpu, generator)
         audio_frames = self.audio_latent_frames(request)
         mel_bins = pipe.audio_vae.config.mel_bins
-        audio = pipe.prepare_audio_latents(1, num_channels_latents=pipe.audio_vae.config.latent_channels,
-                                           audio_latent_length=audio_frames, num_mel_bins=mel_bins,
-                                           noise_scale=0.0, dtype=torch.float32, device=cpu, generator=generator)
+        # LTX2ConditionPipeline draws the audio noise in the packed layout, the others unpacked (other values).
+        audio_pipe = self.cond_pipe if request.conditions else pipe
+        audio = audio_pipe.prepare_audio_latents(1, num_channels_latents=pipe.audio_vae.config.latent_channels,
+                                                 audio_latent_length=audio_frames, num_mel_bins=mel_bins,
+                                                 noise_scale=0.0, dtype=torch.float32, device=cpu,
+                                                 generator=generator)
         sigmas = np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps)
         cfg = pipe.scheduler.config
         mu = calculate_shift(video.shape[1], cfg.get("base_image_seq_len", 1024), cfg.get("max_image_seq_len", 4096),
@@ -299,16 +318,19 @@ class LTX2Model:
             timesteps, _ = retrieve_timesteps(schedulers[name], request.num_inference_steps, device, sigmas=sigmas,
                                               mu=mu)
             schedulers[name].set_begin_index(0)
-        fps = float(request.fps)
         batch = 2 if settings.cfg else 1
         video_coords = self.transformer.rope.prepare_video_coords(1, shape.frames, shape.height, shape.width, cpu,
                                                                   fps=fps)
+        if keyframe_coords is not None:
+            # 1, 3, S_VIDEO, 2 -> 1, 3, S_VIDEO + S_KEYFRAMES, 2: the keyframe tokens follow the video's
+            video_coords = torch.cat([video_coords, keyframe_coords.to(video_coords)], dim=2)
         audio_coords = self.transformer.audio_rope.prepare_audio_coords(1, audio_frames, cpu)
         return Prepared(latents={"video": video.to(device), "audio": audio.to(device)}, timesteps=list(timesteps),
                         extras=dict(
             settings=settings, schedulers=schedulers, video_ctx=video_ctx, audio_ctx=audio_ctx, ctx_mask=ctx_mask,
             coords={"video": video_coords.to(device), "audio": audio_coords.to(device)}, batch=batch,
             generator=generator, shape=shape, audio_frames=audio_frames, request=request, fps=fps, step=0,
+            conditioning=conditioning,
         ))
 
     def audio_latent_frames(self, request: GenerationRequest) -> int:
@@ -333,12 +355,16 @@ class LTX2Model:
                   for name, c in x["coords"].items()}
         inputs = {name: torch.cat([v] * batch).to(dtype) for name, v in latents.items()}
         timestep = t.expand(batch)
+        conditioning: VideoConditioning | None = x["conditioning"]
+        # Conditioned video tokens have their own timesteps ([B, S_LOCAL]); audio and the prompt modulation run at t.
+        video_timestep = timestep if conditioning is None else conditioning.timestep(timestep, plans["video"], rank)
         shape: LatentShape = x["shape"]
         with self.sharded(plans):
             video, audio = self.transformer(
                 hidden_states=inputs["video"], audio_hidden_states=inputs["audio"],
-                encoder_hidden_states=video_ctx, audio_encoder_hidden_states=audio_ctx, timestep=timestep,
-                sigma=timestep, encoder_attention_mask=ctx_mask, audio_encoder_attention_mask=ctx_mask,
+                encoder_hidden_states=video_ctx, audio_encoder_hidden_states=audio_ctx, timestep=video_timestep,
+                audio_timestep=timestep, sigma=timestep, encoder_attention_mask=ctx_mask,
+                audio_encoder_attention_mask=ctx_mask,
                 num_frames=shape.frames, height=shape.height, width=shape.width, fps=x["fps"],
                 audio_num_frames=x["audio_frames"], video_coords=coords["video"], audio_coords=coords["audio"],
                 isolate_modalities=isolate, spatio_temporal_guidance_blocks=list(stg_blocks) if stg_blocks else None,
@@ -378,11 +404,14 @@ class LTX2Model:
             for name, pred in isolated.items():
                 guided[name] = guided[name] + (scales[name][2] - 1) * (cond[name] - to_x0(name, pred))
         result = {}
+        conditioning: VideoConditioning | None = x["conditioning"]
         for name in out:
             rescale = scales[name][3]
             g = guided[name]
             if rescale > 0:
                 g = self._rescale(g, cond[name], rescale, plans[name])
+            if name == "video" and conditioning is not None:
+                g = conditioning.blend_denoised(g, plans[name], self.state.cp_rank)
             result[name] = self.pipe.convert_x0_to_velocity(latents_local[name], g, i, schedulers[name])
         return result
 
@@ -399,18 +428,30 @@ class LTX2Model:
              plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
         x = prepared.extras
         x["step"] += 1
-        return {name: x["schedulers"][name].step(noise_pred_local[name], t, latents_local[name],
-                                                 return_dict=False)[0]
-                for name in ("video", "audio")}
+        stepped = {name: x["schedulers"][name].step(noise_pred_local[name], t, latents_local[name],
+                                                    return_dict=False)[0]
+                   for name in ("video", "audio")}
+        conditioning: VideoConditioning | None = x["conditioning"]
+        if conditioning is not None:
+            stepped["video"] = conditioning.keep_conditioned(stepped["video"], latents_local["video"], plans["video"],
+                                                             self.state.cp_rank)
+        return stepped
+
+    def _video_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> torch.Tensor:
+        """The video's own tokens unpacked to ``[B, C, F, H, W]`` (keyframe tokens dropped)."""
+        pipe, x = self.pipe, prepared.extras
+        shape: LatentShape = x["shape"]
+        conditioning: VideoConditioning | None = x["conditioning"]
+        video = latents["video"] if conditioning is None else latents["video"][:, :conditioning.video_tokens]
+        return pipe._unpack_latents(video, shape.frames, shape.height, shape.width,
+                                    pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
 
     def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
-        """LTX2Pipeline's ``output_type="latent"``: video ``[B, C, F, H, W]`` and audio ``[B, C, L, M]``, unpacked and
-        denormalised."""
+        """``output_type="latent"`` of LTX2Pipeline and of its conditioned pipelines alike: video ``[B, C, F, H, W]``
+        (its own tokens) and audio ``[B, C, L, M]``, unpacked and denormalised."""
         pipe, vae, audio_vae = self.pipe, self.components.vae, self.pipe.audio_vae
         x = prepared.extras
-        shape: LatentShape = x["shape"]
-        video = pipe._unpack_latents(latents["video"], shape.frames, shape.height, shape.width,
-                                     pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
+        video = self._video_latents(latents, prepared)
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         audio = pipe._denormalize_audio_latents(latents["audio"], audio_vae.latents_mean, audio_vae.latents_std)
         mel_bins = audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
@@ -422,11 +463,8 @@ class LTX2Model:
         audio VAE's mel spectrogram through the vocoder, on group rank 0."""
         pipe, vae = self.pipe, self.components.vae
         x = prepared.extras
-        shape: LatentShape = x["shape"]
         request: GenerationRequest = x["request"]
-        video = pipe._unpack_latents(latents["video"], shape.frames, shape.height, shape.width,
-                                     pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
-        video = video.to(x["video_ctx"].dtype)
+        video = self._video_latents(latents, prepared).to(x["video_ctx"].dtype)
         video, timestep = noise_for_decode(video, vae=vae, generator=x["generator"], request=request)
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         video = video.to(vae.dtype)

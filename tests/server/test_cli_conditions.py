@@ -23,7 +23,7 @@ from cp_infer import VideoGeometry
 from cp_infer.request import GenerationLimits
 from cp_infer.video_io import read_frames_dir, write_mp4, write_output
 from models.default import ensure_default_model
-from models.registry import ModelInfo, describe_model
+from models.registry import ModelInfo, describe_model, model_options
 from server import batch, cli
 from server.cli_common import UsageError
 
@@ -259,7 +259,8 @@ def test_batch_media_lines_are_checked(tmp_path, media):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({**line, **shape}) + "\n" for line in lines))
     args = cli.build_parser(["batch"]).parse_args(["batch", str(prompts), "--out-dir", str(tmp_path / "o")])
-    info = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry(), layers=2)
+    info = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry(), layers=2,
+                     options=model_options("ltx-video", layers=2))
     items = batch._plan_batch(args, info, GenerationLimits())
     assert [i.status for i in items] == ["todo", "todo"] + ["invalid"] * 9, [(i.line, i.message) for i in items]
     messages = {i.line: i.message for i in items}
@@ -290,11 +291,18 @@ def test_batch_media_lines_are_checked(tmp_path, media):
     with pytest.raises(UsageError, match=r"media changed since the batch was checked \(frames \[5, 1, 1\], now"):
         batch._request_to_run(items[1])
 
-    ltx2 = ModelInfo(path=tmp_path, family="ltx2", geometry=VideoGeometry(min_latent_side=2), layers=2)
-    prompts.write_text(json.dumps({"prompt": "a", "image": str(media / "img.png"), **shape}) + "\n")
-    (item,) = batch._plan_batch(args, ltx2, GenerationLimits())
-    assert item.status == "invalid" and item.message.startswith(
-        f"image ({media / 'img.png'}): the loaded model (ltx2) takes no conditioning media"), item.message
+    ltx2 = ModelInfo(path=tmp_path, family="ltx2", geometry=VideoGeometry(min_latent_side=2), layers=2,
+                     options=model_options("ltx2", layers=2))
+    # LTX-2 takes the same media (LTX2ImageToVideoPipeline, LTX2ConditionPipeline): both forms are planned to run.
+    ltx2_lines = [{"prompt": "a", "image": str(media / "img.png")},
+                  {"prompt": "b", "video": str(media / "clip.mp4"),
+                   "conditions": [{"media": str(media / "img.png"), "frame_index": -1, "strength": 0.5}]}]
+    prompts.write_text("".join(json.dumps({**line, **shape}) + "\n" for line in ltx2_lines))
+    items = batch._plan_batch(args, ltx2, GenerationLimits())
+    assert [i.status for i in items] == ["todo", "todo"], [(i.line, i.message) for i in items]
+    assert batch._request_to_run(items[0]).image.frames.shape == (1, 48, 40, 3)
+    assert [(c.frames.shape[0], c.frame_index, c.strength) for c in batch._request_to_run(items[1]).conditions] == [
+        (5, 0, 1.0), (1, -1, 0.5)]
 
 
 def test_frames_folder_latents(tmp_path):
