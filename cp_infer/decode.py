@@ -53,7 +53,7 @@ the unit of decode memory and of streaming. ``--decode-frames-per-rank`` sets it
 ROUND_PIXELS = 4 * 8 * 128 * 96
 """Output pixels per rank per round that ``auto`` aims for: pieces large enough that their convolutions run at
 full speed and the per-op messages stay small against them; memory and the time to the first frame grow with the
-piece, so no larger. Measured on 257 frames at 128x96 (``bench/decode.py``, a real-width causal video VAE): pieces of 4 latent
+piece, so no larger. Measured on 257 frames at 128x96 (``bench/decode.py``, a real-width VAE): pieces of 4 latent
 frames decode on 2 ranks in 0.59x of one rank's time (200 MiB per rank, first byte at 0.18 of the total); the whole
 video at once holds 537 MiB. (With the earlier lockstep decode, 4 gave 0.60x and 2 gave 0.66x.)"""
 

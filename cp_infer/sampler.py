@@ -7,6 +7,9 @@ Invariants:
 - At every step boundary all ranks agree on one status (ok / cancel / error) with one collective that is
   never skipped, before any tensor collective of that step. So an exception or a cancel on any rank ends
   the job on every rank at the same step: no rank is left waiting inside an all-to-all.
+- A job is a plan (``cp_infer.plan``): the model turns the request into passes, each a full sharded loop whose
+  gathered latents the next pass is prepared from; the last pass's latents are decoded. Steps are counted over the
+  whole plan (``on_step``, ``poll``).
 - Models plug in through :class:`DenoiseModel`; this module knows no model and no HTTP.
 """
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from .collectives import all_reduce_max_int, gather_sequence
 from .decode import TemporalSplit, decode_parallel
 from .options import ModelOptions
+from .plan import DenoisePass, Plan
 from .request import GenerationLimits, GenerationRequest, check_request, resolve_request
 from .shapes import LatentShape, VideoGeometry
 from .shard import ShardPlan
@@ -66,8 +70,8 @@ class Prepared:
     """Packed initial noise ``[B, S, C]`` per token stream (``"video"``, and ``"audio"`` for audio-video models),
     over the whole sequence (float32). Each stream is sharded by its own :class:`ShardPlan`."""
     timesteps: Sequence[torch.Tensor]
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Model-specific state (text embeddings, generator, latent shape...)."""
+    state: Any = None
+    """The adapter's own typed per-request state (text embeddings, generator, masks...), opaque to the sampler."""
 
 
 class DenoiseModel(Protocol):
@@ -77,7 +81,13 @@ class DenoiseModel(Protocol):
     options: ModelOptions
     """Every option its requests may set, with its defaults (``cp_infer.options``)."""
 
-    def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared: ...
+    def plan(self, request: GenerationRequest) -> Plan:
+        """The passes that generate ``request`` (resolved and checked), the same on every rank."""
+
+    def prepare(self, request: GenerationRequest, shape: LatentShape, *,
+                previous: dict[str, torch.Tensor] | None = None) -> Prepared:
+        """A pass's initial latents, schedule and per-request state (the same on every rank); ``previous``: the
+        gathered latents of the plan's pass before, ``None`` for the first."""
 
     def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
                 plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
@@ -151,6 +161,38 @@ def _agree(status: StepStatus, message: str, *, state: ParallelState) -> None:
     raise JobFailed("; ".join(messages))
 
 
+def _run_pass(model: DenoiseModel, pass_: DenoisePass, previous: dict[str, torch.Tensor] | None, *, done: int,
+              total: int, limits: GenerationLimits, control: SampleControl,
+              state: ParallelState) -> tuple[dict[str, torch.Tensor], Prepared]:
+    """One pass of a plan: prepare (agreed on), the sharded loop, the gather. Returns the full latents."""
+    shape = check_request(pass_.request, geometry=model.geometry, limits=limits, options=model.options)
+    # Preparing (text encoding, media encoding, noise, schedule) is local to each rank: agreed on like a step, so
+    # that a failure on any rank fails the job on every rank instead of leaving the others in the first exchange.
+    prepared_box: list[Prepared] = []
+
+    def prepare() -> None:
+        prepared = model.prepare(pass_.request, shape, previous=previous)
+        assert len(prepared.timesteps) == pass_.steps, (len(prepared.timesteps), pass_.steps)
+        prepared_box.append(prepared)
+
+    _agree(*_run_hook(prepare), state=state)
+    prepared = prepared_box[0]
+    plans = {name: ShardPlan(orig_len=x.shape[1], world=state.cp_size) for name, x in prepared.latents.items()}
+    latents = {name: plans[name].shard(x, state.cp_rank).to(state.device) for name, x in prepared.latents.items()}
+    for i, t in enumerate(prepared.timesteps):
+        _agree(*_poll(control, done + i), state=state)
+        started = time.perf_counter()
+        noise_pred = model.predict(latents, t, prepared, plans)
+        latents = model.step(noise_pred, t, latents, prepared, plans)
+        for name, plan in plans.items():
+            # Padding rows carry no meaning; keep them at zero so they can never grow without bound.
+            latents[name][:, plan.valid_len(state.cp_rank):] = 0
+        if control.on_step:
+            control.on_step(done + i + 1, total, time.perf_counter() - started)
+    full = {name: gather_sequence(x, plan=plans[name], group=state.cp_group) for name, x in latents.items()}
+    return full, prepared
+
+
 def _run_hook(hook: Callable[[], StepStatus | None]) -> tuple[StepStatus, str]:
     try:
         return StepStatus(hook() or StepStatus.OK), ""
@@ -190,28 +232,16 @@ def sample(
     control = control or SampleControl()
     limits = limits or GenerationLimits()
     request = resolve_request(request, model.options, limits=limits)
-    shape = check_request(request, geometry=model.geometry, limits=limits, options=model.options)
-    # Preparing (text encoding, noise, schedule) is local to each rank: agreed on like a step, so that a failure on
-    # any rank fails the job on every rank instead of leaving the others in the first exchange.
-    prepared_box: list[Prepared] = []
-    _agree(*_run_hook(lambda: prepared_box.append(model.prepare(request, shape))), state=state)
-    prepared = prepared_box[0]
-    plans = {name: ShardPlan(orig_len=x.shape[1], world=state.cp_size) for name, x in prepared.latents.items()}
-    latents = {name: plans[name].shard(x, state.cp_rank).to(state.device) for name, x in prepared.latents.items()}
-    total = len(prepared.timesteps)
+    check_request(request, geometry=model.geometry, limits=limits, options=model.options)
+    plan = model.plan(request)
+    total, done = plan.steps, 0
+    full: dict[str, torch.Tensor] | None = None
     if control.on_phase:
         control.on_phase("denoise")
-    for i, t in enumerate(prepared.timesteps):
-        _agree(*_poll(control, i), state=state)
-        started = time.perf_counter()
-        noise_pred = model.predict(latents, t, prepared, plans)
-        latents = model.step(noise_pred, t, latents, prepared, plans)
-        for name, plan in plans.items():
-            # Padding rows carry no meaning; keep them at zero so they can never grow without bound.
-            latents[name][:, plan.valid_len(state.cp_rank):] = 0
-        if control.on_step:
-            control.on_step(i + 1, total, time.perf_counter() - started)
-    full = {name: gather_sequence(x, plan=plans[name], group=state.cp_group) for name, x in latents.items()}
+    for pass_ in plan.passes:
+        full, prepared = _run_pass(model, pass_, full, done=done, total=total, limits=limits, control=control,
+                                   state=state)
+        done += pass_.steps
     if control.on_phase:
         control.on_phase("decode")
     decoders: list[Decoder] = []

@@ -18,7 +18,7 @@ Invariants:
   and lasts as long as the waveform (:func:`read_audio` gives back exactly its length; the stream's duration
   is rounded to the movie's millisecond clock). Audio and video are muxed interleaved.
 - A frames folder holds ``frame_00000.png`` ... (bit-exact), ``audio.wav`` (16-bit PCM) when there is audio,
-  ``NAME.npy`` for each latents array given (``latents.npy``; ``audio_latents.npy`` for audio-video models), and ``video.json``,
+  ``NAME.npy`` for each latents array given (``latents.npy``; ``audio_latents.npy`` with audio), and ``video.json``,
   written last: a folder with ``video.json`` is complete. ``video.json`` lists the arrays it has, so a rewrite
   removes those of the old video (and no other ``.npy`` of the user's).
 - :func:`write_output` never leaves a half-written output under the final name: it writes a hidden temporary

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_nois
 from cp_infer import ExchangeWorkspace, LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
 from cp_infer.collectives import all_reduce_sum
 from cp_infer.decode import DEFAULT_FRAMES_PER_RANK
+from cp_infer.plan import Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
@@ -179,6 +181,28 @@ class LTX2Settings:
         return self.modality_scale > 1.0 or self.audio_modality_scale > 1.0
 
 
+@dataclass
+class _RequestState:
+    """What ``LTX2Model.prepare`` builds for one pass, read by ``predict``, ``step`` and the decode."""
+
+    request: GenerationRequest
+    shape: LatentShape
+    settings: LTX2Settings
+    schedulers: dict[str, Any]
+    """One per stream (stateful: their step index), copies of the pipeline's."""
+    video_ctx: torch.Tensor
+    audio_ctx: torch.Tensor
+    ctx_mask: torch.Tensor
+    coords: dict[str, torch.Tensor]
+    """RoPE coordinates of each stream's whole sequence (the video's with its keyframe tokens)."""
+    batch: int
+    generator: torch.Generator
+    audio_frames: int
+    fps: float
+    conditioning: VideoConditioning | None = None
+    step: int = 0
+
+
 def _sharded_std(x_local: torch.Tensor, valid: int, *, state: ParallelState) -> torch.Tensor:
     """``x.std(dim=(1, 2), keepdim=True)`` of the whole sequence, from this rank's ``[B, S_LOCAL, C]`` shard."""
     x = x_local[:, :valid].double()
@@ -264,15 +288,19 @@ class LTX2Model:
         """The transformer's forward passes inside this block run on the shards of ``plans``."""
         return _scoped(self._ctx, "plans", plans)
 
-    def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared:
+    def plan(self, request: GenerationRequest) -> Plan:
+        """One pass: text-to-video, image-to-video or conditions (keyframe tokens in the pass's video stream)."""
+        return Plan.single(request)
+
+    def prepare(self, request: GenerationRequest, shape: LatentShape, *,
+                previous: dict[str, torch.Tensor] | None = None) -> Prepared:
         """LTX2Pipeline's preparation; with ``request.image`` LTX2ImageToVideoPipeline's, with
         ``request.conditions`` LTX2ConditionPipeline's (the media encoded on every rank alike: an image or a short
         clip is one small encode, not worth a time-parallel split)."""
+        assert previous is None, "an LTX-2 plan has one pass"
         pipe, device = self.pipe, self.device
+        # The declaration (models.ltx2_options) bounds the block indices by this model's block count.
         settings = LTX2Settings.from_request(request)
-        if settings.stg and any(b >= self.layers for b in settings.stg_blocks):
-            raise ValueError(f"stg_blocks={list(settings.stg_blocks)} names blocks this model lacks; it has "
-                             f"{self.layers} (0..{self.layers - 1}); pass stg_blocks within that range, or stg_scale=0")
         embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
             prompt=request.prompt, negative_prompt=request.negative_prompt,
             do_classifier_free_guidance=settings.cfg,
@@ -325,13 +353,13 @@ class LTX2Model:
             # 1, 3, S_VIDEO, 2 -> 1, 3, S_VIDEO + S_KEYFRAMES, 2: the keyframe tokens follow the video's
             video_coords = torch.cat([video_coords, keyframe_coords.to(video_coords)], dim=2)
         audio_coords = self.transformer.audio_rope.prepare_audio_coords(1, audio_frames, cpu)
+        state = _RequestState(
+            request=request, shape=shape, settings=settings, schedulers=schedulers, video_ctx=video_ctx,
+            audio_ctx=audio_ctx, ctx_mask=ctx_mask, coords={"video": video_coords.to(device),
+                                                            "audio": audio_coords.to(device)},
+            batch=batch, generator=generator, audio_frames=audio_frames, fps=fps, conditioning=conditioning)
         return Prepared(latents={"video": video.to(device), "audio": audio.to(device)}, timesteps=list(timesteps),
-                        extras=dict(
-            settings=settings, schedulers=schedulers, video_ctx=video_ctx, audio_ctx=audio_ctx, ctx_mask=ctx_mask,
-            coords={"video": video_coords.to(device), "audio": audio_coords.to(device)}, batch=batch,
-            generator=generator, shape=shape, audio_frames=audio_frames, request=request, fps=fps, step=0,
-            conditioning=conditioning,
-        ))
+                        state=state)
 
     def audio_latent_frames(self, request: GenerationRequest) -> int:
         """Audio latent frames for the video's duration (LTX2Pipeline's rule)."""
@@ -339,34 +367,35 @@ class LTX2Model:
         per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
         return round(request.num_frames / float(request.fps) * per_second)
 
-    def _forward(self, latents: dict[str, torch.Tensor], t: torch.Tensor, x: dict, plans: dict[str, ShardPlan], *,
+    def _forward(self, latents: dict[str, torch.Tensor], t: torch.Tensor, x: _RequestState,
+                 plans: dict[str, ShardPlan], *,
                  cond_only: bool, isolate: bool = False, stg_blocks: tuple[int, ...] | None = None,
                  ) -> dict[str, torch.Tensor]:
         """One transformer pass over this rank's shards; ``cond_only`` drops the unconditional half of CFG."""
         rank = self.state.cp_rank
-        video_ctx, audio_ctx, ctx_mask = x["video_ctx"], x["audio_ctx"], x["ctx_mask"]
-        batch = x["batch"]
+        video_ctx, audio_ctx, ctx_mask = x.video_ctx, x.audio_ctx, x.ctx_mask
+        batch = x.batch
         if cond_only and batch == 2:
             video_ctx, audio_ctx, ctx_mask = video_ctx[1:], audio_ctx[1:], ctx_mask[1:]
             batch = 1
         dtype = video_ctx.dtype
         # B, N_DIMS, S, 2 -> B, N_DIMS, S_LOCAL, 2 (same plan as the stream's latents: token i keeps its position)
         coords = {name: plans[name].shard(c, rank, dim=2).expand(batch, -1, -1, -1)
-                  for name, c in x["coords"].items()}
+                  for name, c in x.coords.items()}
         inputs = {name: torch.cat([v] * batch).to(dtype) for name, v in latents.items()}
         timestep = t.expand(batch)
-        conditioning: VideoConditioning | None = x["conditioning"]
+        conditioning: VideoConditioning | None = x.conditioning
         # Conditioned video tokens have their own timesteps ([B, S_LOCAL]); audio and the prompt modulation run at t.
         video_timestep = timestep if conditioning is None else conditioning.timestep(timestep, plans["video"], rank)
-        shape: LatentShape = x["shape"]
+        shape: LatentShape = x.shape
         with self.sharded(plans):
             video, audio = self.transformer(
                 hidden_states=inputs["video"], audio_hidden_states=inputs["audio"],
                 encoder_hidden_states=video_ctx, audio_encoder_hidden_states=audio_ctx, timestep=video_timestep,
                 audio_timestep=timestep, sigma=timestep, encoder_attention_mask=ctx_mask,
                 audio_encoder_attention_mask=ctx_mask,
-                num_frames=shape.frames, height=shape.height, width=shape.width, fps=x["fps"],
-                audio_num_frames=x["audio_frames"], video_coords=coords["video"], audio_coords=coords["audio"],
+                num_frames=shape.frames, height=shape.height, width=shape.width, fps=x.fps,
+                audio_num_frames=x.audio_frames, video_coords=coords["video"], audio_coords=coords["audio"],
                 isolate_modalities=isolate, spatio_temporal_guidance_blocks=list(stg_blocks) if stg_blocks else None,
                 perturbation_mask=None, use_cross_timestep=True, return_dict=False,
             )
@@ -374,9 +403,9 @@ class LTX2Model:
 
     def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
                 plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
-        x = prepared.extras
-        s: LTX2Settings = x["settings"]
-        i, schedulers = x["step"], x["schedulers"]
+        x = prepared.state
+        s: LTX2Settings = x.settings
+        i, schedulers = x.step, x.schedulers
         scales = {"video": (s.guidance_scale, s.stg_scale, s.modality_scale, s.guidance_rescale),
                   "audio": (s.audio_guidance_scale, s.audio_stg_scale, s.audio_modality_scale,
                             s.audio_guidance_rescale)}
@@ -404,7 +433,7 @@ class LTX2Model:
             for name, pred in isolated.items():
                 guided[name] = guided[name] + (scales[name][2] - 1) * (cond[name] - to_x0(name, pred))
         result = {}
-        conditioning: VideoConditioning | None = x["conditioning"]
+        conditioning: VideoConditioning | None = x.conditioning
         for name in out:
             rescale = scales[name][3]
             g = guided[name]
@@ -426,12 +455,12 @@ class LTX2Model:
     def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
              latents_local: dict[str, torch.Tensor], prepared: Prepared,
              plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
-        x = prepared.extras
-        x["step"] += 1
-        stepped = {name: x["schedulers"][name].step(noise_pred_local[name], t, latents_local[name],
+        x = prepared.state
+        x.step += 1
+        stepped = {name: x.schedulers[name].step(noise_pred_local[name], t, latents_local[name],
                                                     return_dict=False)[0]
                    for name in ("video", "audio")}
-        conditioning: VideoConditioning | None = x["conditioning"]
+        conditioning: VideoConditioning | None = x.conditioning
         if conditioning is not None:
             stepped["video"] = conditioning.keep_conditioned(stepped["video"], latents_local["video"], plans["video"],
                                                              self.state.cp_rank)
@@ -439,9 +468,9 @@ class LTX2Model:
 
     def _video_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> torch.Tensor:
         """The video's own tokens unpacked to ``[B, C, F, H, W]`` (keyframe tokens dropped)."""
-        pipe, x = self.pipe, prepared.extras
-        shape: LatentShape = x["shape"]
-        conditioning: VideoConditioning | None = x["conditioning"]
+        pipe, x = self.pipe, prepared.state
+        shape: LatentShape = x.shape
+        conditioning: VideoConditioning | None = x.conditioning
         video = latents["video"] if conditioning is None else latents["video"][:, :conditioning.video_tokens]
         return pipe._unpack_latents(video, shape.frames, shape.height, shape.width,
                                     pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
@@ -450,22 +479,22 @@ class LTX2Model:
         """``output_type="latent"`` of LTX2Pipeline and of its conditioned pipelines alike: video ``[B, C, F, H, W]``
         (its own tokens) and audio ``[B, C, L, M]``, unpacked and denormalised."""
         pipe, vae, audio_vae = self.pipe, self.components.vae, self.pipe.audio_vae
-        x = prepared.extras
+        x = prepared.state
         video = self._video_latents(latents, prepared)
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         audio = pipe._denormalize_audio_latents(latents["audio"], audio_vae.latents_mean, audio_vae.latents_std)
         mel_bins = audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
-        audio = pipe._unpack_audio_latents(audio, x["audio_frames"], num_mel_bins=mel_bins)
+        audio = pipe._unpack_audio_latents(audio, x.audio_frames, num_mel_bins=mel_bins)
         return {"latents": video.float().cpu().numpy(), "audio_latents": audio.float().cpu().numpy()}
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """Video: unpack, (timestep-conditioned VAEs) noise, denormalise, decode this rank's range. Audio: the
         audio VAE's mel spectrogram through the vocoder, on group rank 0."""
         pipe, vae = self.pipe, self.components.vae
-        x = prepared.extras
-        request: GenerationRequest = x["request"]
-        video = self._video_latents(latents, prepared).to(x["video_ctx"].dtype)
-        video, timestep = noise_for_decode(video, vae=vae, generator=x["generator"], request=request)
+        x = prepared.state
+        request: GenerationRequest = x.request
+        video = self._video_latents(latents, prepared).to(x.video_ctx.dtype)
+        video, timestep = noise_for_decode(video, vae=vae, generator=x.generator, request=request)
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         video = video.to(vae.dtype)
         # Time-parallel and streamed in rounds, exact (``cp_infer.decode``), as for LTX-Video.
@@ -481,7 +510,7 @@ class LTX2Model:
             audio_vae = pipe.audio_vae
             mel_bins = audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
             packed = pipe._denormalize_audio_latents(latents["audio"], audio_vae.latents_mean, audio_vae.latents_std)
-            unpacked = pipe._unpack_audio_latents(packed, x["audio_frames"], num_mel_bins=mel_bins)
+            unpacked = pipe._unpack_audio_latents(packed, x.audio_frames, num_mel_bins=mel_bins)
             mel = audio_vae.decode(unpacked.to(audio_vae.dtype), return_dict=False)[0]
             waveform = self.components.vocoder(mel)[0].float().cpu().numpy()
             return fit_duration(waveform, request.num_frames / request.fps, self.sample_rate), self.sample_rate

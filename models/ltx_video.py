@@ -30,6 +30,7 @@ from PIL import Image
 
 from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
 from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit
+from cp_infer.plan import Plan
 from cp_infer.request import Condition, GenerationRequest, resolve_frame_index
 from cp_infer.sampler import Decoder, Prepared
 
@@ -134,6 +135,33 @@ def _local_video_coords(rope: torch.nn.Module, arguments: dict, plan: ShardPlan,
     return coords
 
 
+@dataclass
+class _RequestState:
+    """What ``LTXVideoModel.prepare`` builds for one pass, read by its ``predict``, ``step`` and ``decoder``."""
+
+    request: GenerationRequest
+    shape: LatentShape
+    mode: str
+    """``text`` (LTXPipeline), ``image`` (LTXImageToVideoPipeline) or ``conditions`` (LTXConditionPipeline)."""
+    embeds: torch.Tensor
+    mask: torch.Tensor
+    cfg_on: bool
+    guidance: float
+    generator: torch.Generator
+    """Drawn from after the initial noise: the conditions' per-step re-noise, then the decode noise."""
+    rope_scale: tuple[float, float, float]
+    extra_tokens: int = 0
+    """Conditioning tokens placed before the video's (conditions after frame 0)."""
+    cond_mask: torch.Tensor | None = None
+    """``[1, S]``: how strongly each token is conditioned (image and conditions modes)."""
+    init_latents: torch.Tensor | None = None
+    video_coords: torch.Tensor | None = None
+    noise_scale: float = 0.0
+    # Set by ``predict`` for the ``step`` that follows it (this rank's shard).
+    timestep_local: torch.Tensor | None = None
+    cond_mask_local: torch.Tensor | None = None
+
+
 class LTXVideoModel:
     """An LTX-Video pipeline's components, parallelised, behind the sampler's ``DenoiseModel`` interface."""
 
@@ -191,7 +219,12 @@ class LTXVideoModel:
         """The transformer's forward passes inside this block run on the shard of ``plan``."""
         return _scoped(self._ctx, "plan", plan)
 
-    def prepare(self, request: GenerationRequest, shape: LatentShape) -> Prepared:
+    def plan(self, request: GenerationRequest) -> Plan:
+        """One pass: text-to-video, image-to-video or conditions (their tokens in the pass's sequence)."""
+        return Plan.single(request)
+
+    def prepare(self, request: GenerationRequest, shape: LatentShape, *,
+                previous: dict[str, torch.Tensor] | None = None) -> Prepared:
         """LTXPipeline's preparation; with ``request.image`` LTXImageToVideoPipeline's, with ``request.conditions``
         LTXConditionPipeline's (the media encoded on every rank alike: an image or a short clip is one small encode,
         not worth a time-parallel split)."""
@@ -212,11 +245,12 @@ class LTXVideoModel:
         generator = torch.Generator("cpu").manual_seed(request.seed)
         t_ratio = self.geometry.temporal_compression
         s_ratio = self.geometry.spatial_compression
-        extras = dict(embeds=embeds, mask=mask, cfg_on=cfg_on, guidance=request.guidance_scale, generator=generator,
-                      shape=shape, rope_scale=(t_ratio / request.fps, s_ratio, s_ratio), request=request,
-                      mode="text", extra_tokens=0)
+        assert previous is None, "an LTX-Video plan has one pass"
+        x = _RequestState(request=request, shape=shape, mode="text", embeds=embeds, mask=mask, cfg_on=cfg_on,
+                          guidance=request.guidance_scale, generator=generator,
+                          rope_scale=(t_ratio / request.fps, s_ratio, s_ratio))
         if request.conditions:
-            return self._prepare_conditions(request, shape, extras)
+            return self._prepare_conditions(request, shape, x)
         channels = self.transformer.config.in_channels
         if request.image is not None:
             image = _pil(request.image.frames[0])
@@ -224,21 +258,21 @@ class LTXVideoModel:
             latents, cond_mask = self.i2v_pipe.prepare_latents(
                 image.to(device=device, dtype=embeds.dtype), 1, channels, request.height, request.width,
                 request.num_frames, torch.float32, device, generator)
-            extras.update(mode="image", cond_mask=cond_mask)
+            x.mode, x.cond_mask = "image", cond_mask
         else:
             latents = pipe.prepare_latents(1, channels, request.height, request.width, request.num_frames,
                                            torch.float32, torch.device("cpu"), generator).to(device)
         sigmas = np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps)
         timesteps, _ = retrieve_timesteps(self.scheduler, request.num_inference_steps, device, sigmas=sigmas,
                                           mu=self._shift(shape))
-        return Prepared(latents={"video": latents}, timesteps=list(timesteps), extras=extras)
+        return Prepared(latents={"video": latents}, timesteps=list(timesteps), state=x)
 
     def _shift(self, shape: LatentShape) -> float:
         cfg = self.scheduler.config
         return calculate_shift(shape.tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                                cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
 
-    def _prepare_conditions(self, request: GenerationRequest, shape: LatentShape, extras: dict) -> Prepared:
+    def _prepare_conditions(self, request: GenerationRequest, shape: LatentShape, x: _RequestState) -> Prepared:
         """LTXConditionPipeline: the media encoded as conditioning latents (at frame 0 they replace the first latent
         frames; later, their first two latent frames become extra tokens placed before the video's, with their own
         coordinates), a linear-quadratic schedule and per-token timesteps."""
@@ -259,83 +293,82 @@ class LTXVideoModel:
         latents, cond_mask, coords, extra = pipe.prepare_latents(
             tensors, strengths, indices, batch_size=1, num_channels_latents=self.transformer.config.in_channels,
             height=request.height, width=request.width, num_frames=request.num_frames, sigma=None, latents=None,
-            generator=extras["generator"], device=device, dtype=torch.float32)
+            generator=x.generator, device=device, dtype=torch.float32)
         coords = coords.float()
         coords[:, 0] = coords[:, 0] * (1.0 / request.fps)
         noise_scale = float(request.options["image_cond_noise_scale"])
-        extras.update(mode="conditions", cond_mask=cond_mask, init_latents=latents.clone(), extra_tokens=extra,
-                      video_coords=torch.cat([coords] * 2) if extras["cfg_on"] else coords, noise_scale=noise_scale)
-        return Prepared(latents={"video": latents}, timesteps=list(timesteps), extras=extras)
+        x.mode, x.cond_mask, x.init_latents, x.extra_tokens = "conditions", cond_mask, latents.clone(), extra
+        x.video_coords, x.noise_scale = torch.cat([coords] * 2) if x.cfg_on else coords, noise_scale
+        return Prepared(latents={"video": latents}, timesteps=list(timesteps), state=x)
 
     def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
                 plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
-        x = prepared.extras
+        x: _RequestState = prepared.state
         latents_local, plan = latents_local["video"], plans["video"]
-        mode, batch = x["mode"], 2 if x["cfg_on"] else 1
+        mode, batch = x.mode, 2 if x.cfg_on else 1
         rank = self.state.cp_rank
-        cond_mask = None if mode == "text" else plan.shard(x["cond_mask"], rank)  # 1, S -> 1, S_LOCAL
-        if mode == "conditions" and x["noise_scale"] > 0:
+        cond_mask = None if mode == "text" else plan.shard(x.cond_mask, rank)  # 1, S -> 1, S_LOCAL
+        if mode == "conditions" and x.noise_scale > 0:
             # LTXConditionPipeline re-noises the fully conditioned tokens at every step; the noise of the whole
             # sequence is drawn on every rank from the same generator, each keeping its shard.
-            noise = torch.randn(x["init_latents"].shape, generator=x["generator"], dtype=torch.float32)
+            noise = torch.randn(x.init_latents.shape, generator=x.generator, dtype=torch.float32)
             noise = plan.shard(noise, rank).to(latents_local.device)
-            init = plan.shard(x["init_latents"], rank)
-            noised = init + x["noise_scale"] * noise * ((t / 1000.0) ** 2)
+            init = plan.shard(x.init_latents, rank)
+            noised = init + x.noise_scale * noise * ((t / 1000.0) ** 2)
             latents_local.copy_(torch.where((cond_mask > 1.0 - 1e-6).unsqueeze(-1), noised, latents_local))
-        model_in = torch.cat([latents_local] * batch).to(x["embeds"].dtype)
+        model_in = torch.cat([latents_local] * batch).to(x.embeds.dtype)
         timestep = t.expand(batch)
         kwargs = {}
         if mode == "conditions":
             timestep = torch.min(timestep.unsqueeze(-1).float(), (1 - torch.cat([cond_mask] * batch)) * 1000.0)
-            kwargs.update(video_coords=x["video_coords"])
+            kwargs.update(video_coords=x.video_coords)
         else:
             if mode == "image":
                 timestep = timestep.unsqueeze(-1) * (1 - torch.cat([cond_mask] * batch))
-            shape: LatentShape = x["shape"]
-            kwargs.update(num_frames=shape.frames, height=shape.height, width=shape.width,
-                          rope_interpolation_scale=x["rope_scale"])
+            kwargs.update(num_frames=x.shape.frames, height=x.shape.height, width=x.shape.width,
+                          rope_interpolation_scale=x.rope_scale)
         with self.sharded(plan):
             noise_pred = self.transformer(
-                hidden_states=model_in, encoder_hidden_states=x["embeds"], timestep=timestep,
-                encoder_attention_mask=x["mask"], return_dict=False, **kwargs,
+                hidden_states=model_in, encoder_hidden_states=x.embeds, timestep=timestep,
+                encoder_attention_mask=x.mask, return_dict=False, **kwargs,
             )[0]
         if mode != "conditions":
             noise_pred = noise_pred.float()  # LTXConditionPipeline keeps the transformer's dtype
-        if x["cfg_on"]:
+        if x.cfg_on:
             uncond, cond = noise_pred.chunk(2)
-            noise_pred = uncond + x["guidance"] * (cond - uncond)
-        x["timestep_local"], x["cond_mask_local"] = timestep[:1], cond_mask
+            noise_pred = uncond + x.guidance * (cond - uncond)
+        x.timestep_local, x.cond_mask_local = timestep[:1], cond_mask
         return {"video": noise_pred}
 
     def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
              latents_local: dict[str, torch.Tensor], prepared: Prepared,
              plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
-        x = prepared.extras
-        noise_pred, latents, mode = noise_pred_local["video"], latents_local["video"], x["mode"]
+        x: _RequestState = prepared.state
+        noise_pred, latents, mode = noise_pred_local["video"], latents_local["video"], x.mode
         if mode == "conditions":
             # Per-token timesteps (this rank's shard of them); tokens still above their conditioning level stay.
-            denoised = self.scheduler.step(-noise_pred, t, latents, per_token_timesteps=x["timestep_local"],
+            denoised = self.scheduler.step(-noise_pred, t, latents, per_token_timesteps=x.timestep_local,
                                            return_dict=False)[0]
-            keep = (t / 1000 - 1e-6 < (1.0 - x["cond_mask_local"])).unsqueeze(-1)
+            keep = (t / 1000 - 1e-6 < (1.0 - x.cond_mask_local)).unsqueeze(-1)
             return {"video": torch.where(keep, denoised, latents)}
         stepped = self.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         if mode == "image":
             # The first frame's tokens are never stepped (the step is elementwise: stepping all and keeping those
             # is LTXImageToVideoPipeline's stepping of the others alone).
-            return {"video": torch.where(x["cond_mask_local"].unsqueeze(-1) > 0.5, latents, stepped)}
+            return {"video": torch.where(x.cond_mask_local.unsqueeze(-1) > 0.5, latents, stepped)}
         return {"video": stepped}
 
     def _video_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> torch.Tensor:
         """The video's own tokens unpacked to ``[B, C, F, H, W]`` (conditioning tokens dropped)."""
-        shape: LatentShape = prepared.extras["shape"]
-        cfg = self.transformer.config
-        return self.pipe._unpack_latents(latents["video"][:, prepared.extras["extra_tokens"]:], shape.frames,
+        x: _RequestState = prepared.state
+        shape, cfg = x.shape, self.transformer.config
+        return self.pipe._unpack_latents(latents["video"][:, x.extra_tokens:], shape.frames,
                                          shape.height, shape.width, cfg.patch_size, cfg.patch_size_t)
 
     def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
         """``output_type="latent"``: LTXPipeline and LTXImageToVideoPipeline return the packed ``[B, S, C]``
         latents, LTXConditionPipeline the unpacked ``[B, C, F, H, W]`` ones."""
-        if prepared.extras["mode"] == "conditions":
+        if prepared.state.mode == "conditions":
             return {"latents": self._video_latents(latents, prepared).float().cpu().numpy()}
         return {"latents": latents["video"].float().cpu().numpy()}
 
@@ -343,12 +376,12 @@ class LTXVideoModel:
         """Unpack, denormalise and (timestep-conditioned VAEs) noise the latents once; decode this rank's piece of
         each round (``cp_infer.decode``: rounds of ``decode_frames_per_rank`` latent frames per rank)."""
         pipe, vae = self.pipe, self.components.vae
-        x = prepared.extras
-        request: GenerationRequest = x["request"]
+        x: _RequestState = prepared.state
+        request = x.request
         latents = self._video_latents(latents, prepared)
         latents = pipe._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
-        latents = latents.to(x["embeds"].dtype)
-        latents, timestep = noise_for_decode(latents, vae=vae, generator=x["generator"], request=request)
+        latents = latents.to(x.embeds.dtype)
+        latents, timestep = noise_for_decode(latents, vae=vae, generator=x.generator, request=request)
         latents = latents.to(vae.dtype)
         split = decode_split(vae, latents.shape[2], world=self.state.cp_size,
                              temporal_compression=self.geometry.temporal_compression,

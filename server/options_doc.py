@@ -60,7 +60,7 @@ def render_readme(text: str) -> str:
         if not pattern.search(text):
             raise ValueError(f"README has no <!-- options:{family} --> ... <!-- /options:{family} --> markers")
         table = options_table(_options(family))
-        text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
+        text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
     return text
 
 

@@ -1,9 +1,12 @@
 """A failure on one rank outside the denoising steps (preparing the request, decoding the soundtrack) fails the job
-on every rank with the same ``JobFailed`` naming that rank: nobody is left waiting in a collective.
+on every rank with the same ``JobFailed`` naming that rank: nobody is left waiting in a collective. And a plan of
+several passes runs them in order, each prepared from the gathered latents of the one before.
 
 The model is a stand-in with two token streams (it needs no weights): its prediction is elementwise, its decode
 returns black frames, and it raises where the test tells it to.
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -11,10 +14,10 @@ import torch
 
 from cp_infer.decode import TemporalSplit
 from cp_infer.options import ModelOptions
+from cp_infer.plan import DenoisePass, Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, JobFailed, Prepared, SampleControl, sample
 from cp_infer.shapes import VideoGeometry
-
 from models._standard_options import standard_options
 
 from ..harness import WorkerGroup
@@ -28,7 +31,10 @@ class _FakeModel:
     def __init__(self, state, fail: str):
         self.state, self.fail = state, fail
 
-    def prepare(self, request, shape):
+    def plan(self, request):
+        return Plan.single(request)
+
+    def prepare(self, request, shape, *, previous=None):
         if self.fail == "prepare" and self.state.cp_rank == 1:
             raise RuntimeError("text encoder out of memory")
         g = torch.Generator().manual_seed(request.seed)
@@ -86,3 +92,46 @@ def test_one_rank_failing_fails_the_job_everywhere(group, fail, rank, words):
 def test_without_failure_rank0_gets_frames_and_audio(group):
     results = group.run(_run, "", timeout=120)
     assert results == [("ok", ((1, 32, 32, 3), [24000])), ("ok", (None, []))]
+
+
+class _TwoPassModel(_FakeModel):
+    """A plan of two passes: the second starts from the first's gathered latents (as a window or a refine
+    stage does)."""
+
+    def plan(self, request):
+        second = dataclasses.replace(request, num_inference_steps=3, seed=request.seed + 1)
+        return Plan((DenoisePass(request, steps=2, label="first"), DenoisePass(second, steps=3, label="second")))
+
+    def prepare(self, request, shape, *, previous=None):
+        g = torch.Generator().manual_seed(request.seed)
+        video = torch.randn(1, shape.tokens, 4, generator=g)
+        if previous is not None:
+            video = 0.5 * previous["video"].cpu() + video
+        steps = [torch.tensor(1.0 - i / request.num_inference_steps) for i in range(request.num_inference_steps)]
+        return Prepared(latents={"video": video}, timesteps=steps)
+
+    def output_latents(self, latents, prepared):
+        return {"latents": latents["video"].cpu().numpy()}
+
+
+def _run_plan(state):
+    request = GenerationRequest(prompt="x", num_frames=9, height=64, width=96, num_inference_steps=2, seed=11)
+    steps, latents = [], []
+    sample(_TwoPassModel(state, ""), request, state=state,
+           control=SampleControl(on_step=lambda done, total, _s: steps.append((done, total)),
+                                 on_latents=latents.append))
+    return steps, latents[0]["latents"] if latents else None
+
+
+def test_a_plan_runs_its_passes_in_order_each_from_the_last(group):
+    results = group.run(_run_plan, timeout=120)
+    tokens = 2 * 2 * 3  # 9 frames at 96x64: 2 latent frames of 2x3
+    g = torch.Generator().manual_seed(11)
+    first = torch.randn(1, tokens, 4, generator=g) * 0.9**2  # each step: x - 0.1 x
+    second = (0.5 * first + torch.randn(1, tokens, 4, generator=torch.Generator().manual_seed(12))) * 0.9**3
+    for rank, (steps, latents) in enumerate(results):
+        assert steps == [(i, 5) for i in range(1, 6)], steps  # progress over both passes
+        if rank == 0:
+            torch.testing.assert_close(torch.from_numpy(latents), second)
+        else:
+            assert latents is None

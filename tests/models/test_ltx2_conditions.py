@@ -143,8 +143,8 @@ def test_conditions_are_tokens_of_the_video_stream(folders):
         request = resolve_request(request, model.options)
         shape = model.geometry.latent_shape(request.num_frames, request.height, request.width)
         prepared = model.prepare(request, shape)
-        conditioning = prepared.extras["conditioning"]
-        assert prepared.latents["video"].shape[1] == tokens == prepared.extras["coords"]["video"].shape[2]
+        conditioning = prepared.state.conditioning
+        assert prepared.latents["video"].shape[1] == tokens == prepared.state.coords["video"].shape[2]
         assert conditioning.video_tokens == shape.tokens
         torch.testing.assert_close(conditioning.mask[0], torch.tensor(expected), rtol=0, atol=0)
 

@@ -101,7 +101,8 @@ def test_one_rank_equals_ltx2_pipeline(folders, rope):
     for r, (frames, audio) in zip(_requests(seed), ours, strict=True):
         ref = pipe(prompt=r.prompt, negative_prompt=r.negative_prompt, num_frames=r.num_frames, height=r.height,
                    width=r.width, num_inference_steps=r.num_inference_steps, frame_rate=r.fps,
-                   spatio_temporal_guidance_blocks=list(r.options["spatio_temporal_guidance_blocks"]), **_text_tokens(r),
+                   spatio_temporal_guidance_blocks=list(r.options["spatio_temporal_guidance_blocks"]),
+                   **_text_tokens(r),
                    generator=torch.Generator("cpu").manual_seed(r.seed), output_type="np", **GUIDANCE)
         ref8 = (np.clip(ref.frames[0], 0, 1) * 255).round().astype(np.uint8)
         assert frames.shape == (r.num_frames, r.height, r.width, 3)

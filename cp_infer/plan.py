@@ -1,0 +1,46 @@
+"""A job as a plan: the sharded denoising passes the sampler runs, in order, for one request.
+
+Invariants:
+- A model adapter turns a resolved request into a :class:`Plan` (``DenoiseModel.plan``); the sampler runs its
+  passes in order on every rank, each a full sharded loop (prepare agreed on, steps, one gather), hands each pass
+  the gathered latents of the one before, and decodes the last pass's latents.
+- A plan is built from the request alone, identically on every rank (no collective, no randomness).
+- Progress counts the steps of every pass: ``Plan.steps`` is their sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .request import GenerationRequest
+
+__all__ = ["DenoisePass", "Plan"]
+
+
+@dataclass(frozen=True)
+class DenoisePass:
+    """One sharded denoising loop."""
+
+    request: GenerationRequest
+    """What this pass generates: its size, frames, steps and conditioning (a window's or a stage's own)."""
+    steps: int
+    """Denoising steps it runs (its share of the job's progress)."""
+    label: str = "denoise"
+    """For progress and logs: ``denoise``; later ``window 2/5``, ``refine``."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    passes: tuple[DenoisePass, ...]
+
+    def __post_init__(self) -> None:
+        assert self.passes, "a plan has at least one pass"
+
+    @classmethod
+    def single(cls, request: GenerationRequest) -> Plan:
+        """One pass over the whole request (text-to-video, image-to-video, conditions)."""
+        return cls((DenoisePass(request, steps=request.num_inference_steps),))
+
+    @property
+    def steps(self) -> int:
+        return sum(p.steps for p in self.passes)
