@@ -25,8 +25,9 @@ class DenoisePass:
     """What this pass generates: its size, frames, steps and conditioning (a window's or a stage's own)."""
     steps: int
     """Denoising steps it runs (its share of the job's progress)."""
-    label: str = "denoise"
-    """For progress and logs: ``denoise``; later ``window 2/5``, ``refine``."""
+    kind: str = "denoise"
+    """Which of its passes the adapter prepares (its own names: ``denoise``; ``refine`` for a second stage, ...);
+    handed to ``DenoiseModel.prepare`` with the request."""
 
 
 @dataclass(frozen=True)

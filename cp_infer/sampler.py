@@ -84,10 +84,11 @@ class DenoiseModel(Protocol):
     def plan(self, request: GenerationRequest) -> Plan:
         """The passes that generate ``request`` (resolved and checked), the same on every rank."""
 
-    def prepare(self, request: GenerationRequest, shape: LatentShape, *,
+    def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "denoise",
                 previous: dict[str, torch.Tensor] | None = None) -> Prepared:
-        """A pass's initial latents, schedule and per-request state (the same on every rank); ``previous``: the
-        gathered latents of the plan's pass before, ``None`` for the first."""
+        """A pass's initial latents, schedule and per-request state (the same on every rank): the pass's
+        ``request`` and ``kind`` (``DenoisePass``); ``previous``: the gathered latents of the plan's pass before,
+        ``None`` for the first."""
 
     def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
                 plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
@@ -171,7 +172,7 @@ def _run_pass(model: DenoiseModel, pass_: DenoisePass, previous: dict[str, torch
     prepared_box: list[Prepared] = []
 
     def prepare() -> None:
-        prepared = model.prepare(pass_.request, shape, previous=previous)
+        prepared = model.prepare(pass_.request, shape, kind=pass_.kind, previous=previous)
         assert len(prepared.timesteps) == pass_.steps, (len(prepared.timesteps), pass_.steps)
         prepared_box.append(prepared)
 

@@ -292,12 +292,12 @@ class LTX2Model:
         """One pass: text-to-video, image-to-video or conditions (keyframe tokens in the pass's video stream)."""
         return Plan.single(request)
 
-    def prepare(self, request: GenerationRequest, shape: LatentShape, *,
+    def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "denoise",
                 previous: dict[str, torch.Tensor] | None = None) -> Prepared:
         """LTX2Pipeline's preparation; with ``request.image`` LTX2ImageToVideoPipeline's, with
         ``request.conditions`` LTX2ConditionPipeline's (the media encoded on every rank alike: an image or a short
         clip is one small encode, not worth a time-parallel split)."""
-        assert previous is None, "an LTX-2 plan has one pass"
+        assert kind == "denoise" and previous is None, "an LTX-2 plan has one pass"
         pipe, device = self.pipe, self.device
         # The declaration (models.ltx2_options) bounds the block indices by this model's block count.
         settings = LTX2Settings.from_request(request)

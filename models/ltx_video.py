@@ -223,7 +223,7 @@ class LTXVideoModel:
         """One pass: text-to-video, image-to-video or conditions (their tokens in the pass's sequence)."""
         return Plan.single(request)
 
-    def prepare(self, request: GenerationRequest, shape: LatentShape, *,
+    def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "denoise",
                 previous: dict[str, torch.Tensor] | None = None) -> Prepared:
         """LTXPipeline's preparation; with ``request.image`` LTXImageToVideoPipeline's, with ``request.conditions``
         LTXConditionPipeline's (the media encoded on every rank alike: an image or a short clip is one small encode,
@@ -245,7 +245,7 @@ class LTXVideoModel:
         generator = torch.Generator("cpu").manual_seed(request.seed)
         t_ratio = self.geometry.temporal_compression
         s_ratio = self.geometry.spatial_compression
-        assert previous is None, "an LTX-Video plan has one pass"
+        assert kind == "denoise" and previous is None, "an LTX-Video plan has one pass"
         x = _RequestState(request=request, shape=shape, mode="text", embeds=embeds, mask=mask, cfg_on=cfg_on,
                           guidance=request.guidance_scale, generator=generator,
                           rope_scale=(t_ratio / request.fps, s_ratio, s_ratio))

@@ -164,19 +164,19 @@ def request_from_args(args: argparse.Namespace, options: ModelOptions, **values:
 
 
 def add_media_arguments(parser: argparse.ArgumentParser) -> None:
-    """``generate``'s conditioning media (LTX-Video models): an image to start from, a clip, or media at frames."""
+    """``generate``'s conditioning media: an image to start from, a clip, or media at frames."""
     group = parser.add_argument_group(
-        "conditioning media (LTX-Video models; PNG, JPEG, WebP, GIF, BMP images, MP4, MOV, WebM, MKV, AVI clips)")
+        "conditioning media (PNG, JPEG, WebP, GIF, BMP images, MP4, MOV, WebM, MKV, AVI clips)")
     group.add_argument("--image", metavar="PATH", default=None,
-                       help="image-to-video: the video starts from this image (LTXImageToVideoPipeline)")
+                       help="image-to-video: the video starts from this image (the model's image-to-video pipeline)")
     group.add_argument("--video", metavar="PATH", default=None,
-                       help="video-to-video: a clip at frame 0, strength 1 (LTXConditionPipeline's video=); "
+                       help="video-to-video: a clip at frame 0, strength 1 (the condition pipeline's video=); "
                             "at most --frames frames")
     group.add_argument("--condition", dest="condition", action="append", default=[], type=_condition_arg,
                        metavar="PATH@FRAME[:STRENGTH]",
                        help="an image or clip applied from output frame FRAME on (negative: from the end, -1 is the "
                             "last frame) with STRENGTH 0..1 (default 1: kept as it is); repeatable "
-                            "(LTXConditionPipeline's conditions)")
+                            "(the condition pipeline's conditions)")
 
 
 def parse_condition(text: str) -> tuple[str, int, float]:

@@ -34,7 +34,7 @@ class _FakeModel:
     def plan(self, request):
         return Plan.single(request)
 
-    def prepare(self, request, shape, *, previous=None):
+    def prepare(self, request, shape, *, kind="denoise", previous=None):
         if self.fail == "prepare" and self.state.cp_rank == 1:
             raise RuntimeError("text encoder out of memory")
         g = torch.Generator().manual_seed(request.seed)
@@ -100,9 +100,10 @@ class _TwoPassModel(_FakeModel):
 
     def plan(self, request):
         second = dataclasses.replace(request, num_inference_steps=3, seed=request.seed + 1)
-        return Plan((DenoisePass(request, steps=2, label="first"), DenoisePass(second, steps=3, label="second")))
+        return Plan((DenoisePass(request, steps=2), DenoisePass(second, steps=3, kind="continue")))
 
-    def prepare(self, request, shape, *, previous=None):
+    def prepare(self, request, shape, *, kind="denoise", previous=None):
+        assert (kind == "continue") == (previous is not None), kind
         g = torch.Generator().manual_seed(request.seed)
         video = torch.randn(1, shape.tokens, 4, generator=g)
         if previous is not None:

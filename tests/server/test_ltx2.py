@@ -310,3 +310,32 @@ def test_request_without_ltx2_options_uses_the_defaults(ltx2_server):
     # LTX2Pipeline's defaults (the last block where the model has fewer than 29).
     assert final["spatio_temporal_guidance_blocks"] == [1] and final["stg_scale"] == 1.0, final
     assert final["max_sequence_length"] == 1024 and final["audio_guidance_scale"] == 7.0
+
+
+@pytest.mark.timeout(300)
+def test_conditioned_ltx2_jobs_over_http(ltx2_server, stored_job, tmp_path):
+    """An LTX-2 server takes media as an LTX-Video one does: ``input_reference`` (LTX2ImageToVideoPipeline) and
+    ``conditions`` (LTX2ConditionPipeline, a keyframe at the last frame: extra tokens), with the soundtrack."""
+    import base64
+
+    from PIL import Image
+
+    s = ltx2_server
+    rng = np.random.default_rng(SEED)
+    image = rng.integers(0, 256, (HEIGHT, WIDTH, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+    jobs = [s.submit(body(input_reference=url)),
+            s.submit(body(conditions=[{"media": url, "frame_index": -1, "strength": 0.8}]))]
+    stored = read_mp4(stored_job["path"])[0]
+    for job, kind in zip(jobs, ("image", "conditions"), strict=True):
+        final = s.wait_job(job["id"])
+        assert final["status"] == "completed", f"{final}\n{s.log_tail()}"
+        path = tmp_path / f"{kind}.mp4"
+        path.write_bytes(s.client.get(f"/v1/videos/{job['id']}/content").content)
+        frames, _ = check_media(path)
+        # Same seed and settings as the text-only job: the media changed the video.
+        assert np.abs(frames.astype(np.int16) - stored.astype(np.int16)).mean() > 1, kind
+    assert s.client.get(f"/v1/videos/{jobs[1]['id']}").json()["conditions"] == [
+        {"frame_index": -1, "strength": 0.8, "num_frames": 1}]
