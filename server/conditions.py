@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from cp_infer.request import Condition, GenerationLimits
-from server.jobs import JobStore, valid_job_id
+from server.jobs import Job, JobStore, valid_job_id
 from server.media import MediaError, MediaLimits, decode_media, media_from_url
 from server.schemas import ApiError, ConditionParams, ImageReference, MediaRef, VideoCreateParams
 
-__all__ = ["UPLOAD_PREFIX", "Resolved", "job_frames", "load_media", "media_limits", "resolve_media"]
+__all__ = ["UPLOAD_PREFIX", "Resolved", "completed_job", "job_frames", "load_media", "media_limits", "resolve_media"]
 
 UPLOAD_PREFIX = "upload:"
 """How a multipart file field is referred to from the parsed parameters (``upload:conditions[0][media]``)."""
@@ -40,14 +40,20 @@ def _api_error(exc: MediaError) -> ApiError:
     return ApiError(exc.status, exc.code, str(exc), exc.field)
 
 
-def job_frames(store: JobStore, job_id: str, *, field: str, limits: MediaLimits) -> np.ndarray:
-    """The frames of a completed job (its lossless frames when kept, else its MP4 decoded)."""
+def completed_job(store: JobStore, job_id: str, *, field: str) -> Job:
+    """The completed job ``job_id`` names: 404 when there is none, 409 when it has not completed (naming ``field``)."""
     job = store.get(job_id) if valid_job_id(job_id) else None
     if job is None:
         raise ApiError(404, "video_not_found", f"{field}: no video with id {job_id!r}", field)
     if job.status != "completed":
         raise ApiError(409, "video_not_ready", f"{field}: video {job_id} is {job.status}; use a completed video",
                        field)
+    return job
+
+
+def job_frames(store: JobStore, job: Job, *, field: str, limits: MediaLimits) -> np.ndarray:
+    """The frames of a completed job (its lossless frames when kept, else its MP4 decoded)."""
+    job_id = job.id
     raw = store.path(job_id, ".npy")
     if raw.is_file():
         return np.load(raw)
@@ -66,7 +72,7 @@ def load_media(ref: str | MediaRef | ImageReference, *, field: str, uploads: Map
                store: JobStore, limits: MediaLimits) -> np.ndarray:
     """uint8 ``[F, H, W, 3]`` of one media reference."""
     if isinstance(ref, MediaRef):
-        return job_frames(store, ref.id, field=field, limits=limits)
+        return job_frames(store, completed_job(store, ref.id, field=field), field=field, limits=limits)
     try:
         if isinstance(ref, ImageReference):
             return media_from_url(ref.image_url, field=f"{field}.image_url", limits=limits).frames

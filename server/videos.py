@@ -31,7 +31,15 @@ from fastapi.responses import FileResponse, StreamingResponse
 
 from cp_infer.request import Condition
 from server.app import AppConfig, ConfigDep
-from server.conditions import UPLOAD_PREFIX, Resolved, job_frames, load_media, media_limits, resolve_media
+from server.conditions import (
+    UPLOAD_PREFIX,
+    Resolved,
+    completed_job,
+    job_frames,
+    load_media,
+    media_limits,
+    resolve_media,
+)
 from server.engine import EngineDep
 from server.jobs import TERMINAL, Job, QueueFull, valid_job_id
 from server.schemas import (
@@ -356,11 +364,8 @@ async def edit_video(request: Request, engine: EngineDep, config: ConfigDep) -> 
     store, limits = engine.store, media_limits(config.max_upload_bytes, engine.limits)
     source = None
     if isinstance(ref, dict) and set(ref) == {"id"} and isinstance(ref["id"], str):
-        source = store.get(ref["id"]) if valid_job_id(ref["id"]) else None
-        if source is None:
-            raise ApiError(404, "video_not_found", f"video: no video with id {ref['id']!r}", "video")
-        frames = await anyio.to_thread.run_sync(
-            lambda: job_frames(store, ref["id"], field="video", limits=limits))
+        source = completed_job(store, ref["id"], field="video")  # one lookup: its frames and its settings
+        frames = await anyio.to_thread.run_sync(lambda: job_frames(store, source, field="video", limits=limits))
     elif isinstance(ref, str):
         frames = await anyio.to_thread.run_sync(lambda: load_media(
             ref, field="video", uploads=body.uploads, store=store, limits=limits))
