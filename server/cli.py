@@ -34,6 +34,7 @@ from typing import BinaryIO
 
 from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationRequest, check_request, resolve_request
+from server import phases
 from server.batch import add_batch_parser, run_batch
 from server.cli_common import (
     PROG,
@@ -227,8 +228,11 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     if image is not None or conditions:
         request = attach_media(request, image=image, conditions=conditions)
         check(request)
+    phases.mark("checks")
     if nproc > 1 and not in_torchrun():
-        return relaunch_under_torchrun(nproc, argv, stdout=video_out)
+        code = relaunch_under_torchrun(nproc, argv, stdout=video_out)
+        phases.mark("group")
+        return code
     if video_out is not None and int(os.environ.get("RANK", "0")) != 0:
         video_out.close()  # rank 0 alone writes the video
         video_out = None
@@ -252,6 +256,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         except WriteError as exc:
             print(f"{PROG} generate: {exc}", file=sys.stderr)
             return 1
+        phases.mark("encode")
         num_frames, height, width, _ = result.frames.shape
         print(f"wrote {path} ({num_frames} frames, {width}x{height} @ {request.fps} fps; "
               f"{leader.runtime.state.world_size} rank(s); load {t_loaded - started:.1f} s, generate "
@@ -276,6 +281,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         except WriteError as exc:
             print(f"{PROG} generate: {exc}", file=sys.stderr)
             return 1
+        phases.mark("encode")
         print(f"wrote stdout ({num_frames} frames, {request.width}x{request.height} @ {request.fps} fps, "
               f"fragmented MP4; {leader.runtime.state.world_size} rank(s); load {t_loaded - started:.1f} s, generate "
               f"and write {time.perf_counter() - t_loaded:.1f} s, total {time.perf_counter() - args.t0:.1f} s)",
@@ -291,6 +297,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
+    phases.mark("imports")
     argv = list(sys.argv[1:] if argv is None else argv)
     rank = _setup_logging()
     options = options_for(argv[1:]) if argv[:1] in (["generate"], ["batch"]) else None

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK
 from cp_infer.options import ModelOptions, Option
 from cp_infer.request import Condition, GenerationRequest
+from server import phases
 from server.launch import leader_exit_code
 
 if TYPE_CHECKING:
@@ -422,7 +423,7 @@ class Leader:
         def keep_latents(latents: dict) -> None:
             result.latents = latents
 
-        control = replace(progress.control(), on_audio=keep_audio, on_latents=keep_latents)
+        control = phases.timed_control(replace(progress.control(), on_audio=keep_audio, on_latents=keep_latents))
         if on_frames is not None:
             def both(frames, first: int, total: int) -> None:
                 on_frames(frames, first, total)
@@ -447,11 +448,13 @@ def run_group(config, lead: Callable[[Leader], int]) -> int:
     runtime = start_runtime(config)
     try:
         if not runtime.state.is_leader:
-            worker_loop(runtime)
+            worker_loop(runtime, control_for=(lambda _command: phases.timed_control(None)) if phases.enabled()
+                        else None)
             return 0
         return leader_exit_code(lead(Leader(GroupDriver(runtime))))
     finally:
         destroy_parallel(runtime.state)
+        phases.mark("teardown")
 
 
 class WriteError(RuntimeError):

@@ -33,6 +33,7 @@ from cp_infer.request import GenerationLimits, GenerationRequest
 from cp_infer.sampler import DenoiseModel, SampleControl, StepStatus, sample
 from models.loading import parse_dtype, resolve_model
 from models.registry import open_model
+from server import phases
 
 __all__ = [
     "FAULT_ENV",
@@ -126,10 +127,13 @@ class GroupDriver:
 def start_runtime(config: RuntimeConfig) -> Runtime:
     """Join the torchrun group (or run alone), load the model, warm the collectives up."""
     state = init_parallel(ParallelConfig(device=config.device, timeout_s=config.timeout_s))
+    phases.mark("rendezvous and groups")
     path = resolve_model(config.model)
     model = open_model(path, dtype=config.dtype, state=state)
     model.decode_frames_per_rank = config.decode_frames_per_rank
+    phases.mark("load")
     warmup(state)
+    phases.mark("warm-up")
     if state.is_leader:
         log.info("loaded %s on %d rank(s), device %s, dtype %s", path, state.world_size, state.device, config.dtype)
     return Runtime(config=config, state=state, model=model)
