@@ -10,7 +10,7 @@ Invariants:
   ``T*k - T + 1 .. T*k``; the split converts latent ranges to video ranges with that rule.
 - :class:`FrameRelay` is the one communication primitive a model adapter needs: at each temporal op of the decoder,
   a piece hands the next piece's owner the last few input frames that piece reads (a causal VAE's ops read a few
-  frames back; the adapter makes each piece's stages end where the next stage's end needs, so nothing is read
+  frames back; the adapter ends each stage of a piece where the next stage's end needs, so nothing is read
   ahead). It does no arithmetic, so the adapter can make every output frame depend on exactly the input frames a
   whole-video decode uses. A piece waits only for the previous piece's frames of the op it is at, never for a
   whole piece: with ``N`` ranks, ``N`` pieces are decoded at once, each a few ops behind the one before

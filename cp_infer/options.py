@@ -143,6 +143,9 @@ class ModelOptions:
     options: tuple[Option, ...]
     takes_media: bool = True
     """Whether requests may carry conditioning media (``image``, ``conditions``)."""
+    check: Callable[[Mapping[str, Any]], None] | None = field(default=None, compare=False)
+    """A check across options of the resolved values (every declared name), run last by :meth:`resolve`; raises
+    ``ValueError`` naming the options and the fix (e.g. a size that one of the model's modes cannot take)."""
 
     def __post_init__(self) -> None:
         names = [o.name for o in self.options] + [a for o in self.options for a in o.aliases]
@@ -206,6 +209,8 @@ class ModelOptions:
             if value is not None and option.check is not None:
                 option.check(value)
             out[option.name] = tuple(value) if isinstance(value, list) else value
+        if self.check is not None:
+            self.check(out)
         return out
 
 

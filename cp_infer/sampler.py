@@ -85,10 +85,11 @@ class DenoiseModel(Protocol):
         """The passes that generate ``request`` (resolved and checked), the same on every rank."""
 
     def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "denoise",
-                previous: dict[str, torch.Tensor] | None = None) -> Prepared:
+                previous: dict[str, torch.Tensor] | None = None, previous_state: Any = None) -> Prepared:
         """A pass's initial latents, schedule and per-request state (the same on every rank): the pass's
         ``request`` and ``kind`` (``DenoisePass``); ``previous``: the gathered latents of the plan's pass before,
-        ``None`` for the first."""
+        ``None`` for the first; ``previous_state``: that pass's ``Prepared.state`` (its shape, its generator, to
+        go on drawing from), ``None`` for the first."""
 
     def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
                 plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
@@ -162,8 +163,8 @@ def _agree(status: StepStatus, message: str, *, state: ParallelState) -> None:
     raise JobFailed("; ".join(messages))
 
 
-def _run_pass(model: DenoiseModel, pass_: DenoisePass, previous: dict[str, torch.Tensor] | None, *, done: int,
-              total: int, limits: GenerationLimits, control: SampleControl,
+def _run_pass(model: DenoiseModel, pass_: DenoisePass, previous: dict[str, torch.Tensor] | None,
+              previous_state: Any, *, done: int, total: int, limits: GenerationLimits, control: SampleControl,
               state: ParallelState) -> tuple[dict[str, torch.Tensor], Prepared]:
     """One pass of a plan: prepare (agreed on), the sharded loop, the gather. Returns the full latents."""
     shape = check_request(pass_.request, geometry=model.geometry, limits=limits, options=model.options)
@@ -172,7 +173,8 @@ def _run_pass(model: DenoiseModel, pass_: DenoisePass, previous: dict[str, torch
     prepared_box: list[Prepared] = []
 
     def prepare() -> None:
-        prepared = model.prepare(pass_.request, shape, kind=pass_.kind, previous=previous)
+        prepared = model.prepare(pass_.request, shape, kind=pass_.kind, previous=previous,
+                                 previous_state=previous_state)
         assert len(prepared.timesteps) == pass_.steps, (len(prepared.timesteps), pass_.steps)
         prepared_box.append(prepared)
 
@@ -237,11 +239,12 @@ def sample(
     plan = model.plan(request)
     total, done = plan.steps, 0
     full: dict[str, torch.Tensor] | None = None
+    prepared: Prepared | None = None
     if control.on_phase:
         control.on_phase("denoise")
     for pass_ in plan.passes:
-        full, prepared = _run_pass(model, pass_, full, done=done, total=total, limits=limits, control=control,
-                                   state=state)
+        full, prepared = _run_pass(model, pass_, full, None if prepared is None else prepared.state, done=done,
+                                   total=total, limits=limits, control=control, state=state)
         done += pass_.steps
     if control.on_phase:
         control.on_phase("decode")

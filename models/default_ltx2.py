@@ -6,6 +6,8 @@ Invariants:
   `Gemma3ForConditionalGeneration`, `GemmaTokenizer`, `FlowMatchEulerDiscreteScheduler`), wired as LTX-2.0
   wires them, so every code path the engine exercises on it is the one a real LTX-2 checkpoint takes.
 - The video VAE keeps the real compression: 32x spatial, 8x temporal (8k+1 frames -> k+1 latent frames).
+- A latent upsampler (`LTX2LatentUpsamplerModel`, 2x spatial, as LTX-2 ships it for two-stage generation) is saved
+  beside the pipeline in `latent_upsampler/`, the subfolder diffusers' LTX-2 repositories keep it in.
 - The audio path keeps the real structure and rates: 16 kHz mel spectrograms (64 bins, hop 160, stereo) ->
   audio VAE latents (4x in time and in mel) -> vocoder -> 24 kHz stereo waveform (upsampling 240x).
 - Weights are a pure function of `_SEED`, the rope type and the parameter names and shapes
@@ -29,6 +31,7 @@ from diffusers import (
     LTX2VideoTransformer3DModel,
 )
 from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
@@ -40,7 +43,9 @@ __all__ = [
     "DEFAULT_LTX2_NAME",
     "LTX2_FORMAT_VERSION",
     "ROPE_TYPES",
+    "LATENT_UPSAMPLER",
     "build_ltx2_components",
+    "build_ltx2_latent_upsampler",
     "default_ltx2_model_dir",
     "ensure_default_ltx2_model",
     "save_ltx2_model",
@@ -49,7 +54,7 @@ __all__ = [
 DEFAULT_LTX2_NAME = "tiny-ltx2"
 # Bump when a config, the vocabulary or the init rule changes: the folder name carries it, so an old cache is
 # never mistaken for the new model.
-LTX2_FORMAT_VERSION = 1
+LTX2_FORMAT_VERSION = 2
 _FOLDER_NAME = f"{DEFAULT_LTX2_NAME}-v{LTX2_FORMAT_VERSION}"
 
 # "interleaved" is the diffusers default of LTX2VideoTransformer3DModel and LTX2TextConnectors; the LTX-2.0
@@ -65,7 +70,10 @@ _COMPONENT_SEED_OFFSETS = {
     "vae": 3,
     "audio_vae": 4,
     "vocoder": 5,
+    "latent_upsampler": 6,
 }
+# The subfolder diffusers' LTX-2 repositories keep the latent upsampler in (``Lightricks/LTX-2``).
+LATENT_UPSAMPLER = "latent_upsampler"
 # Extra factors on top of the generic init. The video VAE's last conv maps to pixels in [-1, 1]; at 0.4 the
 # decoded frames have std ~0.25 and well under 1% clip (as in models.default). The vocoder needs none: its
 # tanh output comes out at std ~0.07, far from saturation.
@@ -231,6 +239,18 @@ def _build_vocoder() -> LTX2Vocoder:
     )
 
 
+def build_ltx2_latent_upsampler() -> LTX2LatentUpsamplerModel:
+    """The 2x spatial latent upsampler of two-stage generation (float32, CPU, eval mode), at 32 channels (1024
+    real) and one residual block per stage (4 real); a pixel-shuffle upsampler, not the rational one, as LTX-2's
+    ``ltx-2-spatial-upscaler-x2`` is."""
+    with torch.random.fork_rng(devices=[]):
+        model = LTX2LatentUpsamplerModel(in_channels=_LATENT_CHANNELS, mid_channels=32, num_blocks_per_stage=1,
+                                         dims=3, spatial_upsample=True, temporal_upsample=False,
+                                         use_rational_resampler=False)
+    init_deterministic(model, _SEED + _COMPONENT_SEED_OFFSETS["latent_upsampler"])
+    return model.eval()
+
+
 def build_ltx2_components(*, rope_type: str = _DEFAULT_ROPE_TYPE, **transformer_overrides: Any) -> dict[str, Any]:
     """Build the eight LTX2Pipeline components in memory (float32, CPU, eval mode), keyed by pipeline name.
 
@@ -272,18 +292,22 @@ def _marker() -> dict[str, Any]:
 
 
 def _write_model(folder: Path) -> None:
+    build_ltx2_latent_upsampler().save_pretrained(folder / LATENT_UPSAMPLER, safe_serialization=True)
     write_pipeline(LTX2Pipeline(**build_ltx2_components()), folder, _marker())
 
 
-def save_ltx2_model(folder: str | os.PathLike, *, rope_type: str = _DEFAULT_ROPE_TYPE,
+def save_ltx2_model(folder: str | os.PathLike, *, rope_type: str = _DEFAULT_ROPE_TYPE, latent_upsampler: bool = False,
                     **transformer_overrides: Any) -> Path:
-    """Write a tiny-ltx2 variant (e.g. the other `rope_type`) as a diffusers folder at `folder`; return it.
+    """Write a tiny-ltx2 variant (e.g. the other `rope_type`; with `latent_upsampler/` if asked) as a diffusers
+    folder at `folder`; return it.
 
     Not cached and not marked as the default model: for tests and benchmarks that need a specific variant.
     """
     folder = Path(folder)
     components = build_ltx2_components(rope_type=rope_type, **transformer_overrides)
     LTX2Pipeline(**components).save_pretrained(folder, safe_serialization=True)
+    if latent_upsampler:
+        build_ltx2_latent_upsampler().save_pretrained(folder / LATENT_UPSAMPLER, safe_serialization=True)
     return folder
 
 

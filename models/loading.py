@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,13 @@ from diffusers import (
     LTXVideoTransformer3DModel,
 )
 from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from transformers import Gemma3ForConditionalGeneration, GemmaTokenizer, T5EncoderModel, T5Tokenizer
 
 from models.default import DEFAULT_MODEL_NAME, ensure_default_model
-from models.default_ltx2 import DEFAULT_LTX2_NAME, ensure_default_ltx2_model
+from models.default_ltx2 import DEFAULT_LTX2_NAME, LATENT_UPSAMPLER, ensure_default_ltx2_model
+from models.embedded import MARKER_FILE
 
 __all__ = [
     "LTX2Components",
@@ -41,6 +43,7 @@ __all__ = [
     "load_ltx2",
     "load_ltx_video",
     "parse_dtype",
+    "recommended_stages",
     "resolve_model",
 ]
 
@@ -151,6 +154,19 @@ class LTX2Components:
     """Parameter dtype of the six models."""
     device: torch.device
     """Device of the six models."""
+    latent_upsampler: LTX2LatentUpsamplerModel | None = None
+    """The 2x latent upsampler of two-stage generation (``latent_upsampler/``, diffusers' layout), eval mode,
+    `dtype`, `device`; ``None`` when the folder has none."""
+
+
+def recommended_stages(path: str | os.PathLike) -> int:
+    """How many denoising stages a folder's requests get by default: 2 (half size, the latent upsampler, a short
+    refine at full size: Lightricks' recommended recipe) when it holds ``latent_upsampler/``; 1 without one, and for
+    the embedded defaults (toy models whose reference is the one-pass pipeline, at sizes too small to halve)."""
+    root = Path(path)
+    if not (root / LATENT_UPSAMPLER).is_dir():
+        return 1
+    return 1 if (root / MARKER_FILE).is_file() else 2
 
 
 _DEFAULT_MODELS = {DEFAULT_MODEL_NAME: ensure_default_model, DEFAULT_LTX2_NAME: ensure_default_ltx2_model}
@@ -325,8 +341,9 @@ def load_ltx_video(
 def load_ltx2(
     path: str | os.PathLike, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LTX2Components:
-    """Load an LTX-2 diffusers folder (e.g. Lightricks/LTX-2, or `ensure_default_ltx2_model()`)."""
-    return _load_components(
+    """Load an LTX-2 diffusers folder (e.g. Lightricks/LTX-2, or `ensure_default_ltx2_model()`), with its latent
+    upsampler where it has ``latent_upsampler/``."""
+    components = _load_components(
         path,
         LTX2Components,
         family="ltx2",
@@ -345,3 +362,8 @@ def load_ltx2(
         dtype=dtype,
         device=device,
     )
+    if not (components.path / LATENT_UPSAMPLER).is_dir():
+        return components
+    upsampler = _load(components.path, LATENT_UPSAMPLER, LTX2LatentUpsamplerModel.from_pretrained,
+                      dtype=components.dtype, low_cpu_mem_usage=False)
+    return replace(components, latent_upsampler=upsampler.to(components.device).eval())

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import LTX2ConditionPipeline, LTX2ImageToVideoPipeline, LTX2Pipeline
+from diffusers import LTX2ConditionPipeline, LTX2ImageToVideoPipeline, LTX2LatentUpsamplePipeline, LTX2Pipeline
 from diffusers.models.transformers.transformer_ltx2 import (
     LTX2Attention,
     apply_interleaved_rotary_emb,
@@ -44,8 +44,10 @@ from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
 from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
+from .loading import recommended_stages
 from .ltx2_conditions import VideoConditioning, prepare_conditions, prepare_image
 from .ltx2_options import ltx2_options
+from .ltx2_stages import REFINE_SIGMAS, refine_scheduler, two_stage_plan
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
 from .ltx_video import _scoped
 from .registry import min_latent_side
@@ -260,7 +262,13 @@ class LTX2Model:
         parallelize_ltx2_transformer(components.transformer, self._ctx)
         self._decode_ctx = DecodeContext(state=state)
         parallelize_ltx2_decoder(components.vae, self._decode_ctx)
-        self.options = ltx2_options(layers=self.layers)
+        # Two-stage generation's upsampler (None: the folder has none, and ``stages`` is refused above 1).
+        upsampler = getattr(components, "latent_upsampler", None)
+        self.upsample_pipe = (None if upsampler is None
+                              else LTX2LatentUpsamplePipeline(vae=components.vae, latent_upsampler=upsampler))
+        path = getattr(components, "path", None)
+        self.options = ltx2_options(layers=self.layers, latent_upsampler=upsampler is not None,
+                                    stages=None if path is None else recommended_stages(path))
 
     decode_frames_per_rank: int | str | None = DEFAULT_FRAMES_PER_RANK
     """Latent frames each rank decodes per streamed round; ``"auto"``: by frame size
@@ -289,28 +297,37 @@ class LTX2Model:
         return _scoped(self._ctx, "plans", plans)
 
     def plan(self, request: GenerationRequest) -> Plan:
-        """One pass: text-to-video, image-to-video or conditions (keyframe tokens in the pass's video stream)."""
+        """One pass (text-to-video, image-to-video or conditions: keyframe tokens in the pass's video stream), or with
+        ``stages=2`` the two-stage plan (``models.ltx2_stages``)."""
+        if request.options.get("stages", 1) == 2:
+            return two_stage_plan(request)
         return Plan.single(request)
 
+    def _stage_output(self, latents: dict[str, torch.Tensor], state: _RequestState) -> dict[str, torch.Tensor]:
+        """``output_type="latent"`` of a pass whose state is ``state``: video ``[B, C, F, H, W]`` (its own tokens)
+        and audio ``[B, C, L, M]``, unpacked and denormalised."""
+        pipe, vae, audio_vae = self.pipe, self.components.vae, self.pipe.audio_vae
+        video = self._video_latents(latents, state)
+        video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        audio = pipe._denormalize_audio_latents(latents["audio"], audio_vae.latents_mean, audio_vae.latents_std)
+        mel_bins = audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
+        audio = pipe._unpack_audio_latents(audio, state.audio_frames, num_mel_bins=mel_bins)
+        return {"latents": video, "audio_latents": audio}
+
     def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "denoise",
-                previous: dict[str, torch.Tensor] | None = None) -> Prepared:
+                previous: dict[str, torch.Tensor] | None = None, previous_state: Any = None) -> Prepared:
         """LTX2Pipeline's preparation; with ``request.image`` LTX2ImageToVideoPipeline's, with
         ``request.conditions`` LTX2ConditionPipeline's (the media encoded on every rank alike: an image or a short
-        clip is one small encode, not worth a time-parallel split)."""
-        assert kind == "denoise" and previous is None, "an LTX-2 plan has one pass"
+        clip is one small encode, not worth a time-parallel split). ``kind="refine"``: stage 2 of two, from the
+        gathered latents of stage 1 (``models.ltx2_stages``)."""
+        if kind == "refine":
+            assert previous is not None and previous_state is not None, "a refine pass follows a pass"
+            return self._prepare_refine(request, shape, previous, previous_state)
+        assert kind == "denoise" and previous is None, kind
         pipe, device = self.pipe, self.device
         # The declaration (models.ltx2_options) bounds the block indices by this model's block count.
         settings = LTX2Settings.from_request(request)
-        embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
-            prompt=request.prompt, negative_prompt=request.negative_prompt,
-            do_classifier_free_guidance=settings.cfg,
-            max_sequence_length=request.options["max_sequence_length"],
-            device=device,
-        )
-        if settings.cfg:
-            embeds, mask = torch.cat([neg_embeds, embeds]), torch.cat([neg_mask, mask])
-        padding_side = getattr(pipe.tokenizer, "padding_side", "left")
-        video_ctx, audio_ctx, ctx_mask = pipe.connectors(embeds, mask, padding_side=padding_side)
+        video_ctx, audio_ctx, ctx_mask = self._encode_prompt(request, settings)
         # NOTE(noise): drawn on the CPU from the request's seed, video then audio as LTX2Pipeline draws them, so
         # that every rank, and every device type, starts from the same latents.
         generator = torch.Generator("cpu").manual_seed(request.seed)
@@ -320,7 +337,7 @@ class LTX2Model:
         conditioning: VideoConditioning | None = None
         keyframe_coords = None
         if request.image is not None:
-            video, conditioning = prepare_image(self.i2v_pipe, request, channels=channels, dtype=embeds.dtype,
+            video, conditioning = prepare_image(self.i2v_pipe, request, channels=channels, dtype=video_ctx.dtype,
                                                 device=device, generator=generator)
         elif request.conditions:
             video, conditioning, keyframe_coords = prepare_conditions(
@@ -337,14 +354,74 @@ class LTX2Model:
                                                  noise_scale=0.0, dtype=torch.float32, device=cpu,
                                                  generator=generator)
         sigmas = np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps)
-        cfg = pipe.scheduler.config
+        return self._prepared(request, shape, settings, (video_ctx, audio_ctx, ctx_mask), video, audio,
+                              scheduler=pipe.scheduler, sigmas=sigmas, generator=generator,
+                              conditioning=conditioning, keyframe_coords=keyframe_coords, audio_frames=audio_frames)
+
+    def _encode_prompt(self, request: GenerationRequest, settings: LTX2Settings
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """LTX2Pipeline's prompt encoding through the connectors: video and audio contexts and their mask
+        (negative prompt first where CFG is on)."""
+        pipe = self.pipe
+        embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
+            prompt=request.prompt, negative_prompt=request.negative_prompt,
+            do_classifier_free_guidance=settings.cfg,
+            max_sequence_length=request.options["max_sequence_length"],
+            device=self.device,
+        )
+        if settings.cfg:
+            embeds, mask = torch.cat([neg_embeds, embeds]), torch.cat([neg_mask, mask])
+        padding_side = getattr(pipe.tokenizer, "padding_side", "left")
+        return pipe.connectors(embeds, mask, padding_side=padding_side)
+
+    def _prepare_refine(self, request: GenerationRequest, shape: LatentShape, previous: dict[str, torch.Tensor],
+                        before: _RequestState) -> Prepared:
+        """Stage 2 (``models.ltx2_stages``): stage 1's latents as LTX2Pipeline returns them for
+        ``output_type="latent"``, upsampled by LTX2LatentUpsamplePipeline, renoised to the first sigma of the
+        distilled schedule as LTX2Pipeline(latents=..., audio_latents=..., noise_scale=...) does (I2V: as
+        LTX2ImageToVideoPipeline does, the first latent frame kept clean and conditioned), from stage 1's generator."""
+        cpu = torch.device("cpu")
+        settings = LTX2Settings.from_request(request)
+        contexts = self._encode_prompt(request, settings)
+        stage1 = self._stage_output(previous, before)
+        # NOTE(upsampler): replicated, on every rank alike (a few 3-D convolutions over the half-size latents, small
+        # beside one transformer step); its output is the same on every rank, so the group needs no exchange.
+        upsampled = self.upsample_pipe(latents=stage1["latents"], output_type="latent", return_dict=False)[0]
+        # On the CPU, from stage 1's generator, where LTX2Pipeline draws its renoising: the same on every rank.
+        upsampled, audio = upsampled.to(cpu, torch.float32), stage1["audio_latents"].to(cpu, torch.float32)
+        noise_scale = REFINE_SIGMAS[0]
+        generator = before.generator
+        conditioning: VideoConditioning | None = None
+        if request.image is not None:
+            video, mask = self.i2v_pipe.prepare_latents(None, 1, upsampled.shape[1], request.height, request.width,
+                                                        request.num_frames, noise_scale, torch.float32, cpu,
+                                                        generator, upsampled)
+            conditioning = VideoConditioning(mask=mask.to(self.device), clean=None, video_tokens=video.shape[1])
+        else:
+            video = self.pipe.prepare_latents(latents=upsampled, noise_scale=noise_scale, dtype=torch.float32,
+                                              device=cpu, generator=generator)
+        audio = self.pipe.prepare_audio_latents(latents=audio, noise_scale=noise_scale, dtype=torch.float32,
+                                                device=cpu, generator=generator)
+        scheduler = refine_scheduler(self.pipe.scheduler)
+        return self._prepared(request, shape, settings, contexts, video, audio, scheduler=scheduler,
+                              sigmas=REFINE_SIGMAS, generator=generator, conditioning=conditioning,
+                              keyframe_coords=None, audio_frames=before.audio_frames)
+
+    def _prepared(self, request: GenerationRequest, shape: LatentShape, settings: LTX2Settings, contexts,
+                  video: torch.Tensor, audio: torch.Tensor, *, scheduler, sigmas, generator: torch.Generator,
+                  conditioning: VideoConditioning | None, keyframe_coords: torch.Tensor | None,
+                  audio_frames: int) -> Prepared:
+        """A pass's schedules (LTX2Pipeline's shift for the video's token count), RoPE coordinates and state."""
+        device, cpu = self.device, torch.device("cpu")
+        video_ctx, audio_ctx, ctx_mask = contexts
+        fps = float(request.fps)
+        cfg = scheduler.config
         mu = calculate_shift(video.shape[1], cfg.get("base_image_seq_len", 1024), cfg.get("max_image_seq_len", 4096),
                              cfg.get("base_shift", 0.95), cfg.get("max_shift", 2.05))
         # Per-request copies: the schedulers are stateful (step index), one per stream as in LTX2Pipeline.
-        schedulers = {name: copy.deepcopy(pipe.scheduler) for name in ("audio", "video")}
+        schedulers = {name: copy.deepcopy(scheduler) for name in ("audio", "video")}
         for name in ("audio", "video"):
-            timesteps, _ = retrieve_timesteps(schedulers[name], request.num_inference_steps, device, sigmas=sigmas,
-                                              mu=mu)
+            timesteps, _ = retrieve_timesteps(schedulers[name], len(sigmas), device, sigmas=sigmas, mu=mu)
             schedulers[name].set_begin_index(0)
         batch = 2 if settings.cfg else 1
         video_coords = self.transformer.rope.prepare_video_coords(1, shape.frames, shape.height, shape.width, cpu,
@@ -466,9 +543,9 @@ class LTX2Model:
                                                              self.state.cp_rank)
         return stepped
 
-    def _video_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> torch.Tensor:
+    def _video_latents(self, latents: dict[str, torch.Tensor], x: _RequestState) -> torch.Tensor:
         """The video's own tokens unpacked to ``[B, C, F, H, W]`` (keyframe tokens dropped)."""
-        pipe, x = self.pipe, prepared.state
+        pipe = self.pipe
         shape: LatentShape = x.shape
         conditioning: VideoConditioning | None = x.conditioning
         video = latents["video"] if conditioning is None else latents["video"][:, :conditioning.video_tokens]
@@ -478,14 +555,7 @@ class LTX2Model:
     def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
         """``output_type="latent"`` of LTX2Pipeline and of its conditioned pipelines alike: video ``[B, C, F, H, W]``
         (its own tokens) and audio ``[B, C, L, M]``, unpacked and denormalised."""
-        pipe, vae, audio_vae = self.pipe, self.components.vae, self.pipe.audio_vae
-        x = prepared.state
-        video = self._video_latents(latents, prepared)
-        video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
-        audio = pipe._denormalize_audio_latents(latents["audio"], audio_vae.latents_mean, audio_vae.latents_std)
-        mel_bins = audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
-        audio = pipe._unpack_audio_latents(audio, x.audio_frames, num_mel_bins=mel_bins)
-        return {"latents": video.float().cpu().numpy(), "audio_latents": audio.float().cpu().numpy()}
+        return {name: x.float().cpu().numpy() for name, x in self._stage_output(latents, prepared.state).items()}
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """Video: unpack, (timestep-conditioned VAEs) noise, denormalise, decode this rank's range. Audio: the
@@ -493,7 +563,7 @@ class LTX2Model:
         pipe, vae = self.pipe, self.components.vae
         x = prepared.state
         request: GenerationRequest = x.request
-        video = self._video_latents(latents, prepared).to(x.video_ctx.dtype)
+        video = self._video_latents(latents, x).to(x.video_ctx.dtype)
         video, timestep = noise_for_decode(video, vae=vae, generator=x.generator, request=request)
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         video = video.to(vae.dtype)

@@ -19,6 +19,7 @@ import contextlib
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -224,7 +225,7 @@ class LTXVideoModel:
         return Plan.single(request)
 
     def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "denoise",
-                previous: dict[str, torch.Tensor] | None = None) -> Prepared:
+                previous: dict[str, torch.Tensor] | None = None, previous_state: Any = None) -> Prepared:
         """LTXPipeline's preparation; with ``request.image`` LTXImageToVideoPipeline's, with ``request.conditions``
         LTXConditionPipeline's (the media encoded on every rank alike: an image or a short clip is one small encode,
         not worth a time-parallel split)."""

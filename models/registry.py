@@ -18,7 +18,7 @@ import torch
 from cp_infer import ParallelState, VideoGeometry
 from cp_infer.options import ModelOptions
 
-from .loading import ModelLoadError, detect_family, parse_dtype, resolve_model
+from .loading import ModelLoadError, detect_family, parse_dtype, recommended_stages, resolve_model
 
 __all__ = ["ModelInfo", "describe_model", "min_latent_side", "model_options", "open_model"]
 
@@ -41,15 +41,18 @@ class ModelInfo:
         return self.family == "ltx2"
 
 
-def model_options(family: str, *, layers: int) -> ModelOptions:
-    """The request options of a ``family`` model with ``layers`` transformer blocks."""
+def model_options(family: str, *, layers: int, latent_upsampler: bool = True,
+                  stages: int | None = None) -> ModelOptions:
+    """The request options of a ``family`` model with ``layers`` transformer blocks, with or without a
+    ``latent_upsampler`` (two-stage generation), whose requests get ``stages`` by default (unset: what a folder with
+    or without an upsampler is recommended)."""
     if family == "ltx-video":
         from .ltx_video_options import ltx_video_options
 
         return ltx_video_options()
     from .ltx2_options import ltx2_options
 
-    return ltx2_options(layers=layers)
+    return ltx2_options(layers=layers, latent_upsampler=latent_upsampler, stages=stages)
 
 
 def _classes(family: str):
@@ -88,8 +91,10 @@ def describe_model(model: str | os.PathLike | None) -> ModelInfo:
         min_latent_side=min_latent_side(vae_config),
     )
     layers = int(transformer.get("num_layers", 0))
+    stages = recommended_stages(path)
+    upsampler = (path / "latent_upsampler").is_dir()
     return ModelInfo(path=path, family=family, geometry=geometry, layers=layers,
-                     options=model_options(family, layers=layers))
+                     options=model_options(family, layers=layers, latent_upsampler=upsampler, stages=stages))
 
 
 def open_model(model: str | os.PathLike | None, *, dtype: str | torch.dtype, state: ParallelState):

@@ -34,7 +34,7 @@ class _FakeModel:
     def plan(self, request):
         return Plan.single(request)
 
-    def prepare(self, request, shape, *, kind="denoise", previous=None):
+    def prepare(self, request, shape, *, kind="denoise", previous=None, previous_state=None):
         if self.fail == "prepare" and self.state.cp_rank == 1:
             raise RuntimeError("text encoder out of memory")
         g = torch.Generator().manual_seed(request.seed)
@@ -102,7 +102,7 @@ class _TwoPassModel(_FakeModel):
         second = dataclasses.replace(request, num_inference_steps=3, seed=request.seed + 1)
         return Plan((DenoisePass(request, steps=2), DenoisePass(second, steps=3, kind="continue")))
 
-    def prepare(self, request, shape, *, kind="denoise", previous=None):
+    def prepare(self, request, shape, *, kind="denoise", previous=None, previous_state=None):
         assert (kind == "continue") == (previous is not None), kind
         g = torch.Generator().manual_seed(request.seed)
         video = torch.randn(1, shape.tokens, 4, generator=g)

@@ -228,5 +228,5 @@ def test_incomplete_folder_is_refused(tmp_path):
     target = default_ltx2_model_dir(tmp_path)
     target.mkdir(parents=True)
     (target / "model_index.json").write_text("{}")
-    with pytest.raises(ValueError, match="not a complete tiny-ltx2 v1 build"):
+    with pytest.raises(ValueError, match=f"not a complete tiny-ltx2 v{LTX2_FORMAT_VERSION} build"):
         ensure_default_ltx2_model(tmp_path)

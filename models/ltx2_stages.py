@@ -1,0 +1,54 @@
+"""Two-stage LTX-2 generation, Lightricks' recommended recipe as diffusers documents it (``LTX2Pipeline``,
+``LTX2LatentUpsamplePipeline``): stage 1 denoises at half the height and width with the request's own settings,
+the latent upsampler doubles its latents, and stage 2 refines them at full size in three steps.
+
+Invariants:
+- Both stages are ordinary passes of the plan (``cp_infer.plan``), each sequence-parallel on the whole group; the
+  upsampler runs between them inside stage 2's prepare, replicated on every rank (``LTX2Model._prepare_refine``).
+- Stage 2 is the recipe's: the distilled sigmas ``STAGE_2_DISTILLED_SIGMA_VALUES`` as they are (a scheduler
+  without dynamic shifting or terminal shift), the upsampled latents (and stage 1's audio latents) renoised to the
+  first of them, from the same generator stage 1 drew from (diffusers' distilled two-stage example passes one
+  generator to both stages), and no guidance: positive prompt only, as Lightricks' stage 2 runs (its distilled LoRA
+  is not part of a diffusers folder, so stage 2 runs the folder's transformer as it is).
+- An image (``request.image``) conditions both stages: stage 1 as LTX2ImageToVideoPipeline at half size, stage 2
+  as that pipeline does given latents (the first latent frame, the upsampled image, kept clean and conditioned).
+  ``conditions`` condition stage 1 only (LTX2ConditionPipeline at half size); stage 2 refines the whole video.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
+
+from cp_infer.plan import DenoisePass, Plan
+from cp_infer.request import GenerationRequest
+
+__all__ = ["REFINE_SIGMAS", "REFINE_SETTINGS", "refine_scheduler", "two_stage_plan"]
+
+REFINE_SIGMAS: tuple[float, ...] = tuple(STAGE_2_DISTILLED_SIGMA_VALUES)
+"""Stage 2's sigmas; the first is also the noise its latents are renoised to."""
+REFINE_SETTINGS = dict(stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0,
+                       audio_guidance_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
+"""Stage 2's guidance options besides ``guidance_scale=1.0``: every guidance off (LTX2Pipeline's 0 for an audio
+scale means "as the video's", so the audio CFG scale is set to 1 outright), the CFG rescale too (without guidance
+it is the identity, up to rounding)."""
+
+
+def refine_scheduler(scheduler) -> FlowMatchEulerDiscreteScheduler:
+    """Stage 2's scheduler: ``scheduler``'s config without dynamic shifting or terminal shift, so the distilled
+    sigmas are used as they are (as diffusers' two-stage example swaps it in)."""
+    return FlowMatchEulerDiscreteScheduler.from_config(scheduler.config, use_dynamic_shifting=False,
+                                                       shift_terminal=None)
+
+
+def two_stage_plan(request: GenerationRequest) -> Plan:
+    """Stage 1 (``denoise``) at half size with the request's steps and guidance, stage 2 (``refine``) at the
+    request's size (``models.ltx2_options`` has checked that both halve to the VAE's step)."""
+    one_stage = {**request.options, "stages": 1}
+    first = replace(request, height=request.height // 2, width=request.width // 2, options=one_stage)
+    second = replace(request, num_inference_steps=len(REFINE_SIGMAS), guidance_scale=1.0,
+                     options={**one_stage, **REFINE_SETTINGS})
+    return Plan((DenoisePass(first, steps=first.num_inference_steps),
+                 DenoisePass(second, steps=len(REFINE_SIGMAS), kind="refine")))
