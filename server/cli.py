@@ -230,7 +230,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         check(request)
     phases.mark("checks")
     if nproc > 1 and not in_torchrun():
-        code = relaunch_under_torchrun(nproc, argv, stdout=video_out)
+        code = relaunch_under_torchrun(nproc, argv, stdout=video_out, device=config.device)
         phases.mark("group")
         return code
     if video_out is not None and int(os.environ.get("RANK", "0")) != 0:

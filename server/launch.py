@@ -1,30 +1,36 @@
-"""Start the CLI's worker group: ``cp-infer ... --nproc N`` re-executes itself under torchrun.
+"""Start the CLI's worker group: ``cp-infer ... --nproc N`` runs torchrun's elastic agent in this process.
 
 Invariants:
-- The relaunched command is the same CLI with the same arguments minus ``--nproc``, so every rank parses
-  exactly what the user typed and the leader (rank 0) and the workers agree on the request.
+- The group is torchrun's own (``torch.distributed.run``'s argument parsing, rendezvous and agent, ``--standalone
+  --nproc_per_node N``), run in this process rather than in a second interpreter. On CPU the ranks are forked from
+  this process once it has checked the command (imports done, the model's configs read), so they start with
+  torch, diffusers and the model code already imported; elsewhere (CUDA cannot be used in a forked child) they
+  are ``python -m server.cli``, started by the agent. Either way a rank gets a session of its own, so a
+  terminal's Ctrl-C reaches the agent once and the agent stops the group.
+- A rank runs the same CLI with the same arguments minus ``--nproc``, so every rank parses exactly what the user
+  typed and the leader (rank 0) and the workers agree on the request.
 - Launched from inside torchrun (``TORCHELASTIC_RUN_ID`` or ``LOCAL_RANK`` set) nothing is relaunched: the CLI
   is already one rank of a group.
 - A leader that ends cleanly (its group stopped in step) exits 0 to torchrun and passes its own exit code (1: a
   failed job, invalid batch lines) back through a status file, so torchrun does not report such an outcome as a
-  crashed rank. A rank that crashes exits non-zero, and torchrun's code is returned.
-- The child sees this process's environment, plus the folder this package was imported from on
+  crashed rank. A rank that crashes exits non-zero, and the launcher exits 1, as torchrun does.
+- The ranks see this process's environment, plus the folder this package was imported from on
   ``PYTHONPATH`` (so every rank runs this very code) and, unless the user set it, ``OMP_NUM_THREADS`` at the
   machine's cores split between the ranks (torchrun's own default is 1 thread per rank).
-- With ``stdout`` (``generate --out -``), torchrun and its ranks get that file as their stdout, and torchrun is
-  told not to touch the ranks' streams (``--redirects 0 --tee 0``, no rank filter; these override any ``PET_*``
-  settings): by default torchrun's ranks inherit its stdout and write to it directly, unprefixed and unbuffered,
-  whereas a tee would go through log files and prefix every line with its rank. Bytes thus go from rank 0 to the
-  pipe with no copy in between.
+- With ``stdout`` (``generate --out -``), the ranks get that file as their fd 1, and torchrun is told not to touch
+  the ranks' streams (``--redirects 0 --tee 0``, no rank filter; these override any ``PET_*`` settings): the ranks
+  write to it directly, unprefixed and unbuffered, whereas a tee would go through log files and prefix every
+  line with its rank. Bytes thus go from rank 0 to the pipe with no copy in between.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
-import subprocess
 import sys
 import tempfile
+import traceback
+import uuid
 from pathlib import Path
 from typing import IO
 
@@ -32,6 +38,7 @@ __all__ = ["group_size", "in_torchrun", "leader_exit_code", "relaunch_under_torc
 
 _TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 _STATUS_ENV = "CP_INFER_LEADER_STATUS"
+PROG_LAUNCH = "torchrun"
 
 
 def in_torchrun() -> bool:
@@ -83,49 +90,118 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def relaunch_under_torchrun(nproc: int, argv: list[str], *, stdout: IO[bytes] | None = None) -> int:
-    """Run ``python -m torch.distributed.run --standalone --nproc_per_node N -m server.cli <argv>`` and wait.
+def relaunch_under_torchrun(nproc: int, argv: list[str], *, stdout: IO[bytes] | None = None,
+                            device: str | None = None) -> int:
+    """Run torchrun's ``--standalone --nproc_per_node N -m server.cli <argv>`` in this process and wait.
 
     ``argv`` is the CLI's own argument list (without the program name); ``--nproc`` is removed from it.
     Returns the leader's exit code when the group ended in step (see :func:`leader_exit_code`), else torchrun's
-    (non-zero when any rank failed). SIGINT/SIGTERM to this process reach the group: torchrun stops every rank.
-    ``stdout``: the group's stdout, passed through to the ranks untouched (see the module docstring).
+    (1 when any rank failed or a signal stopped the group). SIGINT/SIGTERM to this process stop every rank, as
+    they do torchrun's. ``stdout``: the group's stdout, passed through to the ranks untouched (see the module
+    docstring). ``device``: the ranks' ``--device``; on CPU they are forked from this process (see ``_run_agent``).
     """
     if nproc < 1:
         raise ValueError(f"nproc={nproc} must be >= 1")
     if in_torchrun():
         raise RuntimeError("already running under torchrun; the CLI must not start a group from inside one")
-    env = dict(os.environ)
+    env = {}
     package_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // nproc)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // nproc))
     streams = [] if stdout is None else ["--redirects=0", "--tee=0", "--local-ranks-filter="]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *streams,
-               "-m", "server.cli", *strip_nproc(argv)]
+    torchrun_argv = ["--standalone", f"--nproc_per_node={nproc}", *streams, "-m", "server.cli", *strip_nproc(argv)]
     with tempfile.TemporaryDirectory(prefix="cp-infer-") as tmp:
         status = Path(tmp) / "leader-exit-code"
         env[_STATUS_ENV] = str(status)
-        code = _run(command, env, stdout)
+        fork_argv = strip_nproc(argv) if _fork_ranks(device) else None
+        code = _run_agent(torchrun_argv, env, stdout, fork_argv)
         if code == 0 and status.is_file():
             return int(status.read_text())
         return code
 
 
-def _run(command: list[str], env: dict[str, str], stdout: IO[bytes] | None = None) -> int:
-    # NOTE(signals): a session of its own, so a terminal's Ctrl-C reaches torchrun once (forwarded from here),
-    # not twice (a second SIGINT would interrupt torchrun while it is stopping the ranks).
-    child = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout)
+def _fork_ranks(device: str | None) -> bool:
+    """Whether the ranks may be forked from this process: on CPU, where no CUDA context can have been made here
+    (a forked child cannot use one)."""
+    import torch
 
-    def forward(signum, _frame):
-        # torchrun turns SIGTERM/SIGINT into stopping every rank; we only pass it on.
-        child.send_signal(signum)
+    return device == "cpu" or (torch.version.cuda is None and torch.version.hip is None)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+def _forked_rank(argv: list[str]) -> None:
+    """A rank forked from the launcher (torchrun's agent has set its environment): ``server.cli.main(argv)`` with
+    the launcher's modules already imported, set up as a fresh rank process is."""
+    import logging
+
+    import torch
+
+    from server import phases
+
+    with contextlib.suppress(OSError):
+        os.setsid()  # like torchrun's own ranks: a terminal's Ctrl-C reaches the agent, which stops the group
+    sys.stdout = sys.__stdout__  # the launcher points sys.stdout at stderr while the group runs
+    # NOTE(threads): OpenMP read OMP_NUM_THREADS when torch was imported in the launcher, before the agent set it.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    logging.root.handlers.clear()  # main() configures logging for this rank
+    phases.forked()
+    from server.cli import main
+
+    code = main(argv)
+    phases.write()
+    if code:
+        raise SystemExit(code)  # torchrun's agent sees the exit code, as of a rank it started itself
+
+
+def _run_agent(torchrun_argv: list[str], env: dict[str, str], stdout: IO[bytes] | None,
+               fork_argv: list[str] | None = None) -> int:
+    """torchrun (``torch.distributed.run``) with ``torchrun_argv``, its elastic agent in this process: what the
+    command line tool does, without a second interpreter importing torch again. With ``fork_argv`` the ranks are
+    forked from this process (``_forked_rank(fork_argv)``) instead of started as ``python -m server.cli``, so they
+    do not import torch, diffusers and the model code again either.
+
+    The ranks are started with this process's environment plus ``env`` (torchrun copies ``os.environ`` when it
+    starts them; restored afterwards) and, with ``stdout``, that file as their fd 1."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    saved_env = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    saved_fd1 = None
     try:
-        return child.wait()
+        args = torchrun.parse_args(torchrun_argv)
+        if stdout is not None:
+            # NOTE(stdout): the ranks inherit fd 1, so it is the video while they run; anything this process
+            # prints meanwhile goes to stderr (sys.stdout is pointed there), never into the video.
+            sys.stdout.flush()
+            saved_fd1 = os.dup(1)
+            os.dup2(stdout.fileno(), 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            if fork_argv is None:
+                torchrun.run(args)
+            else:
+                # torchrun.run's own set-up for --standalone, then its launch with a function entrypoint.
+                args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+                config, _cmd, _cmd_args = torchrun.config_from_args(args)
+                config.start_method = "fork"
+                elastic_launch(config=config, entrypoint=_forked_rank)(fork_argv)
+        return 0
+    except ChildFailedError as exc:
+        # What torchrun prints when a rank fails (it exits 1 with this error).
+        print("".join(traceback.format_exception_only(exc)).rstrip(), file=sys.stderr, flush=True)
+        return 1
+    except SignalException as exc:
+        # torchrun has stopped every rank; the tool itself exits 1 this way.
+        print(f"{PROG_LAUNCH}: stopped by signal {exc.sigval.name}", file=sys.stderr, flush=True)
+        return 1
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        if saved_fd1 is not None:
+            os.dup2(saved_fd1, 1)
+            os.close(saved_fd1)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
