@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -46,6 +47,7 @@ from PIL import Image
 
 __all__ = [
     "AudioTrack",
+    "MP4FileWriter",
     "add_h264_stream",
     "check_audio",
     "check_fps",
@@ -54,6 +56,7 @@ __all__ = [
     "read_audio",
     "read_frames_dir",
     "read_mp4",
+    "temporary_sibling",
     "write_frames_dir",
     "write_mp4",
     "write_output",
@@ -208,6 +211,82 @@ class AudioTrack:
         self._container.mux(self.stream.encode(None))
 
 
+class MP4FileWriter:
+    """An MP4 file (``+faststart``) encoded a piece at a time, as the frames arrive: the same file
+    :func:`write_mp4` makes of the whole video at once (which is this writer fed once).
+
+    ``audio`` (float ``[channels, samples]`` or ``[samples]``, at ``sample_rate`` Hz) adds an AAC track that starts
+    with the first frame. Use as a context manager, or call :meth:`close` (the file is complete) or :meth:`abort`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, width: int, height: int, fps: float,
+                 audio: np.ndarray | None = None, sample_rate: int | None = None):
+        self._rate = check_fps(fps)
+        _check_even(width, height)  # before any file exists
+        waveform = check_audio(audio, sample_rate)
+        self._container = av.open(os.fspath(path), mode="w", format="mp4",
+                                  container_options={"movflags": "+faststart"})
+        try:
+            self._stream = add_h264_stream(self._container, width=width, height=height, fps=fps)
+            self._track = None if waveform is None else AudioTrack(self._container, waveform, sample_rate)
+        except BaseException:
+            self._container.close()
+            raise
+        # A second of video at a time, each with its audio, so the muxer's interleaving queue stays short.
+        self._step = max(1, math.ceil(self._rate))
+        self._pending: list[np.ndarray] = []
+        self._pending_frames = 0
+        self.frames_written = 0
+        """Frames encoded so far (up to a second's worth more may wait for their second to fill)."""
+
+    def write(self, frames: np.ndarray) -> None:
+        """Append uint8 RGB frames ``[F, H, W, 3]``."""
+        if frames.ndim != 4 or frames.shape[1:] != (self._stream.height, self._stream.width, 3):
+            raise ValueError(f"frames of shape {frames.shape} do not match "
+                             f"[F, {self._stream.height}, {self._stream.width}, 3]")
+        self._pending.append(frames)
+        self._pending_frames += frames.shape[0]
+        if self._pending_frames >= self._step:
+            pending = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+            full = pending.shape[0] - pending.shape[0] % self._step
+            for first in range(0, full, self._step):
+                self._encode(pending[first:first + self._step])
+            self._pending = [pending[full:]] if full < pending.shape[0] else []
+            self._pending_frames = pending.shape[0] - full
+
+    def _encode(self, frames: np.ndarray) -> None:
+        encode_frames(self._container, self._stream, frames, self.frames_written)
+        self.frames_written += frames.shape[0]
+        if self._track is not None:
+            self._track.encode_until(self.frames_written / self._rate)
+
+    def close(self) -> None:
+        """Encode what is left, flush the encoders and finish the file."""
+        try:
+            if self._pending_frames:
+                self._encode(np.concatenate(self._pending))
+                self._pending, self._pending_frames = [], 0
+            self._container.mux(self._stream.encode(None))
+            if self._track is not None:
+                self._track.finish()
+        finally:
+            self._container.close()
+
+    def abort(self) -> None:
+        """Stop without finishing: the file is left incomplete (the caller removes it)."""
+        with contextlib.suppress(Exception):  # any libav error: the file is being given up anyway
+            self._container.close()
+
+    def __enter__(self) -> MP4FileWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
 def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: float, *, audio: np.ndarray | None = None,
               sample_rate: int | None = None) -> None:
     """Encode ``frames`` (uint8 RGB ``[F, H, W, 3]``) as an H.264 MP4 at ``fps`` frames per second.
@@ -215,22 +294,14 @@ def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: float, *, audio:
     ``audio`` (float ``[channels, samples]`` or ``[samples]``, at ``sample_rate`` Hz) adds an AAC track that
     starts with the first frame.
     """
-    num_frames, height, width = _check_frames(frames)
-    rate = check_fps(fps)
-    _check_even(width, height)  # before any file exists
-    waveform = check_audio(audio, sample_rate)
-    with av.open(os.fspath(path), mode="w", format="mp4", container_options={"movflags": "+faststart"}) as container:
-        stream = add_h264_stream(container, width=width, height=height, fps=fps)
-        track = None if waveform is None else AudioTrack(container, waveform, sample_rate)
-        # A second of video at a time, each with its audio, so the muxer's interleaving queue stays short.
-        step = max(1, math.ceil(rate))
-        for first in range(0, num_frames, step):
-            encode_frames(container, stream, frames[first:first + step], first)
-            if track is not None:
-                track.encode_until(min(first + step, num_frames) / rate)
-        container.mux(stream.encode(None))
-        if track is not None:
-            track.finish()
+    _num_frames, height, width = _check_frames(frames)
+    with MP4FileWriter(path, width=width, height=height, fps=fps, audio=audio, sample_rate=sample_rate) as writer:
+        writer.write(frames)
+
+
+def temporary_sibling(final: Path) -> Path:
+    """The hidden temporary name an output is written under before it is renamed to ``final``."""
+    return final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
 
 
 def read_mp4(path: str | os.PathLike) -> tuple[np.ndarray, float]:
@@ -385,7 +456,7 @@ def write_output(frames: np.ndarray, out: str | os.PathLike, fps: float, *, audi
         # frames complete) rather than replace it.
         write_frames_dir(frames, final, fps, **folder)
         return final
-    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = temporary_sibling(final)
     try:
         if as_dir:
             write_frames_dir(frames, tmp, fps, **folder)

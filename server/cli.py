@@ -14,9 +14,13 @@ Invariants:
   request with them checked before any group forms: a bad file exits 2 naming the flag and the file. A frames
   folder (``--out DIR/``) also gets the final latents, ``latents.npy`` (and ``audio_latents.npy`` for LTX-2): the
   arrays the reference pipeline returns for ``output_type="latent"``.
+- ``generate --out x.mp4`` encodes each piece as the decode delivers it (rank 0 alone), into a hidden temporary
+  file renamed to ``x.mp4`` once complete; the file is the one ``write_output`` makes of the whole video.
 - ``generate --out -`` writes a fragmented MP4 to stdout as the decode delivers each piece (rank 0 alone).
   Every process of the command (the parent, torchrun's ranks) first points its fd 1 at stderr and keeps the real
   stdout for the video, so no print, log or library chatter can land inside the MP4 bytes.
+- Run as the program, the CLI ends with ``os._exit`` once its outputs are closed and its streams flushed, without
+  the interpreter's teardown of torch and diffusers; ``main(argv)`` called with arguments returns.
 - Exit codes: 0 success; 1 a generation failed (for ``batch``: any line not ok or skipped); 2 a bad argument,
   request, prompts file or model path.
 """
@@ -188,6 +192,62 @@ class _StdoutVideo:
         return self.writer.frames_written
 
 
+class _FileVideo:
+    """An ``.mp4`` file, each decoded piece encoded as it lands (rank 0's ``on_frames``), written under a hidden
+    temporary name and renamed into place once complete: the file ``write_output`` makes of the whole video, with
+    the encode overlapped with the decode.
+
+    Never raises into the sampler (the other ranks are inside the decode): the first failure is kept; the rest of
+    the video is then dropped and :meth:`close` raises ``WriteError``, naming ``out`` as ``result_writer`` does."""
+
+    def __init__(self, out: str, request: GenerationRequest):
+        from cp_infer.video_io import MP4FileWriter, temporary_sibling
+
+        self.out, self.request = out, request
+        self.final = Path(out).expanduser()
+        self.tmp = temporary_sibling(self.final)
+        self.audio, self.writer, self.error = None, None, None
+        self._writer_cls = MP4FileWriter
+
+    def set_audio(self, waveform, sample_rate: int) -> None:
+        """The soundtrack (audio-video models), before the first frames: muxed along with them."""
+        self.audio = (waveform, sample_rate)
+
+    def _open(self):
+        if self.writer is None:
+            waveform, sample_rate = self.audio or (None, None)
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            self.writer = self._writer_cls(self.tmp, width=self.request.width, height=self.request.height,
+                                           fps=self.request.fps, audio=waveform, sample_rate=sample_rate)
+        return self.writer
+
+    def write(self, frames, _first: int, _total: int) -> None:
+        if self.error is None:
+            try:
+                self._open().write(frames)
+            except Exception as exc:  # noqa: BLE001 -- kept for close(): PyAV raises more than OSError/ValueError
+                self.error = exc
+
+    def close(self) -> tuple[Path, int]:
+        """Finish the MP4 and rename it into place; returns its path and the number of frames written."""
+        if self.error is None:
+            try:
+                self._open().close()
+                os.replace(self.tmp, self.final)
+            except Exception as exc:  # noqa: BLE001 -- reported as a WriteError, like the ones kept by write()
+                self.error = exc
+        if self.error is not None:
+            self.abort()
+            raise WriteError(f"could not write {self.out}: {type(self.error).__name__}: {self.error}")
+        return self.final, self.writer.frames_written
+
+    def abort(self) -> None:
+        """The job failed or the file could not be written: nothing is left behind."""
+        if self.writer is not None:
+            self.writer.abort()
+        self.tmp.unlink(missing_ok=True)
+
+
 def _media_refs(args: argparse.Namespace) -> tuple[MediaRef | None, tuple[MediaRef, ...]]:
     """``--image``, and ``--video`` then each ``--condition`` (the request's ``conditions`` in that order)."""
     if args.image is not None and (args.video is not None or args.condition):
@@ -241,6 +301,10 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         if video_out is not None:
             return lead_to_stdout(leader)
         from cp_infer.sampler import JobFailed
+        from cp_infer.video_io import is_frames_dir_target
+
+        if not is_frames_dir_target(args.out):
+            return lead_to_file(leader)  # an .mp4: encoded while the decode runs
 
         t_loaded = time.perf_counter()
         try:
@@ -259,6 +323,35 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         phases.mark("encode")
         num_frames, height, width, _ = result.frames.shape
         print(f"wrote {path} ({num_frames} frames, {width}x{height} @ {request.fps} fps; "
+              f"{leader.runtime.state.world_size} rank(s); load {t_loaded - started:.1f} s, generate "
+              f"{t_generated - t_loaded:.1f} s, write {time.perf_counter() - t_generated:.1f} s, total "
+              f"{time.perf_counter() - args.t0:.1f} s)", flush=True)
+        return 0
+
+    def lead_to_file(leader: Leader) -> int:
+        from cp_infer.sampler import JobFailed
+
+        t_loaded = time.perf_counter()
+        video = _FileVideo(args.out, request)
+        try:
+            leader.generate(request, "steps", on_frames=video.write, on_audio=video.set_audio)
+        except JobFailed as exc:
+            video.abort()
+            leader.stop()
+            print(f"{PROG} generate: generation failed: {exc}", file=sys.stderr)
+            return 1
+        except BaseException:
+            video.abort()
+            raise
+        leader.stop()
+        t_generated = time.perf_counter()
+        try:
+            path, num_frames = video.close()
+        except WriteError as exc:
+            print(f"{PROG} generate: {exc}", file=sys.stderr)
+            return 1
+        phases.mark("encode")
+        print(f"wrote {path} ({num_frames} frames, {request.width}x{request.height} @ {request.fps} fps; "
               f"{leader.runtime.state.world_size} rank(s); load {t_loaded - started:.1f} s, generate "
               f"{t_generated - t_loaded:.1f} s, write {time.perf_counter() - t_generated:.1f} s, total "
               f"{time.perf_counter() - args.t0:.1f} s)", flush=True)
@@ -298,6 +391,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     phases.mark("imports")
+    program = argv is None  # the program's own command line (tests and callers pass argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     rank = _setup_logging()
     options = options_for(argv[1:]) if argv[:1] in (["generate"], ["batch"]) else None
@@ -320,10 +414,24 @@ def main(argv: list[str] | None = None) -> int:
     run = {"generate": _cmd_generate, "batch": run_batch}[args.command]
     where = "" if rank == 0 else f" [rank {rank}]"
     try:
-        return run(args, argv)
+        code = run(args, argv)
     except ValueError as exc:  # UsageError, ModelLoadError, and request errors the group raised
         print(f"{PROG} {args.command}{where}: error: {exc}", file=sys.stderr)
-        return USAGE_ERROR
+        code = USAGE_ERROR
+    if program and not in_torchrun():
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End the program without the interpreter's teardown of torch, diffusers and transformers (most of a second):
+    everything this command wrote is closed by now; the standard streams are flushed here."""
+    logging.shutdown()
+    phases.write()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,15 @@ import av
 import numpy as np
 import pytest
 
-from cp_infer.video_io import read_frames_dir, read_mp4, write_frames_dir, write_mp4, write_output
+from cp_infer.video_io import (
+    MP4FileWriter,
+    read_audio,
+    read_frames_dir,
+    read_mp4,
+    write_frames_dir,
+    write_mp4,
+    write_output,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,3 +108,25 @@ def test_bad_fps_raises(tmp_path):
     for fps in (0, -1, float("nan"), True):
         with pytest.raises(ValueError, match="fps"):
             write_mp4(frames, tmp_path / "x.mp4", fps=fps)
+
+
+@pytest.mark.parametrize("with_audio", [False, True])
+def test_mp4_written_in_pieces_is_the_whole_video_file(tmp_path, with_audio):
+    # The CLI encodes each decoded piece as it lands; the file must be the one write_mp4 makes of the whole video:
+    # the same frames encoded in the same order, a second at a time with the audio under it.
+    rng = np.random.default_rng()
+    frames = rng.integers(0, 256, size=(57, 64, 96, 3), dtype=np.uint8)
+    audio = (rng.standard_normal((2, 48_000 * 57 // 25)) * 0.1).astype(np.float32) if with_audio else None
+    rate = 48_000 if with_audio else None
+    write_mp4(frames, tmp_path / "whole.mp4", 25, audio=audio, sample_rate=rate)
+    cuts = sorted(rng.choice(np.arange(1, 57), size=4, replace=False).tolist())
+    with MP4FileWriter(tmp_path / "pieces.mp4", width=96, height=64, fps=25, audio=audio, sample_rate=rate) as w:
+        for a, b in zip([0, *cuts], [*cuts, 57], strict=True):
+            w.write(frames[a:b])
+    whole, pieces = read_mp4(tmp_path / "whole.mp4"), read_mp4(tmp_path / "pieces.mp4")
+    assert pieces[1] == whole[1] and pieces[0].shape == frames.shape
+    # x264's threads may now and then decide differently (see the module docstring): pictures within noise.
+    assert np.abs(pieces[0].astype(int) - whole[0].astype(int)).mean() < 1.0
+    if with_audio:
+        np.testing.assert_allclose(read_audio(tmp_path / "pieces.mp4")[0], read_audio(tmp_path / "whole.mp4")[0],
+                                   atol=1e-6)
