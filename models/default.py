@@ -5,6 +5,8 @@ Invariants:
   `AutoencoderKLLTXVideo`, `FlowMatchEulerDiscreteScheduler`, `T5EncoderModel`, `T5Tokenizer`), so every code
   path the engine exercises on it is the one a real LTX-Video checkpoint takes.
 - The VAE keeps the real compression: 32x spatial, 8x temporal (8k+1 frames -> k+1 latent frames).
+- A latent upsampler (`LTXLatentUpsamplerModel`, 2x spatial, as LTX-Video 0.9.7+ ships it for two-stage
+  generation) is saved beside the pipeline in `latent_upsampler/`.
 - Weights are a pure function of `_SEED` and the parameter names and shapes: every parameter is overwritten
   in sorted-name order from one seeded generator per component (`models.embedded.init_deterministic`), so
   torch's init code (and the caller's global RNG) play no part, and two builds are bitwise identical.
@@ -27,9 +29,10 @@ from diffusers import (
     LTXPipeline,
     LTXVideoTransformer3DModel,
 )
+from diffusers.pipelines.ltx.modeling_latent_upsampler import LTXLatentUpsamplerModel
 from transformers import T5Config, T5EncoderModel
 
-from models.embedded import MARKER_FILE, cache_root, ensure_folder, init_deterministic, write_pipeline
+from models.embedded import LATENT_UPSAMPLER, MARKER_FILE, cache_root, ensure_folder, init_deterministic, write_pipeline
 from models.tokenizer import build_offline_t5_tokenizer
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "LTX_SCHEDULER_CONFIG",
     "MARKER_FILE",
     "build_default_components",
+    "build_latent_upsampler",
     "default_model_dir",
     "ensure_default_model",
 ]
@@ -45,12 +49,12 @@ __all__ = [
 DEFAULT_MODEL_NAME = "tiny-ltx-video"
 # Bump when the config, the vocabulary or the init rule changes: the folder name carries it, so an old
 # cache is never mistaken for the new model.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _FOLDER_NAME = f"{DEFAULT_MODEL_NAME}-v{FORMAT_VERSION}"
 
 _SEED = 20_250_601
 # One generator per component, so resizing one component leaves the others' weights unchanged.
-_COMPONENT_SEED_OFFSETS = {"text_encoder": 0, "transformer": 1, "vae": 2}
+_COMPONENT_SEED_OFFSETS = {"text_encoder": 0, "transformer": 1, "vae": 2, "latent_upsampler": 3}
 # Extra factors on top of the generic init. The VAE's last conv maps to pixels in [-1, 1]; at unit gain
 # about a third of the decoded pixels clip, at 0.4 the frames have std ~0.4 and a few percent clip.
 _GAINS = {"vae": {"decoder.conv_out.conv.weight": 0.4}}
@@ -159,6 +163,16 @@ def build_default_components() -> dict[str, Any]:
     return {**models, "scheduler": scheduler, "tokenizer": tokenizer}
 
 
+def build_latent_upsampler() -> LTXLatentUpsamplerModel:
+    """The 2x spatial latent upsampler of two-stage generation (float32, CPU, eval mode), at 32 channels (512 real)
+    and one residual block per stage (4 real), 3-D convolutions as ``ltxv-spatial-upscaler-0.9.7``."""
+    with torch.random.fork_rng(devices=[]):
+        model = LTXLatentUpsamplerModel(in_channels=_LATENT_CHANNELS, mid_channels=32, num_blocks_per_stage=1,
+                                        dims=3, spatial_upsample=True, temporal_upsample=False)
+    init_deterministic(model, _SEED + _COMPONENT_SEED_OFFSETS["latent_upsampler"])
+    return model.eval()
+
+
 def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """Where the default model lives: `cache_dir`, else `$CP_INFER_CACHE`, else `~/.cache/cp-infer`."""
     return cache_root(cache_dir) / _FOLDER_NAME
@@ -169,6 +183,7 @@ def _marker() -> dict[str, Any]:
 
 
 def _write_model(folder: Path) -> None:
+    build_latent_upsampler().save_pretrained(folder / LATENT_UPSAMPLER, safe_serialization=True)
     write_pipeline(LTXPipeline(**build_default_components()), folder, _marker())
 
 

@@ -36,7 +36,7 @@ from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
 from models.default import LTX_SCHEDULER_CONFIG
-from models.embedded import cache_root, ensure_folder, init_deterministic, write_pipeline
+from models.embedded import LATENT_UPSAMPLER, cache_root, ensure_folder, init_deterministic, write_pipeline
 from models.tokenizer import build_offline_gemma_tokenizer
 
 __all__ = [
@@ -72,8 +72,6 @@ _COMPONENT_SEED_OFFSETS = {
     "vocoder": 5,
     "latent_upsampler": 6,
 }
-# The subfolder diffusers' LTX-2 repositories keep the latent upsampler in (``Lightricks/LTX-2``).
-LATENT_UPSAMPLER = "latent_upsampler"
 # Extra factors on top of the generic init. The video VAE's last conv maps to pixels in [-1, 1]; at 0.4 the
 # decoded frames have std ~0.25 and well under 1% clip (as in models.default). The vocoder needs none: its
 # tanh output comes out at std ~0.07, far from saturation.

@@ -23,10 +23,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_ENV", "MARKER_FILE", "cache_root", "ensure_folder", "init_deterministic", "write_pipeline"]
+__all__ = [
+    "CACHE_ENV", "LATENT_UPSAMPLER", "MARKER_FILE", "cache_root", "ensure_folder", "init_deterministic",
+    "write_pipeline",
+]
 
 CACHE_ENV = "CP_INFER_CACHE"
 MARKER_FILE = "cp_infer_default_model.json"
+# The subfolder a model folder keeps its latent upsampler in (diffusers' layout, as in ``Lightricks/LTX-2``).
+LATENT_UPSAMPLER = "latent_upsampler"
 
 
 @torch.no_grad()

@@ -26,14 +26,15 @@ from diffusers import (
     LTX2VideoTransformer3DModel,
     LTXVideoTransformer3DModel,
 )
+from diffusers.pipelines.ltx.modeling_latent_upsampler import LTXLatentUpsamplerModel
 from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from transformers import Gemma3ForConditionalGeneration, GemmaTokenizer, T5EncoderModel, T5Tokenizer
 
 from models.default import DEFAULT_MODEL_NAME, ensure_default_model
-from models.default_ltx2 import DEFAULT_LTX2_NAME, LATENT_UPSAMPLER, ensure_default_ltx2_model
-from models.embedded import MARKER_FILE
+from models.default_ltx2 import DEFAULT_LTX2_NAME, ensure_default_ltx2_model
+from models.embedded import LATENT_UPSAMPLER, MARKER_FILE
 
 __all__ = [
     "LTX2Components",
@@ -116,6 +117,9 @@ class LTXVideoComponents:
     """Parameter dtype of the three models."""
     device: torch.device
     """Device of the three models."""
+    latent_upsampler: LTXLatentUpsamplerModel | None = None
+    """The 2x latent upsampler of two-stage generation (``latent_upsampler/``), eval mode, `dtype`, `device`;
+    ``None`` when the folder has none."""
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
@@ -322,8 +326,9 @@ def _load_components(
 def load_ltx_video(
     path: str | os.PathLike, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LTXVideoComponents:
-    """Load an LTX-Video diffusers folder (e.g. Lightricks/LTX-Video, or `ensure_default_model()`)."""
-    return _load_components(
+    """Load an LTX-Video diffusers folder (e.g. Lightricks/LTX-Video, or `ensure_default_model()`), with its latent
+    upsampler where it has ``latent_upsampler/``."""
+    components = _load_components(
         path,
         LTXVideoComponents,
         family="ltx-video",
@@ -336,6 +341,7 @@ def load_ltx_video(
         dtype=dtype,
         device=device,
     )
+    return _with_latent_upsampler(components, LTXLatentUpsamplerModel)
 
 
 def load_ltx2(
@@ -362,8 +368,13 @@ def load_ltx2(
         dtype=dtype,
         device=device,
     )
+    return _with_latent_upsampler(components, LTX2LatentUpsamplerModel)
+
+
+def _with_latent_upsampler(components: Any, upsampler_class: Any) -> Any:
+    """``components`` with the folder's ``latent_upsampler/`` loaded (unchanged without one)."""
     if not (components.path / LATENT_UPSAMPLER).is_dir():
         return components
-    upsampler = _load(components.path, LATENT_UPSAMPLER, LTX2LatentUpsamplerModel.from_pretrained,
+    upsampler = _load(components.path, LATENT_UPSAMPLER, upsampler_class.from_pretrained,
                       dtype=components.dtype, low_cpu_mem_usage=False)
     return replace(components, latent_upsampler=upsampler.to(components.device).eval())

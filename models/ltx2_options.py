@@ -3,42 +3,21 @@ Imports no model code, so front ends read it cheaply."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from cp_infer.options import ModelOptions, Option
 
+from ._stages import STAGE_SIZE_STEP, check_two_stage_size, stages_option
 from ._standard_options import decode_options, standard_options
 
 __all__ = ["STAGE_SIZE_STEP", "ltx2_options"]
 
 # LTX2Pipeline perturbs block 28 (of LTX-2.0's 48); a smaller model gets its last block instead.
 _STG_BLOCK = 28
-# Two stages denoise at half the size first, itself a multiple of 32 (the VAE's spatial compression).
-STAGE_SIZE_STEP = 64
-
-
-def _refuse_stages(value: int) -> None:
-    if value != 1:
-        raise ValueError(f"stages={value} needs a latent upsampler and this model folder has none (diffusers keeps "
-                         "it in latent_upsampler/, e.g. Lightricks/LTX-2's): use stages=1, or serve a folder with one")
-
-
-def _check_two_stage_size(values: Mapping[str, Any]) -> None:
-    if values["stages"] != 2:
-        return
-    for name in ("height", "width"):
-        if values[name] % STAGE_SIZE_STEP:
-            nearest = max(STAGE_SIZE_STEP, round(values[name] / STAGE_SIZE_STEP) * STAGE_SIZE_STEP)
-            raise ValueError(f"{name}={values[name]} with stages=2 is not a multiple of {STAGE_SIZE_STEP} (stage 1 "
-                             f"runs at half the size); try {name}={nearest}, or stages=1")
 
 
 def ltx2_options(*, layers: int = 48, latent_upsampler: bool = True, stages: int | None = None) -> ModelOptions:
     """``layers``: the transformer's block count (spatio-temporal guidance names blocks); ``latent_upsampler``:
     whether the folder has one (two-stage generation needs it); ``stages``: the folder's default stage count
     (``models.loading.recommended_stages``; unset: 2 with an upsampler, as Lightricks recommends, else 1)."""
-    stages = stages if stages is not None else (2 if latent_upsampler else 1)
     return ModelOptions("LTX-2", (
         *standard_options(height=512, width=768, num_frames=121, frame_rate=24, num_inference_steps=30,
                           guidance_scale=3.0, size_step="a multiple of 32, at least 64"),
@@ -62,9 +41,6 @@ def ltx2_options(*, layers: int = 48, latent_upsampler: bool = True, stages: int
         # NOTE(registers): LTX-2's text connectors append 128 learnable registers per 128 text tokens.
         Option("max_sequence_length", int, 1024, "text tokens the prompt is padded or cut to", lo=128, hi=1024,
                multiple_of=128),
-        Option("stages", int, stages, "denoising stages: 2 denoises at half the size, upsamples the latents 2x "
-               "(the folder's latent_upsampler/) and refines them in 3 steps at full size (Lightricks' recommended "
-               "recipe; height and width multiples of 64); 1 denoises once at full size. Default: 2 for a folder "
-               "with a latent upsampler, 1 without one and for the embedded tiny models", lo=1, hi=2,
-               check=None if latent_upsampler else _refuse_stages),
-    ), check=_check_two_stage_size)
+        stages_option(latent_upsampler=latent_upsampler, stages=stages, refine="refines them in 3 steps",
+                      where="diffusers keeps it in latent_upsampler/, e.g. Lightricks/LTX-2's"),
+    ), check=check_two_stage_size)

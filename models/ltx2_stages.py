@@ -17,13 +17,13 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
 
-from cp_infer.plan import DenoisePass, Plan
+from cp_infer.plan import Plan
 from cp_infer.request import GenerationRequest
+
+from ._stages import two_stage_plan as shared_two_stage_plan
 
 __all__ = ["REFINE_SIGMAS", "REFINE_SETTINGS", "refine_scheduler", "two_stage_plan"]
 
@@ -44,11 +44,7 @@ def refine_scheduler(scheduler) -> FlowMatchEulerDiscreteScheduler:
 
 
 def two_stage_plan(request: GenerationRequest) -> Plan:
-    """Stage 1 (``denoise``) at half size with the request's steps and guidance, stage 2 (``refine``) at the
-    request's size (``models.ltx2_options`` has checked that both halve to the VAE's step)."""
-    one_stage = {**request.options, "stages": 1}
-    first = replace(request, height=request.height // 2, width=request.width // 2, options=one_stage)
-    second = replace(request, num_inference_steps=len(REFINE_SIGMAS), guidance_scale=1.0,
-                     options={**one_stage, **REFINE_SETTINGS})
-    return Plan((DenoisePass(first, steps=first.num_inference_steps),
-                 DenoisePass(second, steps=len(REFINE_SIGMAS), kind="refine")))
+    """Stage 1 at half size with the request's steps and guidance, stage 2 (``refine``) at the request's size with
+    the distilled sigmas and no guidance (``models._stages.two_stage_plan``)."""
+    return shared_two_stage_plan(request, refine_steps=len(REFINE_SIGMAS), refine_options=REFINE_SETTINGS,
+                                 num_inference_steps=len(REFINE_SIGMAS), guidance_scale=1.0)

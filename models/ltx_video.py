@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import LTXConditionPipeline, LTXImageToVideoPipeline, LTXPipeline
+from diffusers import LTXConditionPipeline, LTXImageToVideoPipeline, LTXLatentUpsamplePipeline, LTXPipeline
 from diffusers.models.transformers.transformer_ltx import LTXAttention, apply_rotary_emb
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.ltx.pipeline_ltx_condition import linear_quadratic_schedule
@@ -36,8 +36,10 @@ from cp_infer.request import Condition, GenerationRequest, resolve_frame_index
 from cp_infer.sampler import Decoder, Prepared
 
 from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
+from .loading import recommended_stages
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx_decoder
 from .ltx_video_options import ltx_video_options
+from .ltx_video_stages import DENOISE_STRENGTH, stage_conditions, two_stage_plan
 
 __all__ = ["LTXVideoModel", "parallelize_ltx_transformer"]
 
@@ -143,7 +145,8 @@ class _RequestState:
     request: GenerationRequest
     shape: LatentShape
     mode: str
-    """``text`` (LTXPipeline), ``image`` (LTXImageToVideoPipeline) or ``conditions`` (LTXConditionPipeline)."""
+    """``text`` (LTXPipeline), ``image`` (LTXImageToVideoPipeline) or ``conditions`` (LTXConditionPipeline, also
+    both stages of two: ``models.ltx_video_stages``)."""
     embeds: torch.Tensor
     mask: torch.Tensor
     cfg_on: bool
@@ -154,7 +157,8 @@ class _RequestState:
     extra_tokens: int = 0
     """Conditioning tokens placed before the video's (conditions after frame 0)."""
     cond_mask: torch.Tensor | None = None
-    """``[1, S]``: how strongly each token is conditioned (image and conditions modes)."""
+    """``[1, S]``: how strongly each token is conditioned (image and conditions modes; zeros where LTXConditionPipeline
+    runs with nothing to condition on)."""
     init_latents: torch.Tensor | None = None
     video_coords: torch.Tensor | None = None
     noise_scale: float = 0.0
@@ -167,7 +171,6 @@ class LTXVideoModel:
     """An LTX-Video pipeline's components, parallelised, behind the sampler's ``DenoiseModel`` interface."""
 
     family = "ltx-video"
-    options = ltx_video_options()
 
     def __init__(self, components, *, state: ParallelState):
         self.state = state
@@ -194,6 +197,13 @@ class LTXVideoModel:
         parallelize_ltx_transformer(components.transformer, self._ctx)
         self._decode_ctx = DecodeContext(state=state)
         parallelize_ltx_decoder(components.vae, self._decode_ctx)
+        # Two-stage generation's upsampler (None: the folder has none, and ``stages`` is refused above 1).
+        upsampler = getattr(components, "latent_upsampler", None)
+        self.upsample_pipe = (None if upsampler is None
+                              else LTXLatentUpsamplePipeline(vae=components.vae, latent_upsampler=upsampler))
+        path = getattr(components, "path", None)
+        self.options = ltx_video_options(latent_upsampler=upsampler is not None,
+                                         stages=None if path is None else recommended_stages(path))
 
     @property
     def transformer(self):
@@ -221,20 +231,29 @@ class LTXVideoModel:
         return _scoped(self._ctx, "plan", plan)
 
     def plan(self, request: GenerationRequest) -> Plan:
-        """One pass: text-to-video, image-to-video or conditions (their tokens in the pass's sequence)."""
+        """One pass (text-to-video, image-to-video or conditions: their tokens in the pass's sequence), or with
+        ``stages=2`` the two-stage plan (``models.ltx_video_stages``)."""
+        if request.options.get("stages", 1) == 2:
+            return two_stage_plan(request)
         return Plan.single(request)
 
     def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "denoise",
                 previous: dict[str, torch.Tensor] | None = None, previous_state: Any = None) -> Prepared:
         """LTXPipeline's preparation; with ``request.image`` LTXImageToVideoPipeline's, with ``request.conditions``
         LTXConditionPipeline's (the media encoded on every rank alike: an image or a short clip is one small encode,
-        not worth a time-parallel split)."""
+        not worth a time-parallel split). ``kind="stage1"`` and ``"refine"``: the stages of two, both
+        LTXConditionPipeline's, stage 2 from the gathered latents of stage 1 (``models.ltx_video_stages``)."""
         pipe, device = self.pipe, self.device
+        staged = kind in ("stage1", "refine")
+        assert staged or kind == "denoise", kind
+        assert (previous is not None and previous_state is not None) == (kind == "refine"), kind
+        conditions = stage_conditions(request) if staged else request.conditions
+        follows_condition = staged or bool(conditions)
         cfg_on = request.guidance_scale > 1.0
         # The pipelines' own defaults: LTXPipeline and LTXImageToVideoPipeline 128, LTXConditionPipeline 256.
-        text_tokens = request.options["max_sequence_length"] or (256 if request.conditions else 128)
+        text_tokens = request.options["max_sequence_length"] or (256 if follows_condition else 128)
         # Each pipeline's own prompt encoding (LTXConditionPipeline's passes the attention mask to T5).
-        encoder = self.cond_pipe if request.conditions else pipe
+        encoder = self.cond_pipe if follows_condition else pipe
         embeds, mask, neg_embeds, neg_mask = encoder.encode_prompt(
             prompt=request.prompt, negative_prompt=request.negative_prompt, do_classifier_free_guidance=cfg_on,
             max_sequence_length=text_tokens, device=device,
@@ -246,12 +265,12 @@ class LTXVideoModel:
         generator = torch.Generator("cpu").manual_seed(request.seed)
         t_ratio = self.geometry.temporal_compression
         s_ratio = self.geometry.spatial_compression
-        assert kind == "denoise" and previous is None, "an LTX-Video plan has one pass"
         x = _RequestState(request=request, shape=shape, mode="text", embeds=embeds, mask=mask, cfg_on=cfg_on,
                           guidance=request.guidance_scale, generator=generator,
                           rope_scale=(t_ratio / request.fps, s_ratio, s_ratio))
-        if request.conditions:
-            return self._prepare_conditions(request, shape, x)
+        if follows_condition:
+            upsampled = None if kind != "refine" else self._upsampled(request, previous, previous_state)
+            return self._prepare_conditions(request, shape, x, conditions, upsampled=upsampled)
         channels = self.transformer.config.in_channels
         if request.image is not None:
             image = _pil(request.image.frames[0])
@@ -273,14 +292,30 @@ class LTXVideoModel:
         return calculate_shift(shape.tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                                cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
 
-    def _prepare_conditions(self, request: GenerationRequest, shape: LatentShape, x: _RequestState) -> Prepared:
+    def _upsampled(self, request: GenerationRequest, previous: dict[str, torch.Tensor],
+                   before: _RequestState) -> torch.Tensor:
+        """Stage 1's latents as LTXConditionPipeline returns them for ``output_type="latent"``, upsampled by
+        LTXLatentUpsamplePipeline(latents=..., output_type="latent") with the request's AdaIN and tone mapping."""
+        if self.upsample_pipe is None:
+            raise ValueError("stages=2 needs a latent upsampler and this model folder has none: use stages=1")
+        # NOTE(upsampler): replicated, on every rank alike (a few 3-D convolutions over the half-size latents, small
+        # beside one transformer step); its output is the same on every rank, so the group needs no exchange.
+        return self.upsample_pipe(latents=self._video_latents(previous, before), output_type="latent",
+                                  adain_factor=float(request.options["adain_factor"]),
+                                  tone_map_compression_ratio=float(request.options["tone_map_compression_ratio"]),
+                                  return_dict=False)[0]
+
+    def _prepare_conditions(self, request: GenerationRequest, shape: LatentShape, x: _RequestState,
+                            conditions: tuple[Condition, ...], *, upsampled: torch.Tensor | None = None) -> Prepared:
         """LTXConditionPipeline: the media encoded as conditioning latents (at frame 0 they replace the first latent
         frames; later, their first two latent frames become extra tokens placed before the video's, with their own
-        coordinates), a linear-quadratic schedule and per-token timesteps."""
+        coordinates), a linear-quadratic schedule and per-token timesteps. ``upsampled``: the pipeline given
+        ``latents`` and ``denoise_strength`` (stage 2 of two): the schedule's tail, the latents renoised to its
+        first sigma."""
         pipe, device = self.cond_pipe, self.device
         vae_dtype = self.components.vae.dtype
         tensors, strengths, indices = [], [], []
-        for cond in request.conditions:
+        for cond in conditions:
             index = resolve_frame_index(cond.frame_index, request.num_frames)
             tensors.append(_condition_tensor(pipe, cond, index, request).to(device, dtype=vae_dtype))
             strengths.append(float(cond.strength))
@@ -291,13 +326,21 @@ class LTXVideoModel:
         # config) then refuses its schedule, so it gets LTXPipeline's resolution-dependent shift instead.
         mu = self._shift(shape) if self.scheduler.config.get("use_dynamic_shifting", False) else None
         timesteps, _ = retrieve_timesteps(self.scheduler, steps, device, timesteps, mu=mu)
+        sigma = None
+        if upsampled is not None:
+            sigmas, timesteps, _ = pipe.get_timesteps(self.scheduler.sigmas, timesteps, steps, DENOISE_STRENGTH)
+            sigma = sigmas[:1]
         latents, cond_mask, coords, extra = pipe.prepare_latents(
             tensors, strengths, indices, batch_size=1, num_channels_latents=self.transformer.config.in_channels,
-            height=request.height, width=request.width, num_frames=request.num_frames, sigma=None, latents=None,
-            generator=x.generator, device=device, dtype=torch.float32)
+            height=request.height, width=request.width, num_frames=request.num_frames, sigma=sigma,
+            latents=upsampled, generator=x.generator, device=device, dtype=torch.float32)
         coords = coords.float()
         coords[:, 0] = coords[:, 0] * (1.0 / request.fps)
         noise_scale = float(request.options["image_cond_noise_scale"])
+        if cond_mask is None:
+            # Nothing conditions the video (two stages of a text request): every token is denoised, none re-noised,
+            # as LTXConditionPipeline's text-only path does.
+            cond_mask, noise_scale = latents.new_zeros(latents.shape[:2]), 0.0
         x.mode, x.cond_mask, x.init_latents, x.extra_tokens = "conditions", cond_mask, latents.clone(), extra
         x.video_coords, x.noise_scale = torch.cat([coords] * 2) if x.cfg_on else coords, noise_scale
         return Prepared(latents={"video": latents}, timesteps=list(timesteps), state=x)
@@ -359,9 +402,8 @@ class LTXVideoModel:
             return {"video": torch.where(x.cond_mask_local.unsqueeze(-1) > 0.5, latents, stepped)}
         return {"video": stepped}
 
-    def _video_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> torch.Tensor:
+    def _video_latents(self, latents: dict[str, torch.Tensor], x: _RequestState) -> torch.Tensor:
         """The video's own tokens unpacked to ``[B, C, F, H, W]`` (conditioning tokens dropped)."""
-        x: _RequestState = prepared.state
         shape, cfg = x.shape, self.transformer.config
         return self.pipe._unpack_latents(latents["video"][:, x.extra_tokens:], shape.frames,
                                          shape.height, shape.width, cfg.patch_size, cfg.patch_size_t)
@@ -370,7 +412,7 @@ class LTXVideoModel:
         """``output_type="latent"``: LTXPipeline and LTXImageToVideoPipeline return the packed ``[B, S, C]``
         latents, LTXConditionPipeline the unpacked ``[B, C, F, H, W]`` ones."""
         if prepared.state.mode == "conditions":
-            return {"latents": self._video_latents(latents, prepared).float().cpu().numpy()}
+            return {"latents": self._video_latents(latents, prepared.state).float().cpu().numpy()}
         return {"latents": latents["video"].float().cpu().numpy()}
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
@@ -379,7 +421,7 @@ class LTXVideoModel:
         pipe, vae = self.pipe, self.components.vae
         x: _RequestState = prepared.state
         request = x.request
-        latents = self._video_latents(latents, prepared)
+        latents = self._video_latents(latents, x)
         latents = pipe._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         latents = latents.to(x.embeds.dtype)
         latents, timestep = noise_for_decode(latents, vae=vae, generator=x.generator, request=request)

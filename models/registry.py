@@ -18,6 +18,7 @@ import torch
 from cp_infer import ParallelState, VideoGeometry
 from cp_infer.options import ModelOptions
 
+from .embedded import LATENT_UPSAMPLER
 from .loading import ModelLoadError, detect_family, parse_dtype, recommended_stages, resolve_model
 
 __all__ = ["ModelInfo", "describe_model", "min_latent_side", "model_options", "open_model"]
@@ -49,7 +50,7 @@ def model_options(family: str, *, layers: int, latent_upsampler: bool = True,
     if family == "ltx-video":
         from .ltx_video_options import ltx_video_options
 
-        return ltx_video_options()
+        return ltx_video_options(latent_upsampler=latent_upsampler, stages=stages)
     from .ltx2_options import ltx2_options
 
     return ltx2_options(layers=layers, latent_upsampler=latent_upsampler, stages=stages)
@@ -92,7 +93,7 @@ def describe_model(model: str | os.PathLike | None) -> ModelInfo:
     )
     layers = int(transformer.get("num_layers", 0))
     stages = recommended_stages(path)
-    upsampler = (path / "latent_upsampler").is_dir()
+    upsampler = (path / LATENT_UPSAMPLER).is_dir()
     return ModelInfo(path=path, family=family, geometry=geometry, layers=layers,
                      options=model_options(family, layers=layers, latent_upsampler=upsampler, stages=stages))
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from diffusers import LTX2ConditionPipeline, LTX2Pipeline, LTXConditionPipeline, LTXPipeline
+from diffusers import (
+    LTX2ConditionPipeline,
+    LTX2Pipeline,
+    LTXConditionPipeline,
+    LTXLatentUpsamplePipeline,
+    LTXPipeline,
+)
 
 from models.registry import model_options
 
@@ -22,9 +28,12 @@ _RESOLVED = {
     ("ltx-video", "max_sequence_length"): None,
 }
 # Options that LTXPipeline / LTX2Pipeline lack, and the pipeline whose argument they are.
-_FROM = {("ltx-video", "image_cond_noise_scale"): LTXConditionPipeline}
-# Options of a recipe over several pipelines, an argument of none (stages: models.ltx2_stages).
-_RECIPE = {("ltx2", "stages")}
+_FROM = {("ltx-video", "image_cond_noise_scale"): LTXConditionPipeline,
+         ("ltx-video", "adain_factor"): LTXLatentUpsamplePipeline,
+         ("ltx-video", "tone_map_compression_ratio"): LTXLatentUpsamplePipeline}
+# Options of a recipe over several pipelines, an argument of none (stages: models.ltx2_stages,
+# models.ltx_video_stages).
+_RECIPE = {("ltx2", "stages"), ("ltx-video", "stages")}
 
 
 @pytest.mark.parametrize("family,pipeline", [("ltx-video", LTXPipeline), ("ltx2", LTX2Pipeline)])
@@ -51,7 +60,8 @@ def test_the_condition_pipelines_take_the_same_names(family, base, conditioned):
     pipeline too (with the same default, except the text length LTXConditionPipeline raises to 256)."""
     parameters = inspect.signature(conditioned.__call__).parameters
     for option in model_options(family, layers=48):
-        assert option.name in parameters or (family, option.name) in _RECIPE, (conditioned.__name__, option.name)
+        assert option.name in parameters or (family, option.name) in {*_RECIPE, *_FROM}, (conditioned.__name__,
+                                                                                          option.name)
 
 
 def test_small_ltx2_models_perturb_their_last_block():
