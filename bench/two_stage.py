@@ -1,10 +1,12 @@
-"""Two-stage LTX-2 (``stages=2``) against one stage at the same output size, ours at N=2, end to end (prepare,
+"""Two-stage generation (``stages=2``) against one stage at the same output size, ours at N=2, end to end (prepare,
 every step, the upsampler, the decode), in one run: the two alternate round by round on one group of 2 rank
 processes (gloo, 1 thread each), medians over the rounds, with each stage's median step time and the load average.
 
-    python bench/two_stage.py [--rounds 3] [--frames 17] [--height 256] [--width 384] [--steps 8]
+    python bench/two_stage.py [--model tiny-ltx2|tiny-ltx-video] [--rounds 3] [--frames 17] [--height 256]
+                              [--width 384] [--steps 8]
 
-The model is the embedded ``tiny-ltx2`` (its tiny latent upsampler included), so this measures the plan's shape
+The model is an embedded one, ``tiny-ltx2`` (LTX-2's recipe: 3 unguided refine steps) or ``tiny-ltx-video``
+(LTX-Video 0.9.7's: 4 guided refine steps), its tiny latent upsampler included, so this measures the plan's shape
 (a quarter of the tokens in the long pass) on toy widths, where fixed per-step costs weigh more than on a real
 checkpoint.
 """
@@ -26,7 +28,12 @@ from _procs import RankGroup, free_port  # noqa: E402
 _TIMEOUT_S = 900.0
 
 
-def _worker(rank: int, port: int, inbox, outbox) -> None:
+# What each model's stage 2 runs, for the table; and the request options its benchmark request sets.
+_REFINE = {"tiny-ltx2": "3 unguided steps", "tiny-ltx-video": "4 guided steps (denoise_strength 0.4 of 10)"}
+_OPTIONS = {"tiny-ltx2": dict(max_sequence_length=128), "tiny-ltx-video": {}}
+
+
+def _worker(rank: int, port: int, model_name: str, inbox, outbox) -> None:
     import traceback
 
     import torch
@@ -37,12 +44,11 @@ def _worker(rank: int, port: int, inbox, outbox) -> None:
         from cp_infer import ParallelConfig, init_parallel
         from cp_infer.request import GenerationRequest
         from cp_infer.sampler import SampleControl, sample
-        from models.loading import load_ltx2, resolve_model
-        from models.ltx2 import LTX2Model
+        from models.registry import open_model
 
         state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=_TIMEOUT_S), rank=rank,
                               world_size=2, local_rank=rank)
-        model = LTX2Model(load_ltx2(resolve_model("tiny-ltx2")), state=state)
+        model = open_model(model_name, dtype="fp32", state=state)
         outbox.put((rank, "ok", "ready"))
     except BaseException:
         outbox.put((rank, "error", traceback.format_exc()))
@@ -51,7 +57,7 @@ def _worker(rank: int, port: int, inbox, outbox) -> None:
         try:
             steps: list[float] = []
             request = GenerationRequest.of(prompt="a drummer plays on a rainy street", negative_prompt="blurry",
-                                           seed=7, fps=24, max_sequence_length=128, **command)
+                                           seed=7, fps=24, **_OPTIONS[model_name], **command)
             started = time.perf_counter()
             sample(model, request, state=state, control=SampleControl(on_step=lambda i, n, s, a=steps: a.append(s)))
             outbox.put((rank, "ok", (time.perf_counter() - started, steps)))
@@ -61,6 +67,7 @@ def _worker(rank: int, port: int, inbox, outbox) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=tuple(_REFINE), default="tiny-ltx2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--frames", type=int, default=17)
     parser.add_argument("--height", type=int, default=256)
@@ -69,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     size = dict(num_frames=args.frames, height=args.height, width=args.width, num_inference_steps=args.steps)
     port = free_port()
-    group = RankGroup("ours N=2", _worker, [(r, port) for r in range(2)], timeout_s=_TIMEOUT_S)
+    group = RankGroup("ours N=2", _worker, [(r, port, args.model) for r in range(2)], timeout_s=_TIMEOUT_S)
     try:
         group.replies()
         results: dict[int, list[tuple[float, list[float]]]] = {1: [], 2: []}
@@ -85,13 +92,13 @@ def main() -> None:
     one_step = statistics.median(x for _, steps in results[1] for x in steps)
     first = statistics.median(x for _, steps in results[2] for x in steps[:args.steps])
     second = statistics.median(x for _, steps in results[2] for x in steps[args.steps:])
-    print(f"{args.frames} frames {args.width}x{args.height}, {args.steps} steps, tiny-ltx2, N=2, "
+    print(f"{args.frames} frames {args.width}x{args.height}, {args.steps} steps, {args.model}, N=2, "
           f"{args.rounds} rounds alternating, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
     print("| plan | end to end (median) | step at full size | step at half size (stage 1) | ratio |")
     print("| --- | --- | --- | --- | --- |")
     print(f"| 1 stage, {args.steps} steps, guided | {total[1]:.2f} s | {one_step * 1e3:.0f} ms | | 1.00x |")
-    print(f"| 2 stages, {args.steps} guided + 3 unguided steps | {total[2]:.2f} s | {second * 1e3:.0f} ms (stage 2) "
-          f"| {first * 1e3:.0f} ms | {total[2] / total[1]:.2f}x |")
+    print(f"| 2 stages, {args.steps} guided + {_REFINE[args.model]} | {total[2]:.2f} s | {second * 1e3:.0f} ms "
+          f"(stage 2) | {first * 1e3:.0f} ms | {total[2] / total[1]:.2f}x |")
 
 
 if __name__ == "__main__":
