@@ -265,7 +265,7 @@ def _bench_degree2(state: ParallelState, config: BenchConfig, length: int) -> di
 def _rank_main(rank: int, port: int, config: BenchConfig, results: Any) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    state = init_parallel(ParallelConfig(cp_size=DEGREE, backend="gloo", device="cpu", timeout_s=900),
+    state = init_parallel(ParallelConfig(ulysses_degree=DEGREE, backend="gloo", device="cpu", timeout_s=900),
                           rank=rank, world_size=DEGREE, local_rank=rank)
     try:
         for length in config.lengths:

@@ -4,7 +4,8 @@ It knows nothing about HTTP or any particular model; models plug in through the 
 """
 
 from .attention import ExchangeWorkspace, local_attention, padded_heads, ulysses_attention
-from .collectives import all_reduce_max_int, all_to_all, broadcast_object, gather_sequence, warmup
+from .collectives import all_reduce_max_int, all_to_all, broadcast_object, gather_passes, gather_sequence, warmup
+from .mesh import MeshLayout, pass_shares, valid_layouts
 from .shapes import LatentShape, VideoGeometry
 from .shard import ShardPlan
 from .state import ParallelConfig, ParallelState, destroy_parallel, init_parallel, single_process_state
@@ -12,6 +13,7 @@ from .state import ParallelConfig, ParallelState, destroy_parallel, init_paralle
 __all__ = [
     "ExchangeWorkspace",
     "LatentShape",
+    "MeshLayout",
     "ParallelConfig",
     "ParallelState",
     "ShardPlan",
@@ -20,11 +22,14 @@ __all__ = [
     "all_to_all",
     "broadcast_object",
     "destroy_parallel",
+    "gather_passes",
     "gather_sequence",
     "init_parallel",
     "local_attention",
     "padded_heads",
+    "pass_shares",
     "single_process_state",
     "ulysses_attention",
+    "valid_layouts",
     "warmup",
 ]

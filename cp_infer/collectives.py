@@ -10,11 +10,13 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .mesh import pass_shares
 from .shard import ShardPlan
 from .state import ParallelState
 
@@ -22,6 +24,7 @@ __all__ = [
     "group_size",
     "all_to_all",
     "gather_sequence",
+    "gather_passes",
     "broadcast_object",
     "all_reduce_max_int",
     "all_reduce_sum",
@@ -95,6 +98,40 @@ def gather_sequence(
     return _GatherSequence.apply(x_local, plan, group, dim)
 
 
+def gather_passes(local: Mapping[str, torch.Tensor], *, passes: int, state: ParallelState) -> dict[str, torch.Tensor]:
+    """A step's guidance passes from every guidance rank, in pass order: one all-gather over the guidance group.
+
+    ``local[name]`` is ``[n_local, ...]``: this rank's share of the ``passes`` (``cp_infer.mesh.pass_shares``, its
+    ``guidance_rank``-th share; ``n_local`` may be 0), one pass per row, every stream with the same dtype. Returns
+    ``[passes, ...]`` per stream, the same on every rank of the guidance group; on one guidance rank, ``local``."""
+    shares = pass_shares(passes, state.guidance_size)
+    mine = len(shares[state.guidance_rank])
+    for name, x in local.items():
+        if x.shape[0] != mine:
+            raise ValueError(f"gather_passes: stream {name!r} has {x.shape[0]} passes on guidance rank "
+                             f"{state.guidance_rank}, its share of {passes} is {mine}")
+    if state.guidance_size == 1:
+        return dict(local)
+    dtypes = {x.dtype for x in local.values()}
+    assert len(dtypes) == 1, f"gather_passes needs one dtype for every stream, got {dtypes}"
+    width = len(shares[0])  # the largest share: every rank sends that many rows, padded
+    # N_LOCAL, ... -> WIDTH, F_TOTAL: every stream's pass flattened, side by side, padding rows after the real ones
+    flat = torch.cat([x.flatten(1) for x in local.values()], dim=1)
+    send = flat.new_zeros((width, flat.shape[1]))
+    send[:mine] = flat
+    recv = send.new_empty((state.guidance_size * width, flat.shape[1]))
+    dist.all_gather_into_tensor(recv, send, group=state.guidance_group)
+    # G * WIDTH, F_TOTAL -> PASSES, F_TOTAL: each rank's real rows, in rank (= pass) order
+    rows = torch.cat([recv[g * width:g * width + len(share)] for g, share in enumerate(shares)])
+    out, start = {}, 0
+    for name, x in local.items():
+        size = x.shape[1:].numel()
+        # PASSES, F -> PASSES, ... (this stream's columns)
+        out[name] = rows[:, start:start + size].reshape(passes, *x.shape[1:])
+        start += size
+    return out
+
+
 def broadcast_object(obj: Any, *, state: ParallelState, src: int = 0) -> Any:
     """Send a picklable object from global rank ``src`` to every rank over the gloo CPU group."""
     if state.cpu_group is None:
@@ -137,6 +174,13 @@ def warmup(state: ParallelState) -> None:
         if full.shape != (1, plan.orig_len):
             raise RuntimeError(f"warm-up gather returned shape {tuple(full.shape)} on rank {state.rank}")
         dist.barrier(group=state.cp_group)
+    if state.guidance_group is not None:
+        passes = 2 * state.guidance_size - 1  # uneven shares, the last rank's smaller
+        share = pass_shares(passes, state.guidance_size)[state.guidance_rank]
+        local = torch.tensor([float(p) for p in share], device=state.device)[:, None]
+        every = gather_passes({"warmup": local}, passes=passes, state=state)["warmup"]
+        if not torch.equal(every[:, 0].cpu(), torch.arange(passes, dtype=every.dtype)):
+            raise RuntimeError(f"warm-up guidance exchange returned wrong data on rank {state.rank}")
     if state.cpu_group is not None:
         if broadcast_object("ping", state=state) != "ping":
             raise RuntimeError(f"warm-up broadcast failed on rank {state.rank}")

@@ -10,6 +10,10 @@ Invariants:
 - A job is a plan (``cp_infer.plan``): the model turns the request into passes, each a full sharded loop whose
   gathered latents the next pass is prepared from; the last pass's latents are decoded. Steps are counted over the
   whole plan (``on_step``, ``poll``).
+- The loop runs on every rank of the mesh: a pass's sequences are sharded over the Ulysses group (``cp_*``), a
+  step's guidance passes over the guidance group (the model's ``predict`` exchanges them), the status agreement
+  spans the whole world. Every guidance rank ends with the same latents, so only the Ulysses group of guidance
+  index 0 decodes (``ParallelState.decodes``) and only the mesh's first rank delivers (``ParallelState.delivers``).
 - Models plug in through :class:`DenoiseModel`; this module knows no model and no HTTP.
 """
 
@@ -94,7 +98,9 @@ class DenoiseModel(Protocol):
     def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
                 plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
         """The guided model output for this rank's shard of every stream (collectives inside, same on every
-        rank)."""
+        rank). With a guidance group the rank runs its share of the step's passes (``cp_infer.mesh.pass_shares``),
+        exchanges them (``cp_infer.collectives.gather_passes``) and applies the guidance to all of them, so every
+        guidance rank returns the same output."""
 
     def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
              latents_local: dict[str, torch.Tensor], prepared: Prepared,
@@ -121,7 +127,8 @@ class Decoder:
     ``[F, H, W, 3]``."""
     audio: Callable[[], tuple[np.ndarray, int]] | None = None
     """For audio-video models: decodes the soundtrack to a float waveform ``[C, S]`` in [-1, 1] and its sample
-    rate. Called on group rank 0 only (no collectives inside), before the video decode."""
+    rate. Called on the delivering rank only (``ParallelState.delivers``; no collectives inside), before the video
+    decode."""
 
 
 @dataclass
@@ -136,12 +143,12 @@ class SampleControl:
     on_phase: Callable[[str], None] | None = None
     """Phase changes: ``"denoise"``, ``"decode"``, ``"done"``."""
     on_audio: Callable[[np.ndarray, int], None] | None = None
-    """``(waveform [C, S], sample_rate)`` on group rank 0, once, before the first ``on_frames``; audio-video
+    """``(waveform [C, S], sample_rate)`` on the delivering rank, once, before the first ``on_frames``; audio-video
     models only."""
     on_latents: Callable[[dict[str, np.ndarray]], None] | None = None
-    """The final latents (``DenoiseModel.output_latents``) on group rank 0, once, before the decode."""
+    """The final latents (``DenoiseModel.output_latents``) on the delivering rank, once, before the decode."""
     on_frames: Callable[[np.ndarray, int, int], None] | None = None
-    """``(frames, first_frame_index, total_frames)`` on group rank 0 for each decoded chunk, in temporal order
+    """``(frames, first_frame_index, total_frames)`` on the delivering rank for each decoded chunk, in temporal order
     (a streaming encoder writes them as they come)."""
     collect: bool = True
     """Also return the whole video; a streaming caller sets False so no rank ever holds every frame."""
@@ -211,10 +218,10 @@ def _poll(control: SampleControl, i: int) -> tuple[StepStatus, str]:
 
 def _prepare_decode(model: DenoiseModel, full: dict[str, torch.Tensor], prepared: Prepared, control: SampleControl,
                     out: list[Decoder], state: ParallelState) -> None:
-    if control.on_latents and state.cp_rank == 0:
+    if control.on_latents and state.delivers:
         control.on_latents(model.output_latents(full, prepared))
     decoder = model.decoder(full, prepared)
-    if decoder.audio is not None and state.cp_rank == 0:
+    if decoder.audio is not None and state.delivers:
         waveform, sample_rate = decoder.audio()
         if control.on_audio:
             control.on_audio(waveform, sample_rate)
@@ -230,7 +237,8 @@ def sample(
     limits: GenerationLimits | None = None,
     control: SampleControl | None = None,
 ) -> np.ndarray | None:
-    """Generate one video. Returns uint8 frames ``[F, H, W, 3]`` on group rank 0, ``None`` on the others. Options
+    """Generate one video. Returns uint8 frames ``[F, H, W, 3]`` on the delivering rank
+    (``ParallelState.delivers``), ``None`` on the others. Options
     ``request`` leaves unset take the model's declared defaults."""
     control = control or SampleControl()
     limits = limits or GenerationLimits()
@@ -250,22 +258,23 @@ def sample(
         control.on_phase("decode")
     decoders: list[Decoder] = []
     status, message = _poll(control, total)
-    if status == StepStatus.OK:
+    if status == StepStatus.OK and state.decodes:
         # Everything before the video decode's relayed frames is local: run it before the agreement, so that a
-        # failure on one rank (the soundtrack is decoded on group rank 0 alone) ends the job on every rank.
+        # failure on one rank (the soundtrack is decoded on the delivering rank alone) ends the job on every rank.
         status, message = _run_hook(lambda: _prepare_decode(model, full, prepared, control, decoders, state))
     _agree(status, message, state=state)
-    decoder = decoders[0]
-    split = decoder.split
     pieces, done = [], 0
-    for frames in decode_parallel(split, decoder.decode_range, frame_shape=decoder.frame_shape, state=state):
-        if control.on_frames:
-            control.on_frames(frames, done, split.video_frames)
-        done += frames.shape[0]
-        if control.collect:
-            pieces.append(frames)
+    # NOTE(decode): collectives of the Ulysses group only; the other guidance ranks skip them (same latents).
+    for decoder in decoders:
+        split = decoder.split
+        for frames in decode_parallel(split, decoder.decode_range, frame_shape=decoder.frame_shape, state=state):
+            if control.on_frames:
+                control.on_frames(frames, done, split.video_frames)
+            done += frames.shape[0]
+            if control.collect:
+                pieces.append(frames)
     if control.on_phase:
         control.on_phase("done")
-    if state.cp_rank != 0:
+    if not state.delivers:
         return None
     return np.concatenate(pieces) if control.collect else None

@@ -3,9 +3,13 @@
 Invariants:
 - Built once per process by :func:`init_parallel` and passed explicitly (keyword-only) to everything that
   communicates. There is no module-level mutable state.
-- Tensors travel over ``cp_group`` (NCCL with CUDA, gloo otherwise); request metadata and control messages
-  travel over ``cpu_group`` (always gloo), so a control message never waits behind device work.
-- With a context-parallel degree of 1 the groups are ``None`` and every collective returns its input.
+- The world is a mesh (``cp_infer.mesh``): replicas (1 for now) x guidance x Ulysses. The ``cp_*`` fields are the
+  Ulysses axis (the group a pass's sequences are sharded over: attention, gathers, the decode); the ``guidance_*``
+  fields the guidance axis (the ranks that share a step's guidance passes and exchange their predictions once per
+  step). Status agreement and control messages span the whole world.
+- Tensors travel over ``cp_group`` and ``guidance_group`` (NCCL with CUDA, gloo otherwise); request metadata and
+  control messages travel over ``cpu_group`` (always gloo), so a control message never waits behind device work.
+- An axis of degree 1 has the group ``None`` and every collective over it returns its input.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .mesh import MeshLayout
+
 __all__ = ["ParallelConfig", "ParallelState", "init_parallel", "destroy_parallel", "single_process_state"]
 
 _DEFAULT_TIMEOUT_S = 120.0
@@ -26,8 +32,10 @@ _DEFAULT_TIMEOUT_S = 120.0
 class ParallelConfig:
     """How to build the process groups."""
 
-    cp_size: int | None = None
-    """Context-parallel degree. ``None`` means the whole world is one group."""
+    guidance_degree: int | None = None
+    """Ranks a step's guidance passes are spread over; ``None``: 1."""
+    ulysses_degree: int | None = None
+    """Ranks each pass's sequences are sharded over; ``None``: the world divided by the guidance degree."""
     backend: str | None = None
     """``"nccl"`` or ``"gloo"``; ``None`` picks NCCL when CUDA is available, else gloo."""
     timeout_s: float = _DEFAULT_TIMEOUT_S
@@ -36,8 +44,10 @@ class ParallelConfig:
     """``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``None`` picks ``cuda:LOCAL_RANK`` when CUDA exists, else cpu."""
 
     def __post_init__(self) -> None:
-        if self.cp_size is not None and self.cp_size < 1:
-            raise ValueError(f"cp_size={self.cp_size} must be >= 1 (or None for the whole world)")
+        for name in ("guidance_degree", "ulysses_degree"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 (or unset for the default)")
         if self.backend not in (None, "nccl", "gloo"):
             raise ValueError(f"backend={self.backend!r} is not supported; use 'nccl', 'gloo' or None (auto)")
         if not self.timeout_s > 0:
@@ -52,16 +62,24 @@ class ParallelState:
     rank: int
     local_rank: int
     cp_size: int
+    """Ulysses degree."""
     cp_rank: int
     cp_ranks: tuple[int, ...]
-    """Global ranks of this rank's context-parallel group, in group-rank order."""
+    """Global ranks of this rank's Ulysses group, in group-rank order."""
     cp_group: dist.ProcessGroup | None
-    """Device group for tensor collectives; ``None`` when ``cp_size == 1``."""
+    """Ulysses device group for tensor collectives; ``None`` when ``cp_size == 1``."""
     cpu_group: dist.ProcessGroup | None
     """Gloo group over the whole world for control messages; ``None`` when ``world_size == 1``."""
     device: torch.device
     backend: str
     timeout_s: float
+    guidance_size: int = 1
+    """Guidance degree."""
+    guidance_rank: int = 0
+    guidance_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's guidance group (same Ulysses index), in group-rank order."""
+    guidance_group: dist.ProcessGroup | None = None
+    """Guidance device group (the per-step exchange of predictions); ``None`` when ``guidance_size == 1``."""
     relay_groups: tuple[tuple[int, int, dist.ProcessGroup], ...] = ()
     """``(src, dst, group)``: device groups that carry messages from group rank ``src`` to ``dst`` only, for the
     decode's ring of ranks (``r -> r + 1`` and ``r -> 0``); this rank's edges only. See :meth:`relay_group`."""
@@ -81,6 +99,17 @@ class ParallelState:
     def is_leader(self) -> bool:
         """True on global rank 0, the rank that talks to clients."""
         return self.rank == 0
+
+    @property
+    def decodes(self) -> bool:
+        """True on the ranks that decode: the Ulysses group of guidance index 0 (every guidance rank holds the same
+        latents, so the others skip the decode)."""
+        return self.guidance_rank == 0
+
+    @property
+    def delivers(self) -> bool:
+        """True on the rank that hands the frames, soundtrack and latents to the caller (the mesh's first rank)."""
+        return self.guidance_rank == 0 and self.cp_rank == 0
 
     @property
     def distributed(self) -> bool:
@@ -117,17 +146,16 @@ def init_parallel(
     """Build the process groups from torchrun's environment or explicit arguments.
 
     ``rank``/``world_size`` default to ``RANK``/``WORLD_SIZE`` (torchrun sets them); a world of one with no
-    process group initialised returns :func:`single_process_state`. The world splits into
-    ``world_size // cp_size`` consecutive context-parallel groups.
+    process group initialised returns :func:`single_process_state`. The world is laid out as
+    ``cp_infer.mesh.MeshLayout`` says (a layout that does not make the world is refused, listing the valid ones).
     """
     config = config or ParallelConfig()
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
-    cp_size = world_size if config.cp_size is None else config.cp_size
-    if world_size % cp_size != 0:
-        valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(f"cp_size={cp_size} does not divide world_size={world_size}; valid degrees: {valid}")
+    layout = MeshLayout.resolve(world_size, guidance_degree=config.guidance_degree,
+                                ulysses_degree=config.ulysses_degree)
+    cp_size = layout.ulysses
     device = _pick_device(config, local_rank)
     if world_size == 1 and not dist.is_initialized():
         return single_process_state(device)
@@ -151,19 +179,26 @@ def init_parallel(
     cp_group = None
     cp_ranks: tuple[int, ...] = (rank,)
     relay_groups = []
-    for start in range(0, world_size, cp_size):
-        ranks = list(range(start, start + cp_size))
-        group = dist.new_group(ranks, backend=backend, timeout=timeout) if cp_size > 1 else None
+    for ranks in layout.ulysses_groups():
+        group = dist.new_group(list(ranks), backend=backend, timeout=timeout) if cp_size > 1 else None
         if rank in ranks:
             cp_group, cp_ranks = group, tuple(ranks)
         for src, dst in _ring_edges(cp_size):
             edge = dist.new_group([ranks[src], ranks[dst]], backend=backend, timeout=timeout)
             if rank in (ranks[src], ranks[dst]):
                 relay_groups.append((src, dst, edge))
+    guidance_group = None
+    guidance_ranks: tuple[int, ...] = (rank,)
+    for ranks in layout.guidance_groups():
+        group = dist.new_group(list(ranks), backend=backend, timeout=timeout) if layout.guidance > 1 else None
+        if rank in ranks:
+            guidance_group, guidance_ranks = group, ranks
     return ParallelState(
         world_size=world_size, rank=rank, local_rank=local_rank, cp_size=cp_size,
         cp_rank=cp_ranks.index(rank), cp_ranks=cp_ranks, cp_group=cp_group, cpu_group=cpu_group,
-        device=device, backend=backend, timeout_s=config.timeout_s, relay_groups=tuple(relay_groups),
+        device=device, backend=backend, timeout_s=config.timeout_s, guidance_size=layout.guidance,
+        guidance_rank=guidance_ranks.index(rank), guidance_ranks=guidance_ranks, guidance_group=guidance_group,
+        relay_groups=tuple(relay_groups),
     )
 
 

@@ -37,8 +37,9 @@ from diffusers.models.transformers.transformer_ltx2 import (
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg, retrieve_timesteps
 
 from cp_infer import ExchangeWorkspace, LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
-from cp_infer.collectives import all_reduce_sum
+from cp_infer.collectives import all_reduce_sum, gather_passes
 from cp_infer.decode import DEFAULT_FRAMES_PER_RANK
+from cp_infer.mesh import pass_shares
 from cp_infer.plan import Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
@@ -446,15 +447,13 @@ class LTX2Model:
 
     def _forward(self, latents: dict[str, torch.Tensor], t: torch.Tensor, x: _RequestState,
                  plans: dict[str, ShardPlan], *,
-                 cond_only: bool, isolate: bool = False, stg_blocks: tuple[int, ...] | None = None,
+                 rows: slice, isolate: bool = False, stg_blocks: tuple[int, ...] | None = None,
                  ) -> dict[str, torch.Tensor]:
-        """One transformer pass over this rank's shards; ``cond_only`` drops the unconditional half of CFG."""
+        """One transformer pass over this rank's shards, batched over ``rows`` of the prompt contexts (CFG's
+        ``[uncond, cond]``, or ``[cond]``)."""
         rank = self.state.cp_rank
-        video_ctx, audio_ctx, ctx_mask = x.video_ctx, x.audio_ctx, x.ctx_mask
-        batch = x.batch
-        if cond_only and batch == 2:
-            video_ctx, audio_ctx, ctx_mask = video_ctx[1:], audio_ctx[1:], ctx_mask[1:]
-            batch = 1
+        video_ctx, audio_ctx, ctx_mask = x.video_ctx[rows], x.audio_ctx[rows], x.ctx_mask[rows]
+        batch = video_ctx.shape[0]
         dtype = video_ctx.dtype
         # B, N_DIMS, S, 2 -> B, N_DIMS, S_LOCAL, 2 (same plan as the stream's latents: token i keeps its position)
         coords = {name: plans[name].shard(c, rank, dim=2).expand(batch, -1, -1, -1)
@@ -490,28 +489,23 @@ class LTX2Model:
         def to_x0(name: str, velocity: torch.Tensor) -> torch.Tensor:
             return self.pipe.convert_velocity_to_x0(latents_local[name], velocity, i, schedulers[name])
 
-        out = self._forward(latents_local, t, x, plans, cond_only=False)
+        preds = self._passes(latents_local, t, x, plans)
         guided: dict[str, torch.Tensor] = {}
         cond: dict[str, torch.Tensor] = {}
-        for name, pred in out.items():
+        for name, pred in preds.items():
+            cond[name] = to_x0(name, pred["cond"])
             if s.cfg:
-                uncond, pred = pred.chunk(2)
-                cond[name] = to_x0(name, pred)
-                guided[name] = cond[name] + (scales[name][0] - 1) * (cond[name] - to_x0(name, uncond))
+                guided[name] = cond[name] + (scales[name][0] - 1) * (cond[name] - to_x0(name, pred["uncond"]))
             else:
-                cond[name] = guided[name] = to_x0(name, pred)
-        # The extra passes of LTX2Pipeline, on the conditional half only, each adding its own delta.
-        if s.stg:
-            perturbed = self._forward(latents_local, t, x, plans, cond_only=True, stg_blocks=s.stg_blocks)
-            for name, pred in perturbed.items():
-                guided[name] = guided[name] + scales[name][1] * (cond[name] - to_x0(name, pred))
-        if s.modality:
-            isolated = self._forward(latents_local, t, x, plans, cond_only=True, isolate=True)
-            for name, pred in isolated.items():
-                guided[name] = guided[name] + (scales[name][2] - 1) * (cond[name] - to_x0(name, pred))
+                guided[name] = cond[name]
+            # The extra passes of LTX2Pipeline, on the conditional half only, each adding its own delta.
+            if s.stg:
+                guided[name] = guided[name] + scales[name][1] * (cond[name] - to_x0(name, pred["stg"]))
+            if s.modality:
+                guided[name] = guided[name] + (scales[name][2] - 1) * (cond[name] - to_x0(name, pred["modality"]))
         result = {}
         conditioning: VideoConditioning | None = x.conditioning
-        for name in out:
+        for name in preds:
             rescale = scales[name][3]
             g = guided[name]
             if rescale > 0:
@@ -520,6 +514,36 @@ class LTX2Model:
                 g = conditioning.blend_denoised(g, plans[name], self.state.cp_rank)
             result[name] = self.pipe.convert_x0_to_velocity(latents_local[name], g, i, schedulers[name])
         return result
+
+    def _passes(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, x: _RequestState,
+                plans: dict[str, ShardPlan]) -> dict[str, dict[str, torch.Tensor]]:
+        """Every pass of the step, ``stream -> pass kind -> [1, S_LOCAL, C]``: this rank runs its share
+        (``cp_infer.mesh.pass_shares`` over the guidance group; CFG's two in one batch where both are in it, as
+        LTX2Pipeline runs them), then one exchange over the guidance group gives every rank all of them."""
+        s: LTX2Settings = x.settings
+        kinds = ("uncond", "cond") if s.cfg else ("cond",)
+        cond_row = len(kinds) - 1  # the conditional prompt's row of the contexts
+        kinds += ("stg",) * s.stg + ("modality",) * s.modality
+        share = pass_shares(len(kinds), self.state.guidance_size)[self.state.guidance_rank]
+        mine = [kinds[k] for k in share]
+        outputs: list[dict[str, torch.Tensor]] = []
+        prompt = [k for k in mine if k in ("uncond", "cond")]
+        if prompt:
+            first = 0 if prompt[0] == "uncond" else cond_row
+            outputs.append(self._forward(latents_local, t, x, plans, rows=slice(first, first + len(prompt))))
+        if "stg" in mine:
+            outputs.append(self._forward(latents_local, t, x, plans, rows=slice(cond_row, cond_row + 1),
+                                         stg_blocks=s.stg_blocks))
+        if "modality" in mine:
+            outputs.append(self._forward(latents_local, t, x, plans, rows=slice(cond_row, cond_row + 1),
+                                         isolate=True))
+        # N_LOCAL, S_LOCAL, C per stream (this rank's passes in order); none: an empty share that joins the exchange
+        local = {name: torch.cat([o[name] for o in outputs]) if outputs
+                 else latents_local[name].new_empty((0, *latents_local[name].shape[1:]), dtype=torch.float32)
+                 for name in ("video", "audio")}
+        every = gather_passes(local, passes=len(kinds), state=self.state)
+        # PASSES, S_LOCAL, C -> kind: 1, S_LOCAL, C
+        return {name: {kind: every[name][k:k + 1] for k, kind in enumerate(kinds)} for name in every}
 
     def _rescale(self, guided: torch.Tensor, cond: torch.Tensor, rescale: float, plan: ShardPlan) -> torch.Tensor:
         if plan.world == 1:

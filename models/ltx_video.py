@@ -29,7 +29,7 @@ from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_times
 from diffusers.pipelines.ltx.pipeline_ltx_condition import linear_quadratic_schedule
 from PIL import Image
 
-from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
+from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, gather_passes, pass_shares, ulysses_attention
 from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit
 from cp_infer.plan import Plan
 from cp_infer.request import Condition, GenerationRequest, resolve_frame_index
@@ -360,24 +360,33 @@ class LTXVideoModel:
             init = plan.shard(x.init_latents, rank)
             noised = init + x.noise_scale * noise * ((t / 1000.0) ** 2)
             latents_local.copy_(torch.where((cond_mask > 1.0 - 1e-6).unsqueeze(-1), noised, latents_local))
-        model_in = torch.cat([latents_local] * batch).to(x.embeds.dtype)
-        timestep = t.expand(batch)
+        # The passes of the step are the rows of the CFG batch, [uncond, cond]; this rank runs its share of them
+        # (all of them on one guidance rank, as LTXPipeline's batch of 2) and the guidance group exchanges them.
+        share = pass_shares(batch, self.state.guidance_size)[self.state.guidance_rank]
+        rows = slice(share.start, share.stop)
+        n = len(share)
+        timestep = t.expand(max(n, 1))
         kwargs = {}
         if mode == "conditions":
-            timestep = torch.min(timestep.unsqueeze(-1).float(), (1 - torch.cat([cond_mask] * batch)) * 1000.0)
-            kwargs.update(video_coords=x.video_coords)
+            timestep = torch.min(timestep.unsqueeze(-1).float(), (1 - torch.cat([cond_mask] * len(timestep))) * 1000.0)
+            kwargs.update(video_coords=x.video_coords[rows])
         else:
             if mode == "image":
-                timestep = timestep.unsqueeze(-1) * (1 - torch.cat([cond_mask] * batch))
+                timestep = timestep.unsqueeze(-1) * (1 - torch.cat([cond_mask] * len(timestep)))
             kwargs.update(num_frames=x.shape.frames, height=x.shape.height, width=x.shape.width,
                           rope_interpolation_scale=x.rope_scale)
-        with self.sharded(plan):
-            noise_pred = self.transformer(
-                hidden_states=model_in, encoder_hidden_states=x.embeds, timestep=timestep,
-                encoder_attention_mask=x.mask, return_dict=False, **kwargs,
-            )[0]
+        if n:
+            model_in = torch.cat([latents_local] * n).to(x.embeds.dtype)
+            with self.sharded(plan):
+                noise_pred = self.transformer(
+                    hidden_states=model_in, encoder_hidden_states=x.embeds[rows], timestep=timestep[:n],
+                    encoder_attention_mask=x.mask[rows], return_dict=False, **kwargs,
+                )[0]
+        else:  # more guidance ranks than passes: this one runs none, but joins the exchange
+            noise_pred = latents_local.new_empty((0, *latents_local.shape[1:]), dtype=x.embeds.dtype)
         if mode != "conditions":
             noise_pred = noise_pred.float()  # LTXConditionPipeline keeps the transformer's dtype
+        noise_pred = gather_passes({"video": noise_pred}, passes=batch, state=self.state)["video"]
         if x.cfg_on:
             uncond, cond = noise_pred.chunk(2)
             noise_pred = uncond + x.guidance * (cond - uncond)

@@ -51,6 +51,7 @@ __all__ = [
     "add_runtime_arguments",
     "attach_media",
     "check_device",
+    "check_layout",
     "field_error",
     "media_error",
     "model_info",
@@ -89,15 +90,33 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             f"(default {DEFAULT_FRAMES_PER_RANK}: 4 at 128x96, 2 from 192x128 up; 'all': the whole "
                             "video at once)")
     group.add_argument("--nproc", type=int, default=None, metavar="N",
-                       help="ranks of the sequence-parallel group; N > 1 relaunches under torchrun (default 1, "
+                       help="ranks of the parallel group; N > 1 relaunches under torchrun (default 1, "
                             "or the torchrun world size)")
+    group.add_argument("--guidance-degree", type=int, default=None, metavar="G",
+                       help="ranks a step's guidance passes (CFG's conditional and unconditional, STG, modality) are "
+                            "spread over, exchanging their predictions once per step (default 1)")
+    group.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
+                       help="ranks each pass's token sequence is sharded over (Ulysses: two all-to-alls per "
+                            "attention layer); G x U must be the number of ranks (default: ranks / G)")
+
+
+def check_layout(args: argparse.Namespace) -> None:
+    """Refuse a mesh layout that does not make the group (``--guidance-degree`` x ``--ulysses-degree`` against the
+    ranks), before anything starts; the message lists the valid ones."""
+    from cp_infer.mesh import MeshLayout
+    from server.launch import group_size
+
+    MeshLayout.resolve(group_size(args.nproc), guidance_degree=args.guidance_degree,
+                       ulysses_degree=args.ulysses_degree)
 
 
 def runtime_config_from_args(args: argparse.Namespace):
     from server.runtime import RuntimeConfig
 
+    check_layout(args)
     return RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device,
-                         decode_frames_per_rank=args.decode_frames_per_rank)
+                         decode_frames_per_rank=args.decode_frames_per_rank, guidance_degree=args.guidance_degree,
+                         ulysses_degree=args.ulysses_degree)
 
 
 def _frames_per_rank(text: str) -> int | str | None:

@@ -69,9 +69,14 @@ class RuntimeConfig:
     """Latent frames each rank decodes per streamed round (decode memory and time to first frame grow with it);
     ``"auto"``: by frame size (``cp_infer.decode.resolve_frames_per_rank``); ``None``: the whole video in one
     round."""
+    guidance_degree: int | None = None
+    """Ranks a step's guidance passes are spread over (``cp_infer.mesh``); ``None``: 1."""
+    ulysses_degree: int | None = None
+    """Ranks each pass's sequences are sharded over; ``None``: the world divided by the guidance degree."""
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        ParallelConfig(guidance_degree=self.guidance_degree, ulysses_degree=self.ulysses_degree)  # raises if < 1
         resolve_frames_per_rank(self.decode_frames_per_rank, height=1, width=1)  # raises on a bad setting
 
 
@@ -126,7 +131,8 @@ class GroupDriver:
 
 def start_runtime(config: RuntimeConfig) -> Runtime:
     """Join the torchrun group (or run alone), load the model, warm the collectives up."""
-    state = init_parallel(ParallelConfig(device=config.device, timeout_s=config.timeout_s))
+    state = init_parallel(ParallelConfig(device=config.device, timeout_s=config.timeout_s,
+                                         guidance_degree=config.guidance_degree, ulysses_degree=config.ulysses_degree))
     phases.mark("rendezvous and groups")
     path = resolve_model(config.model)
     model = open_model(path, dtype=config.dtype, state=state)
@@ -135,7 +141,8 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
     warmup(state)
     phases.mark("warm-up")
     if state.is_leader:
-        log.info("loaded %s on %d rank(s), device %s, dtype %s", path, state.world_size, state.device, config.dtype)
+        log.info("loaded %s on %d rank(s) (guidance %d x Ulysses %d), device %s, dtype %s", path, state.world_size,
+                 state.guidance_size, state.cp_size, state.device, config.dtype)
     return Runtime(config=config, state=state, model=model)
 
 

@@ -78,13 +78,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _configs(args: argparse.Namespace):
     from cp_infer.request import GenerationLimits
     from server.app import AppConfig
+    from server.cli_common import check_layout
     from server.leader import LeaderConfig
     from server.runtime import RuntimeConfig
 
+    check_layout(args)
     limits = GenerationLimits(**{f.name: getattr(args, f.name) for f in fields(GenerationLimits)})
     runtime = RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device,
                             timeout_s=args.collective_timeout, limits=limits,
-                            decode_frames_per_rank=args.decode_frames_per_rank)
+                            decode_frames_per_rank=args.decode_frames_per_rank,
+                            guidance_degree=args.guidance_degree, ulysses_degree=args.ulysses_degree)
     leader = LeaderConfig(runtime=runtime, data_dir=args.data_dir, heartbeat_s=args.heartbeat_s,
                           max_queue=args.max_queue, keep_frames=args.keep_frames, model_name=args.served_model_name)
     app = AppConfig(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,

@@ -30,7 +30,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, inbox, outbox, threads: int) -> None:
+def _worker(rank: int, world: int, port: int, inbox, outbox, threads: int, layout: dict) -> None:
     import torch
 
     torch.set_num_threads(threads)
@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, inbox, outbox, threads: int) -> No
     try:
         from cp_infer import ParallelConfig, init_parallel
 
-        state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=60),
+        state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=60, **layout),
                               rank=rank, world_size=world, local_rank=rank)
         outbox.put((rank, "ready", None))
     except BaseException:
@@ -56,14 +56,17 @@ def _worker(rank: int, world: int, port: int, inbox, outbox, threads: int) -> No
 
 
 class WorkerGroup:
-    def __init__(self, world: int, *, threads: int = 1, start_timeout: float = 120.0):
+    def __init__(self, world: int, *, threads: int = 1, start_timeout: float = 120.0,
+                 guidance_degree: int | None = None, ulysses_degree: int | None = None):
+        """``guidance_degree``/``ulysses_degree``: the mesh layout (``ParallelConfig``; default: Ulysses only)."""
         self.world = world
+        layout = dict(guidance_degree=guidance_degree, ulysses_degree=ulysses_degree)
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world)]
         port = free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self._inboxes[r], self._outbox, threads),
+            ctx.Process(target=_worker, args=(r, world, port, self._inboxes[r], self._outbox, threads, layout),
                         daemon=True)
             for r in range(world)
         ]

@@ -43,6 +43,7 @@ COMMANDS = {
     "mp4-2": ("generate", *PROMPT, *SHAPE, "--nproc", "2", "--out", "{out}/mp4-2/clip.mp4"),
     "frames-1": ("generate", *PROMPT, *SHAPE, "--out", "{out}/frames-1/"),
     "frames-2": ("generate", *PROMPT, *SHAPE, "--nproc", "2", "--out", "{out}/frames-2/"),
+    "frames-g2": ("generate", *PROMPT, *SHAPE, "--nproc", "2", "--guidance-degree", "2", "--out", "{out}/frames-g2/"),
     "batch": ("batch", "{out}/prompts.jsonl", "--out-dir", "{out}/batch", *BATCH_DEFAULTS),
 }
 
@@ -136,6 +137,30 @@ def nothing_starts(monkeypatch, commands):
         monkeypatch.setenv(name, "error")  # main() sets them; monkeypatch puts the old values back
 
 
+@pytest.mark.timeout(300)
+def test_generate_guidance_degree_2_matches_one_rank(commands, out):
+    """``--guidance-degree 2`` on 2 ranks: CFG's two passes one per rank, exchanged each step, same video."""
+    frames = {}
+    for key in ("frames-1", "frames-g2"):
+        _ok(commands.result(key))
+        frames[key], _fps = read_frames_dir(out / key)
+    assert frames["frames-1"].std() > 1
+    diff = np.abs(frames["frames-1"].astype(np.int16) - frames["frames-g2"].astype(np.int16))
+    assert frames["frames-g2"].shape == frames["frames-1"].shape and diff.max() <= 1, diff.max()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags", [["--guidance-degree", "3"], ["--ulysses-degree", "1"],
+                                   ["--guidance-degree", "2", "--ulysses-degree", "2"]], ids=["G3", "U1", "G2xU2"])
+def test_generate_layout_that_is_not_the_group_exits_2_before_starting(nothing_starts, tmp_path, capsys, flags):
+    out = tmp_path / "x.mp4"
+    code = cli.main(["generate", "--prompt", "a fox", *flags, "--nproc", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists()
+    assert "does not" in err and "--guidance-degree 1 --ulysses-degree 2, --guidance-degree 2 --ulysses-degree 1" \
+        in err and "Traceback" not in err, err
+
+
 @pytest.mark.timeout(120)
 def test_generate_bad_frames_exits_2_before_starting(nothing_starts, tmp_path, capsys):
     out = tmp_path / "bad.mp4"
@@ -208,7 +233,7 @@ def test_batch_failed_job_is_reported_and_the_rest_continue(tmp_path):
     args = cli.build_parser(["batch"]).parse_args(["batch", str(prompts), "--out-dir", str(out_dir),
                                                    "--ext", "frames"])
     info = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry(), layers=2,
-                     options=model_options("ltx-video", layers=2))
+                     options=model_options("ltx-video", layers=2, stages=1))
     items = batch._plan_batch(args, info, GenerationLimits())
     rng = np.random.default_rng()
 
@@ -243,10 +268,10 @@ def test_batch_lines_with_ltx2_options(tmp_path):
         {"prompt": "wind", "frames": 9, "height": 32, "width": 96},
         {"prompt": "surf", "frames": 9, "height": 64, "width": 64, "guidance_rescale": 2},
     )) + "\n")
-    args = cli.build_parser(["batch"], options=model_options("ltx2", layers=2)).parse_args(
+    args = cli.build_parser(["batch"], options=model_options("ltx2", layers=2, stages=1)).parse_args(
         ["batch", str(prompts), "--out-dir", str(tmp_path / "o"), "--audio-guidance", "5"])
     ltx2 = ModelInfo(path=tmp_path, family="ltx2", geometry=VideoGeometry(min_latent_side=2), layers=2,
-                     options=model_options("ltx2", layers=2))
+                     options=model_options("ltx2", layers=2, stages=1))
     items = batch._plan_batch(args, ltx2, GenerationLimits())
     assert [i.status for i in items] == ["todo", "invalid", "invalid"], items
     options = items[0].request.options
@@ -256,7 +281,7 @@ def test_batch_lines_with_ltx2_options(tmp_path):
     assert "height=32 is not a multiple of 32 of at least 64" in items[1].message
     assert "guidance_rescale=2 is out of range" in items[2].message
     ltx_video = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry(), layers=2,
-                     options=model_options("ltx-video", layers=2))
+                     options=model_options("ltx-video", layers=2, stages=1))
     args = cli.build_parser(["batch"]).parse_args(["batch", str(prompts), "--out-dir", str(tmp_path / "o")])
     items = batch._plan_batch(args, ltx_video, GenerationLimits())
     assert [i.status for i in items] == ["invalid", "todo", "invalid"]

@@ -1,0 +1,96 @@
+"""Mesh arithmetic: how the world's ranks are laid out over the parallel axes, and how a step's guidance passes are
+shared out. Pure integers; no process group.
+
+Invariants:
+- ``world = replicas x guidance x ulysses``, replicas fixed at 1 for now, so ``guidance x ulysses == world``.
+- Ulysses is the innermost axis: ``rank = (replica * guidance + g) * ulysses + u``. A Ulysses group (two all-to-alls
+  per attention layer) is a run of consecutive ranks, which on a GPU node are the ones nearest each other; a
+  guidance group (one exchange per step) strides over them.
+- :func:`pass_shares` cuts a step's passes into contiguous shares in pass order, sizes differing by at most one, the
+  larger first; a guidance rank may get none (more ranks than passes), and then it runs nothing but still joins the
+  step's exchange.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MeshLayout", "pass_shares", "valid_layouts"]
+
+
+def valid_layouts(world: int) -> list[tuple[int, int]]:
+    """Every ``(guidance, ulysses)`` with ``guidance * ulysses == world``, by guidance degree."""
+    return [(g, world // g) for g in range(1, world + 1) if world % g == 0]
+
+
+def _layouts_text(world: int) -> str:
+    return ", ".join(f"--guidance-degree {g} --ulysses-degree {u}" for g, u in valid_layouts(world))
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """The sizes of the mesh's axes over a world of ``world`` ranks."""
+
+    world: int
+    guidance: int = 1
+    """Guidance degree: ranks a step's guidance passes are spread over."""
+    ulysses: int = 1
+    """Ulysses degree: ranks each pass's token sequences are sharded over."""
+
+    def __post_init__(self) -> None:
+        if self.world < 1:
+            raise ValueError(f"world={self.world} must be >= 1")
+        if self.guidance < 1 or self.ulysses < 1 or self.guidance * self.ulysses != self.world:
+            raise ValueError(f"guidance_degree={self.guidance} x ulysses_degree={self.ulysses} does not make a world "
+                             f"of {self.world} ranks; valid layouts: {_layouts_text(self.world)}")
+
+    @classmethod
+    def resolve(cls, world: int, *, guidance_degree: int | None = None,
+                ulysses_degree: int | None = None) -> MeshLayout:
+        """The layout for the given degrees, the unset ones filled in: guidance 1, Ulysses the rest of the world."""
+        guidance = 1 if guidance_degree is None else guidance_degree
+        if ulysses_degree is None:
+            if guidance < 1 or world % guidance:
+                raise ValueError(f"guidance_degree={guidance} does not divide a world of {world} ranks; valid "
+                                 f"layouts: {_layouts_text(world)}")
+            ulysses_degree = world // guidance
+        return cls(world=world, guidance=guidance, ulysses=ulysses_degree)
+
+    @property
+    def replicas(self) -> int:
+        return self.world // (self.guidance * self.ulysses)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(replica, guidance index, Ulysses index)`` of a global rank."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank={rank} is not in a world of {self.world}")
+        replica, rest = divmod(rank, self.guidance * self.ulysses)
+        g, u = divmod(rest, self.ulysses)
+        return replica, g, u
+
+    def rank(self, replica: int, g: int, u: int) -> int:
+        return (replica * self.guidance + g) * self.ulysses + u
+
+    def ulysses_groups(self) -> list[tuple[int, ...]]:
+        """Every Ulysses group's global ranks (in group-rank order), in the order every rank creates them."""
+        return [tuple(self.rank(r, g, u) for u in range(self.ulysses))
+                for r in range(self.replicas) for g in range(self.guidance)]
+
+    def guidance_groups(self) -> list[tuple[int, ...]]:
+        """Every guidance group's global ranks (in group-rank order), in the order every rank creates them."""
+        return [tuple(self.rank(r, g, u) for g in range(self.guidance))
+                for r in range(self.replicas) for u in range(self.ulysses)]
+
+
+def pass_shares(passes: int, ranks: int) -> tuple[range, ...]:
+    """The passes (indices ``0..passes-1``) each of ``ranks`` guidance ranks runs: contiguous, in order, sizes
+    differing by at most one, the larger first (3 passes on 2 ranks: ``[0, 1], [2]``; 1 on 2: ``[0], []``)."""
+    if passes < 0 or ranks < 1:
+        raise ValueError(f"passes={passes} must be >= 0 and ranks={ranks} >= 1")
+    base, extra = divmod(passes, ranks)
+    shares, start = [], 0
+    for g in range(ranks):
+        size = base + (1 if g < extra else 0)
+        shares.append(range(start, start + size))
+        start += size
+    return tuple(shares)

@@ -1,0 +1,75 @@
+"""Mesh arithmetic without a process group: valid layouts, rank -> coordinates, groups, pass shares."""
+
+import itertools
+
+import pytest
+
+from cp_infer import ParallelConfig
+from cp_infer.mesh import MeshLayout, pass_shares, valid_layouts
+
+
+def test_valid_layouts_make_the_world():
+    assert valid_layouts(1) == [(1, 1)]
+    assert valid_layouts(4) == [(1, 4), (2, 2), (4, 1)]
+    assert valid_layouts(6) == [(1, 6), (2, 3), (3, 2), (6, 1)]
+    for world in range(1, 13):
+        assert all(g * u == world for g, u in valid_layouts(world))
+
+
+def test_defaults_are_ulysses_over_the_world():
+    assert MeshLayout.resolve(4) == MeshLayout(world=4, guidance=1, ulysses=4)
+    assert MeshLayout.resolve(4, guidance_degree=2) == MeshLayout(world=4, guidance=2, ulysses=2)
+    assert MeshLayout.resolve(3, guidance_degree=3) == MeshLayout(world=3, guidance=3, ulysses=1)
+    assert MeshLayout.resolve(4, guidance_degree=2, ulysses_degree=2).replicas == 1
+
+
+@pytest.mark.parametrize(("world", "guidance", "ulysses"), [(4, 3, None), (4, 2, 1), (4, None, 2), (2, 4, None),
+                                                             (6, 4, 2)])
+def test_layouts_that_do_not_make_the_world_are_refused_listing_the_valid_ones(world, guidance, ulysses):
+    with pytest.raises(ValueError) as info:
+        MeshLayout.resolve(world, guidance_degree=guidance, ulysses_degree=ulysses)
+    message = str(info.value)
+    for g, u in valid_layouts(world):
+        assert f"--guidance-degree {g} --ulysses-degree {u}" in message
+    assert str(world) in message
+
+
+def test_degrees_below_one_are_refused():
+    with pytest.raises(ValueError, match="guidance_degree=0"):
+        ParallelConfig(guidance_degree=0)
+    with pytest.raises(ValueError, match="ulysses_degree=-1"):
+        ParallelConfig(ulysses_degree=-1)
+
+
+@pytest.mark.parametrize(("world", "guidance"), [(1, 1), (2, 2), (4, 2), (6, 2), (6, 3), (8, 4)])
+def test_rank_coordinates_and_groups(world, guidance):
+    layout = MeshLayout.resolve(world, guidance_degree=guidance)
+    coords = [layout.coords(r) for r in range(world)]
+    # A bijection onto the grid, Ulysses innermost (consecutive ranks share a Ulysses group).
+    assert sorted(coords) == list(itertools.product(range(1), range(guidance), range(world // guidance)))
+    assert all(layout.rank(*c) == r for r, c in enumerate(coords))
+    ulysses, guided = layout.ulysses_groups(), layout.guidance_groups()
+    assert sorted(r for g in ulysses for r in g) == list(range(world)) == sorted(r for g in guided for r in g)
+    for group in ulysses:  # same guidance index, Ulysses index = position
+        assert list(group) == list(range(group[0], group[0] + layout.ulysses))
+        assert [layout.coords(r)[2] for r in group] == list(range(layout.ulysses))
+    for group in guided:  # same Ulysses index, guidance index = position
+        assert len({layout.coords(r)[2] for r in group}) == 1
+        assert [layout.coords(r)[1] for r in group] == list(range(guidance))
+    assert MeshLayout.resolve(4, guidance_degree=2).guidance_groups() == [(0, 2), (1, 3)]
+    with pytest.raises(ValueError, match="rank=4"):
+        MeshLayout.resolve(4).coords(4)
+
+
+def test_pass_shares():
+    assert pass_shares(2, 1) == (range(0, 2),)
+    assert pass_shares(2, 2) == (range(0, 1), range(1, 2))
+    assert pass_shares(3, 2) == (range(0, 2), range(2, 3))
+    assert pass_shares(4, 3) == (range(0, 2), range(2, 3), range(3, 4))
+    assert pass_shares(1, 2) == (range(0, 1), range(1, 1))
+    for passes, ranks in itertools.product(range(0, 7), range(1, 6)):
+        shares = pass_shares(passes, ranks)
+        assert len(shares) == ranks
+        assert [p for s in shares for p in s] == list(range(passes))  # contiguous, in order, each pass once
+        sizes = [len(s) for s in shares]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
