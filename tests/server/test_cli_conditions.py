@@ -260,7 +260,7 @@ def test_batch_media_lines_are_checked(tmp_path, media):
     prompts.write_text("".join(json.dumps({**line, **shape}) + "\n" for line in lines))
     args = cli.build_parser(["batch"]).parse_args(["batch", str(prompts), "--out-dir", str(tmp_path / "o")])
     info = ModelInfo(path=tmp_path, family="ltx-video", geometry=VideoGeometry(), layers=2,
-                     options=model_options("ltx-video", layers=2))
+                     options=model_options("ltx-video", layers=2, stages=1))
     items = batch._plan_batch(args, info, GenerationLimits())
     assert [i.status for i in items] == ["todo", "todo"] + ["invalid"] * 9, [(i.line, i.message) for i in items]
     messages = {i.line: i.message for i in items}
@@ -292,7 +292,7 @@ def test_batch_media_lines_are_checked(tmp_path, media):
         batch._request_to_run(items[1])
 
     ltx2 = ModelInfo(path=tmp_path, family="ltx2", geometry=VideoGeometry(min_latent_side=2), layers=2,
-                     options=model_options("ltx2", layers=2))
+                     options=model_options("ltx2", layers=2, stages=1))
     # LTX-2 takes the same media (LTX2ImageToVideoPipeline, LTX2ConditionPipeline): both forms are planned to run.
     ltx2_lines = [{"prompt": "a", "image": str(media / "img.png")},
                   {"prompt": "b", "video": str(media / "clip.mp4"),
