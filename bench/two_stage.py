@@ -2,13 +2,17 @@
 every step, the upsampler, the decode), in one run: the two alternate round by round on one group of 2 rank
 processes (gloo, 1 thread each), medians over the rounds, with each stage's median step time and the load average.
 
-    python bench/two_stage.py [--model tiny-ltx2|tiny-ltx-video] [--rounds 3] [--frames 17] [--height 256]
-                              [--width 384] [--steps 8]
+    python bench/two_stage.py [--model tiny-ltx2|tiny-ltx-video] [--medium] [--rounds 3] [--frames 17]
+                              [--height 256] [--width 384] [--steps 8]
 
 The model is an embedded one, ``tiny-ltx2`` (LTX-2's recipe: 3 unguided refine steps) or ``tiny-ltx-video``
-(LTX-Video 0.9.7's: 4 guided refine steps), its tiny latent upsampler included, so this measures the plan's shape
-(a quarter of the tokens in the long pass) on toy widths, where fixed per-step costs weigh more than on a real
-checkpoint.
+(LTX-Video 0.9.7's: 4 guided refine steps), its tiny latent upsampler included. On the toys a step is tens of ms,
+so the full-size decode, the second prompt encoding and the upsampler weigh more than on a real checkpoint.
+
+``--medium``: the transformer dominates, as on a real checkpoint: a folder written into a temporary folder with
+``save_pretrained``, the family's benchmark transformer (LTX-Video: ``bench/cli.py``'s 4 layers x 16 heads x 64;
+LTX-2: ``bench/_ltx2.py``'s 2 layers x 8 heads x 64, audio 8 x 32), the embedded model's other components (tiny
+text encoder and VAE) and its tiny latent upsampler.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +38,29 @@ _REFINE = {"tiny-ltx2": "3 unguided steps", "tiny-ltx-video": "4 guided steps (d
 _OPTIONS = {"tiny-ltx2": dict(max_sequence_length=128), "tiny-ltx-video": {}}
 
 
-def _worker(rank: int, port: int, model_name: str, inbox, outbox) -> None:
+def _write_medium(model_name: str, folder: Path) -> None:
+    """The ``--medium`` folder of ``model_name``'s family: the benchmark transformer of ``bench/cli.py`` (LTX-Video)
+    or ``bench/_ltx2.py`` (LTX-2), the embedded components around it, its tiny latent upsampler."""
+    from models.embedded import LATENT_UPSAMPLER
+
+    if model_name == "tiny-ltx-video":
+        from bench.cli import _write_model
+        from models.default import build_latent_upsampler
+
+        _write_model(folder)
+        upsampler = build_latent_upsampler()
+    else:
+        from diffusers import LTX2Pipeline
+
+        from bench._ltx2 import _build_components
+        from models.default_ltx2 import build_ltx2_latent_upsampler
+
+        LTX2Pipeline(**_build_components()).save_pretrained(folder)
+        upsampler = build_ltx2_latent_upsampler()
+    upsampler.save_pretrained(folder / LATENT_UPSAMPLER, safe_serialization=True)
+
+
+def _worker(rank: int, port: int, model_name: str, model: str, inbox, outbox) -> None:
     import traceback
 
     import torch
@@ -48,7 +75,7 @@ def _worker(rank: int, port: int, model_name: str, inbox, outbox) -> None:
 
         state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=_TIMEOUT_S), rank=rank,
                               world_size=2, local_rank=rank)
-        model = open_model(model_name, dtype="fp32", state=state)
+        model = open_model(model, dtype="fp32", state=state)
         outbox.put((rank, "ok", "ready"))
     except BaseException:
         outbox.put((rank, "error", traceback.format_exc()))
@@ -68,6 +95,7 @@ def _worker(rank: int, port: int, model_name: str, inbox, outbox) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=tuple(_REFINE), default="tiny-ltx2")
+    parser.add_argument("--medium", action="store_true", help="the family's medium transformer (see above)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--frames", type=int, default=17)
     parser.add_argument("--height", type=int, default=256)
@@ -75,24 +103,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     size = dict(num_frames=args.frames, height=args.height, width=args.width, num_inference_steps=args.steps)
-    port = free_port()
-    group = RankGroup("ours N=2", _worker, [(r, port, args.model) for r in range(2)], timeout_s=_TIMEOUT_S)
-    try:
-        group.replies()
-        results: dict[int, list[tuple[float, list[float]]]] = {1: [], 2: []}
-        group.call({**size, "stages": 1})  # warm-up
-        group.call({**size, "stages": 2})
-        for _ in range(args.rounds):
-            for stages in (1, 2):
-                results[stages].append(group.call({**size, "stages": stages})[0])
-    finally:
-        group.close()
+    with tempfile.TemporaryDirectory(prefix="two-stage-") as tmp:
+        model = args.model
+        if args.medium:
+            model = str(Path(tmp) / "medium")
+            _write_medium(args.model, Path(model))
+        port = free_port()
+        group = RankGroup("ours N=2", _worker, [(r, port, args.model, model) for r in range(2)], timeout_s=_TIMEOUT_S)
+        try:
+            group.replies()
+            results: dict[int, list[tuple[float, list[float]]]] = {1: [], 2: []}
+            # Warm-up at the timed size, 2 steps (NOTE(warm-up-steps) in bench/generate.py: not 1).
+            group.call({**size, "num_inference_steps": 2, "stages": 1})
+            group.call({**size, "num_inference_steps": 2, "stages": 2})
+            for _ in range(args.rounds):
+                for stages in (1, 2):
+                    results[stages].append(group.call({**size, "stages": stages})[0])
+        finally:
+            group.close()
     load = os.getloadavg()
     total = {s: statistics.median(t for t, _ in r) for s, r in results.items()}
     one_step = statistics.median(x for _, steps in results[1] for x in steps)
     first = statistics.median(x for _, steps in results[2] for x in steps[:args.steps])
     second = statistics.median(x for _, steps in results[2] for x in steps[args.steps:])
-    print(f"{args.frames} frames {args.width}x{args.height}, {args.steps} steps, {args.model}, N=2, "
+    what = f"medium {args.model.removeprefix('tiny-')} (tiny VAE)" if args.medium else args.model
+    print(f"{args.frames} frames {args.width}x{args.height}, {args.steps} steps, {what}, N=2, "
           f"{args.rounds} rounds alternating, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
     print("| plan | end to end (median) | step at full size | step at half size (stage 1) | ratio |")
     print("| --- | --- | --- | --- | --- |")

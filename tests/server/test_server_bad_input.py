@@ -77,6 +77,14 @@ BODIES = [
      "[1, 1024]"),
     ("decode-timestep-as-string", tiny(decode_timestep="0.05"), 400, "invalid_type", "decode_timestep",
      "a number in [0, 1]"),
+    # Two stages run stage 1 at half the size, a multiple of the VAE's 32: 96 does not halve to one, so the request
+    # is refused before any broadcast (test_no_bad_request_reached_a_worker), naming the side, stages and the fixes.
+    # (The embedded tiny-ltx-video ships an upsampler, so the other refusal, no upsampler, is not reachable here.)
+    ("stages-2-size-does-not-halve", tiny(stages=2), 400, "invalid_value", "size",
+     "size='96x64': width=96 with stages=2 is not a multiple of 64 (stage 1 runs at half the size); try width=128, "
+     "or stages=1"),
+    ("stages-2-width-does-not-halve", tiny(size=None, width=96, height=64, stages=2), 400, "invalid_value", "width",
+     "width=96 with stages=2 is not a multiple of 64"),
 ]
 
 
