@@ -143,18 +143,16 @@ def _claim_stdout() -> BinaryIO:
     return video
 
 
-class _StdoutVideo:
-    """A fragmented MP4 to stdout, each decoded piece encoded as it lands (rank 0's ``on_frames``).
+class _PieceVideo:
+    """An MP4 encoded piece by piece as the decode delivers them (rank 0's ``on_frames``), its soundtrack (audio-video
+    models) given first. Never raises into the sampler (the other ranks are inside the decode): the first failure is
+    kept, the rest of the video dropped, and ``close`` raises ``WriteError``. Subclasses say where the bytes go."""
 
-    Never raises into the sampler (the other ranks are inside the decode): the first failure, e.g. a reader that
-    closed the pipe, is kept; the rest of the video is then dropped and :meth:`close` raises ``WriteError``."""
+    def __init__(self, request: GenerationRequest):
+        self.request, self.audio, self.writer, self.error = request, None, None, None
 
-    def __init__(self, out: BinaryIO, request: GenerationRequest):
-        from cp_infer.stream import FragmentedMP4Writer
-
-        self.out, self.error = out, None
-        self.request, self.audio, self.writer = request, None, None
-        self._writer_cls = FragmentedMP4Writer
+    def _make_writer(self, waveform, sample_rate):
+        raise NotImplementedError
 
     def set_audio(self, waveform, sample_rate: int) -> None:
         """The soundtrack (audio-video models), before the first frames: muxed along with them."""
@@ -162,14 +160,8 @@ class _StdoutVideo:
 
     def _open(self):
         if self.writer is None:
-            waveform, sample_rate = self.audio or (None, None)
-            self.writer = self._writer_cls(self._emit, width=self.request.width, height=self.request.height,
-                                           fps=self.request.fps, audio=waveform, sample_rate=sample_rate)
+            self.writer = self._make_writer(*(self.audio or (None, None)))
         return self.writer
-
-    def _emit(self, data: bytes) -> None:
-        self.out.write(data)
-        self.out.flush()  # progressively: a reader gets each fragment as it is made
 
     def write(self, frames, _first: int, _total: int) -> None:
         if self.error is None:
@@ -178,13 +170,39 @@ class _StdoutVideo:
             except Exception as exc:  # noqa: BLE001 -- kept for close(): PyAV raises more than OSError/ValueError
                 self.error = exc
 
-    def close(self) -> int:
-        """Finish the MP4; returns the number of frames written."""
+    def _finish(self) -> None:
         if self.error is None:
             try:
                 self._open().close()
+                self._commit()
             except Exception as exc:  # noqa: BLE001 -- reported as a WriteError, like the ones kept by write()
                 self.error = exc
+
+    def _commit(self) -> None:
+        """After the MP4 is complete."""
+
+
+class _StdoutVideo(_PieceVideo):
+    """A fragmented MP4 to stdout; a reader that closed the pipe is the kept failure."""
+
+    def __init__(self, out: BinaryIO, request: GenerationRequest):
+        super().__init__(request)
+        self.out = out
+
+    def _make_writer(self, waveform, sample_rate):
+        from cp_infer.stream import FragmentedMP4Writer
+
+        r = self.request
+        return FragmentedMP4Writer(self._emit, width=r.width, height=r.height, fps=r.fps, audio=waveform,
+                                   sample_rate=sample_rate)
+
+    def _emit(self, data: bytes) -> None:
+        self.out.write(data)
+        self.out.flush()  # progressively: a reader gets each fragment as it is made
+
+    def close(self) -> int:
+        """Finish the MP4; returns the number of frames written."""
+        self._finish()
         with contextlib.suppress(OSError):
             self.out.close()
         if self.error is not None:
@@ -192,50 +210,32 @@ class _StdoutVideo:
         return self.writer.frames_written
 
 
-class _FileVideo:
-    """An ``.mp4`` file, each decoded piece encoded as it lands (rank 0's ``on_frames``), written under a hidden
-    temporary name and renamed into place once complete: the file ``write_output`` makes of the whole video, with
-    the encode overlapped with the decode.
-
-    Never raises into the sampler (the other ranks are inside the decode): the first failure is kept; the rest of
-    the video is then dropped and :meth:`close` raises ``WriteError``, naming ``out`` as ``result_writer`` does."""
+class _FileVideo(_PieceVideo):
+    """An ``.mp4`` file (the file ``write_output`` makes of the whole video, with the encode overlapped with the
+    decode), written under a hidden temporary name and renamed into place once complete; failures name ``out`` as
+    ``result_writer`` does."""
 
     def __init__(self, out: str, request: GenerationRequest):
-        from cp_infer.video_io import MP4FileWriter, temporary_sibling
+        from cp_infer.video_io import temporary_sibling
 
-        self.out, self.request = out, request
-        self.final = Path(out).expanduser()
+        super().__init__(request)
+        self.out, self.final = out, Path(out).expanduser()
         self.tmp = temporary_sibling(self.final)
-        self.audio, self.writer, self.error = None, None, None
-        self._writer_cls = MP4FileWriter
 
-    def set_audio(self, waveform, sample_rate: int) -> None:
-        """The soundtrack (audio-video models), before the first frames: muxed along with them."""
-        self.audio = (waveform, sample_rate)
+    def _make_writer(self, waveform, sample_rate):
+        from cp_infer.video_io import MP4FileWriter
 
-    def _open(self):
-        if self.writer is None:
-            waveform, sample_rate = self.audio or (None, None)
-            self.final.parent.mkdir(parents=True, exist_ok=True)
-            self.writer = self._writer_cls(self.tmp, width=self.request.width, height=self.request.height,
-                                           fps=self.request.fps, audio=waveform, sample_rate=sample_rate)
-        return self.writer
+        r = self.request
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        return MP4FileWriter(self.tmp, width=r.width, height=r.height, fps=r.fps, audio=waveform,
+                             sample_rate=sample_rate)
 
-    def write(self, frames, _first: int, _total: int) -> None:
-        if self.error is None:
-            try:
-                self._open().write(frames)
-            except Exception as exc:  # noqa: BLE001 -- kept for close(): PyAV raises more than OSError/ValueError
-                self.error = exc
+    def _commit(self) -> None:
+        os.replace(self.tmp, self.final)
 
     def close(self) -> tuple[Path, int]:
         """Finish the MP4 and rename it into place; returns its path and the number of frames written."""
-        if self.error is None:
-            try:
-                self._open().close()
-                os.replace(self.tmp, self.final)
-            except Exception as exc:  # noqa: BLE001 -- reported as a WriteError, like the ones kept by write()
-                self.error = exc
+        self._finish()
         if self.error is not None:
             self.abort()
             raise WriteError(f"could not write {self.out}: {type(self.error).__name__}: {self.error}")
