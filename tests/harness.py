@@ -17,11 +17,24 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["WorkerGroup", "free_port", "RankError"]
+__all__ = ["WorkerGroup", "free_port", "one_thread", "RankError"]
 
 
 class RankError(AssertionError):
     """One or more ranks raised; the message holds every rank's traceback."""
+
+
+def one_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with torch on one intra-op thread, as every worker rank runs (a 1-rank reference then
+    sums in the same order as the ranks it is compared with); the thread count is restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ import torch
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import SampleControl, sample
 
-from ..harness import WorkerGroup
+from ..harness import WorkerGroup, one_thread
 
 SHAPES = [(9, 64, 96), (17, 64, 160)]
 ROPES = ("interleaved", "split")
@@ -126,12 +126,8 @@ def one_rank(folders):
     from cp_infer import single_process_state
 
     seed = random.randrange(2**31)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in every worker rank
-    try:
-        return seed, {rope: _sample_all(single_process_state(), folders[rope], seed) for rope in ROPES}
-    finally:
-        torch.set_num_threads(threads)
+    return seed, one_thread(lambda: {rope: _sample_all(single_process_state(), folders[rope], seed)
+                                     for rope in ROPES})
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -24,6 +24,7 @@ from PIL import Image
 from cp_infer.request import Condition, GenerationRequest
 from cp_infer.sampler import SampleControl, sample
 
+from ..harness import one_thread
 from ..worker_groups import groups_by_world
 from .test_ltx2_parallel import GUIDANCE
 from .test_ltx_video_conditions import _media
@@ -104,12 +105,7 @@ def one_rank(folder):
     from cp_infer import single_process_state
 
     seed = random.randrange(2**31)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in every worker rank
-    try:
-        return seed, _sample_all(single_process_state(), folder, seed, frames_per_rank=None)
-    finally:
-        torch.set_num_threads(threads)
+    return seed, one_thread(_sample_all, single_process_state(), folder, seed, frames_per_rank=None)
 
 
 def test_plan_and_step_count(folder, one_rank):
