@@ -181,6 +181,9 @@ class _PieceVideo:
     def _commit(self) -> None:
         """After the MP4 is complete."""
 
+    def abort(self) -> None:
+        """The job failed: nothing of it is left behind (where something was written)."""
+
 
 class _StdoutVideo(_PieceVideo):
     """A fragmented MP4 to stdout; a reader that closed the pipe is the kept failure."""
@@ -328,22 +331,28 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
               f"{time.perf_counter() - args.t0:.1f} s)", flush=True)
         return 0
 
-    def lead_to_file(leader: Leader) -> int:
+    def generate_into(leader: Leader, video: _PieceVideo) -> bool:
+        """Run the job with ``video`` encoding each decoded piece; False (reported) when it failed on the group."""
         from cp_infer.sampler import JobFailed
 
-        t_loaded = time.perf_counter()
-        video = _FileVideo(args.out, request)
         try:
             leader.generate(request, "steps", on_frames=video.write, on_audio=video.set_audio)
         except JobFailed as exc:
             video.abort()
             leader.stop()
             print(f"{PROG} generate: generation failed: {exc}", file=sys.stderr)
-            return 1
+            return False
         except BaseException:
             video.abort()
             raise
         leader.stop()
+        return True
+
+    def lead_to_file(leader: Leader) -> int:
+        t_loaded = time.perf_counter()
+        video = _FileVideo(args.out, request)
+        if not generate_into(leader, video):
+            return 1
         t_generated = time.perf_counter()
         try:
             path, num_frames = video.close()
@@ -358,17 +367,10 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
 
     def lead_to_stdout(leader: Leader) -> int:
-        from cp_infer.sampler import JobFailed
-
         t_loaded = time.perf_counter()
         video = _StdoutVideo(video_out, request)
-        try:
-            leader.generate(request, "steps", on_frames=video.write, on_audio=video.set_audio)
-        except JobFailed as exc:
-            leader.stop()
-            print(f"{PROG} generate: generation failed: {exc}", file=sys.stderr)
+        if not generate_into(leader, video):
             return 1
-        leader.stop()
         try:
             num_frames = video.close()
         except WriteError as exc:
