@@ -21,6 +21,10 @@ Invariants:
   the ranks' streams (``--redirects 0 --tee 0``, no rank filter; these override any ``PET_*`` settings): the ranks
   write to it directly, unprefixed and unbuffered, whereas a tee would go through log files and prefix every
   line with its rank. Bytes thus go from rank 0 to the pipe with no copy in between.
+- With a restart policy (``serve``) the agent itself never restarts (torchrun's ``max_restarts`` is 0: it counts
+  restarts over the agent's lifetime, with no rate): when the ranks fail, :func:`server.restarts.supervise` decides
+  and each restart is a fresh agent with a fresh rendezvous. A rank reads the count so far through
+  :func:`count_launcher_restarts`.
 """
 
 from __future__ import annotations
@@ -34,10 +38,14 @@ import uuid
 from pathlib import Path
 from typing import IO
 
-__all__ = ["group_size", "in_torchrun", "leader_exit_code", "relaunch_under_torchrun", "strip_nproc"]
+from server.restarts import RestartPolicy, RoundResult, supervise
+
+__all__ = ["count_launcher_restarts", "group_size", "in_torchrun", "leader_exit_code", "relaunch_under_torchrun",
+           "strip_nproc"]
 
 _TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 _STATUS_ENV = "CP_INFER_LEADER_STATUS"
+_RESTARTS_ENV = "CP_INFER_GROUP_RESTARTS"
 PROG_LAUNCH = "torchrun"
 
 
@@ -70,6 +78,14 @@ def leader_exit_code(code: int) -> int:
     return 0
 
 
+def count_launcher_restarts() -> int:
+    """In a rank: make ``TORCHELASTIC_RESTART_COUNT`` (torchrun's count, which a launcher restart, a fresh agent,
+    resets to 0) count the restarts :func:`relaunch_under_torchrun` made too, and return it. Idempotent."""
+    count = int(os.environ.pop(_RESTARTS_ENV, "0")) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(count)
+    return count
+
+
 def group_size(nproc: int | None) -> int:
     """Ranks of the group: ``--nproc`` outside torchrun, torchrun's world inside it (they must agree)."""
     if not in_torchrun():
@@ -91,7 +107,7 @@ def _cpu_count() -> int:
 
 
 def relaunch_under_torchrun(nproc: int, argv: list[str], *, stdout: IO[bytes] | None = None,
-                            device: str | None = None) -> int:
+                            device: str | None = None, restarts: RestartPolicy | None = None) -> int:
     """Run torchrun's ``--standalone --nproc_per_node N -m server.cli <argv>`` in this process and wait.
 
     ``argv`` is the CLI's own argument list (without the program name); ``--nproc`` is removed from it.
@@ -99,6 +115,8 @@ def relaunch_under_torchrun(nproc: int, argv: list[str], *, stdout: IO[bytes] | 
     (1 when any rank failed or a signal stopped the group). SIGINT/SIGTERM to this process stop every rank, as
     they do torchrun's. ``stdout``: the group's stdout, passed through to the ranks untouched (see the module
     docstring). ``device``: the ranks' ``--device``; on CPU they are forked from this process (see ``_run_agent``).
+    ``restarts``: start the group again when its ranks fail, as far as the policy allows (``server.restarts``);
+    None: one run.
     """
     if nproc < 1:
         raise ValueError(f"nproc={nproc} must be >= 1")
@@ -110,15 +128,25 @@ def relaunch_under_torchrun(nproc: int, argv: list[str], *, stdout: IO[bytes] | 
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // nproc))
     streams = [] if stdout is None else ["--redirects=0", "--tee=0", "--local-ranks-filter="]
-    torchrun_argv = ["--standalone", f"--nproc_per_node={nproc}", *streams, "-m", "server.cli", *strip_nproc(argv)]
+    own_restarts = [] if restarts is None else ["--max-restarts=0"]  # overrides PET_MAX_RESTARTS: supervise decides
+    torchrun_argv = ["--standalone", f"--nproc_per_node={nproc}", *streams, *own_restarts, "-m", "server.cli",
+                     *strip_nproc(argv)]
     with tempfile.TemporaryDirectory(prefix="cp-infer-") as tmp:
         status = Path(tmp) / "leader-exit-code"
         env[_STATUS_ENV] = str(status)
         fork_argv = strip_nproc(argv) if _fork_ranks(device) else None
-        code = _run_agent(torchrun_argv, env, stdout, fork_argv)
-        if code == 0 and status.is_file():
-            return int(status.read_text())
-        return code
+
+        def run_round(restarts_so_far: int) -> RoundResult:
+            env[_RESTARTS_ENV] = str(restarts_so_far)
+            status.unlink(missing_ok=True)
+            result = _run_agent(torchrun_argv, env, stdout, fork_argv)
+            if result.code == 0 and status.is_file():
+                return RoundResult(int(status.read_text()))
+            return result
+
+        if restarts is None:
+            return run_round(0).code
+        return supervise(run_round, restarts)
 
 
 def _fork_ranks(device: str | None) -> bool:
@@ -153,15 +181,30 @@ def _forked_rank(argv: list[str]) -> None:
         raise SystemExit(code)  # torchrun's agent sees the exit code, as of a rank it started itself
 
 
+def _failure_cause(exc) -> str:
+    """The failed ranks of a ``ChildFailedError`` in a few words, those a signal killed first (the others mostly
+    exited because of them; torchrun's timestamps are whole seconds): ``rank 1 (pid 123) killed by SIGKILL; rank 0
+    (pid 122) exited with code 1``. NOTE(causes): torchrun reports the ranks it saw fail when it looked, which can
+    be only a leader that exited because a worker had died (the leader's log says which)."""
+    def cause(rank, failure) -> str:
+        if failure.exitcode < 0:
+            return f"rank {rank} (pid {failure.pid}) killed by {failure.signal_name()}"
+        return f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}"
+
+    order = sorted(exc.failures.items(), key=lambda item: (item[1].exitcode >= 0, item[1].timestamp, item[0]))
+    return "; ".join(cause(rank, failure) for rank, failure in order)
+
+
 def _run_agent(torchrun_argv: list[str], env: dict[str, str], stdout: IO[bytes] | None,
-               fork_argv: list[str] | None = None) -> int:
+               fork_argv: list[str] | None = None) -> RoundResult:
     """torchrun (``torch.distributed.run``) with ``torchrun_argv``, its elastic agent in this process: what the
     command line tool does, without a second interpreter importing torch again. With ``fork_argv`` the ranks are
     forked from this process (``_forked_rank(fork_argv)``) instead of started as ``python -m server.cli``, so they
     do not import torch, diffusers and the model code again either.
 
     The ranks are started with this process's environment plus ``env`` (torchrun copies ``os.environ`` when it
-    starts them; restored afterwards) and, with ``stdout``, that file as their fd 1."""
+    starts them; restored afterwards) and, with ``stdout``, that file as their fd 1. Returns code 0 when the
+    group ended in step, else 1, with the failed rank as the ``failure`` when the ranks failed (not a signal)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -187,15 +230,15 @@ def _run_agent(torchrun_argv: list[str], env: dict[str, str], stdout: IO[bytes] 
                 config, _cmd, _cmd_args = torchrun.config_from_args(args)
                 config.start_method = "fork"
                 elastic_launch(config=config, entrypoint=_forked_rank)(fork_argv)
-        return 0
+        return RoundResult(0)
     except ChildFailedError as exc:
         # What torchrun prints when a rank fails (it exits 1 with this error).
         print("".join(traceback.format_exception_only(exc)).rstrip(), file=sys.stderr, flush=True)
-        return 1
+        return RoundResult(1, failure=_failure_cause(exc))
     except SignalException as exc:
         # torchrun has stopped every rank; the tool itself exits 1 this way.
         print(f"{PROG_LAUNCH}: stopped by signal {exc.sigval.name}", file=sys.stderr, flush=True)
-        return 1
+        return RoundResult(1)
     finally:
         if saved_fd1 is not None:
             os.dup2(saved_fd1, 1)

@@ -1,9 +1,12 @@
 """``cp-infer serve``: the worker group behind an HTTP front end on rank 0.
 
 Invariants:
-- ``--nproc N`` (N > 1) outside torchrun re-executes the CLI under torchrun (``--max-restarts`` is passed to
-  torchrun as ``PET_MAX_RESTARTS``, and each restart gets a fresh rendezvous store); under torchrun (directly,
-  or relaunched) every rank runs :func:`run`.
+- ``--nproc N`` (N > 1) outside torchrun re-executes the CLI under torchrun, and starts the group again when its
+  ranks fail: at most ``--max-restarts`` times within any ``--restart-window-s`` seconds (``server.restarts``;
+  each restart is a fresh torchrun agent and rendezvous). Under torchrun (directly, or relaunched) every rank runs
+  :func:`run`; started by torchrun directly, restarts are torchrun's own (its ``--max-restarts``).
+- Every rank of a restarted group sees the restarts so far as ``TORCHELASTIC_RESTART_COUNT`` (what the leader
+  reports in ``group.json`` and ``/metrics``), whichever of the two made them.
 - Rank 0: the main thread runs uvicorn (so SIGTERM/SIGINT shut the server down cleanly) and the leader thread
   (``server.leader``) issues every collective. Other ranks: the main thread loads the model and follows the
   leader's commands (``worker_loop``) until ``stop``; a broken group (rank 0 gone) makes their next collective
@@ -20,11 +23,14 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from server.restarts import RestartPolicy
+
 __all__ = ["add_arguments", "run"]
 
 log = logging.getLogger("cp_infer.serve")
 
 _USAGE_ERROR = 2
+_DEFAULT_RESTARTS = RestartPolicy()
 # NOTE(restarts): torchrun (torch 2.13) hands every round of ranks the agent's own TCPStore with the same keys, so
 # after a restart gloo may read the dead ranks' addresses ("connectFullMesh ... Connection refused"; pytorch
 # issue 135712). With this set, each round gets a fresh store hosted by its rank 0.
@@ -58,8 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--heartbeat-s", type=float, default=2.0, help="idle heartbeat period (default 2 s)")
     group.add_argument("--collective-timeout", type=float, default=120.0,
                        help="seconds before a silent rank fails the group (default 120)")
-    group.add_argument("--max-restarts", type=int, default=0,
-                       help="group restarts torchrun may do after a rank dies (with --nproc; default 0)")
+    group.add_argument("--max-restarts", type=int, default=_DEFAULT_RESTARTS.max_restarts,
+                       help="restarts of the group after a rank dies, at most this many within any "
+                       f"--restart-window-s (with --nproc; 0: none; default {_DEFAULT_RESTARTS.max_restarts})")
+    group.add_argument("--restart-window-s", type=float, default=_DEFAULT_RESTARTS.window_s,
+                       help="the window --max-restarts counts in: one more failure within it ends the server "
+                       f"(default {_DEFAULT_RESTARTS.window_s:g} s)")
     group.add_argument("--keep-frames", action="store_true",
                        help="also keep raw frames (.npy) for GET .../content?variant=frames (lossless; large)")
     group.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: the "
@@ -94,26 +104,26 @@ def _configs(args: argparse.Namespace):
                     max_upload_bytes=args.max_upload_bytes, cors_origins=tuple(args.cors_origin))
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} must be in [1, 65535]")
-    if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts {args.max_restarts} must be >= 0")
-    return runtime, leader, app
+    restarts = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
+    return runtime, leader, app, restarts
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``cp-infer serve``; returns the exit code."""
-    from server.launch import group_size, in_torchrun, relaunch_under_torchrun
+    from server.launch import count_launcher_restarts, group_size, in_torchrun, relaunch_under_torchrun
 
     try:
         nproc = group_size(args.nproc)
-        runtime, leader, app = _configs(args)
+        runtime, leader, app, restarts = _configs(args)
     except ValueError as exc:
         print(f"cp-infer serve: error: {exc}", file=sys.stderr)
         return _USAGE_ERROR
     if not in_torchrun() and nproc > 1:
-        if args.max_restarts:
-            os.environ["PET_MAX_RESTARTS"] = str(args.max_restarts)  # torchrun reads its flags from PET_*
         os.environ.setdefault(_FRESH_STORE_ENV, "1")
-        return relaunch_under_torchrun(nproc, list(getattr(args, "cli_argv", None) or sys.argv[1:]))
+        return relaunch_under_torchrun(nproc, list(getattr(args, "cli_argv", None) or sys.argv[1:]),
+                                       restarts=restarts)
+    if in_torchrun():
+        count_launcher_restarts()  # before the leader reads TORCHELASTIC_RESTART_COUNT
     if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
             and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
         log.warning("torchrun shares its store with the ranks across restarts, so a restarted gloo group can read "
