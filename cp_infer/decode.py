@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_FRAMES_PER_RANK",
     "FrameRelay",
     "Frames",
+    "ProgressiveDecode",
     "TemporalSplit",
     "decode_parallel",
     "resolve_frames_per_rank",
@@ -252,44 +253,83 @@ def decode_parallel(
     inside, see :class:`FrameRelay`); it returns that piece's uint8 frames ``[F, H, W, 3]``. Every rank must
     exhaust the iterator.
     """
-    rank = state.cp_rank
-    if rank >= split.active:
-        return
-    alone = split.active == 1 or state.cp_group is None
-    sending: tuple[dist.Work, torch.Tensor] | None = None
+    yield from ProgressiveDecode(split, decode_range, frame_shape=frame_shape, state=state).advance(None)
 
-    def others(k: int) -> Iterator[np.ndarray]:
-        """Round ``k``'s pieces of ranks 1.. (decoded while rank 0 decoded its piece of round ``k + 1``)."""
-        for src in range(1, split.active):
-            v0, v1 = split.video_range(src, k)
-            buf = torch.empty((v1 - v0, *frame_shape), dtype=torch.uint8, device=state.device)
-            dist.recv(buf, state.cp_ranks[src], group=state.cp_group)
-            yield buf.cpu().numpy()
 
-    for k in range(split.rounds):
-        a, b = split.latent_range(rank, k)
-        local = decode_range(a, b)
-        v0, v1 = split.video_range(rank, k)
-        if local.shape != (v1 - v0, *frame_shape):
-            raise RuntimeError(f"rank {rank} decoded frames of shape {local.shape} in round {k}, expected "
-                               f"{(v1 - v0, *frame_shape)}")
-        if alone:
+class ProgressiveDecode:
+    """:func:`decode_parallel` in steps, for latents that become final a part at a time (a long video's windows):
+    each :meth:`advance` decodes the rounds whose pieces read only final latent frames, so the video streams while
+    later latents are still being made. The rounds run in order across the calls and the pieces hand each other
+    frames across them as within one (the decode is the same as :func:`decode_parallel`'s)."""
+
+    def __init__(self, split: TemporalSplit, decode_range: Callable[[int, int], np.ndarray], *,
+                 frame_shape: tuple[int, ...], state: ParallelState,
+                 reads: Callable[[int, int], int] | None = None):
+        """``reads(a, b)``: the latent frames ``[0, reads)`` that decoding the piece ``[a, b)`` reads (its decoder's
+        look-ahead included); ``None``: all of them."""
+        self.split, self.decode_range, self.frame_shape, self.state = split, decode_range, frame_shape, state
+        self.reads = reads or (lambda a, b: split.latent_frames)
+        self.rounds_done = 0
+        self._sending: tuple[dist.Work, torch.Tensor] | None = None
+
+    def readable(self, final: int | None) -> int:
+        """How many rounds can be decoded once the latent frames ``[0, final)`` are final (``None``: all are)."""
+        split = self.split
+        if final is None or final >= split.latent_frames:
+            return split.rounds
+        k = self.rounds_done
+        # The same on every rank: the last piece of a round reads furthest.
+        while k < split.rounds and self.reads(*split.latent_range(split.active - 1, k)) <= final:
+            k += 1
+        return k
+
+    @property
+    def done(self) -> bool:
+        return self.rounds_done == self.split.rounds
+
+    def advance(self, final: int | None) -> Iterator[np.ndarray]:
+        """Decode the rounds that latent frames ``[0, final)`` allow; on group rank 0 yield their frames in temporal
+        order. Every rank must call it with the same ``final`` and exhaust the iterator."""
+        split, state, rank = self.split, self.state, self.state.cp_rank
+        first, last = self.rounds_done, self.readable(final)
+        self.rounds_done = last
+        if rank >= split.active or first == last:
+            return
+        alone = split.active == 1 or state.cp_group is None
+
+        def others(k: int) -> Iterator[np.ndarray]:
+            """Round ``k``'s pieces of ranks 1.. (decoded while rank 0 decoded its piece of round ``k + 1``)."""
+            for src in range(1, split.active):
+                v0, v1 = split.video_range(src, k)
+                buf = torch.empty((v1 - v0, *self.frame_shape), dtype=torch.uint8, device=state.device)
+                dist.recv(buf, state.cp_ranks[src], group=state.cp_group)
+                yield buf.cpu().numpy()
+
+        for k in range(first, last):
+            a, b = split.latent_range(rank, k)
+            local = self.decode_range(a, b)
+            v0, v1 = split.video_range(rank, k)
+            if local.shape != (v1 - v0, *self.frame_shape):
+                raise RuntimeError(f"rank {rank} decoded frames of shape {local.shape} in round {k}, expected "
+                                   f"{(v1 - v0, *self.frame_shape)}")
+            if alone:
+                yield local
+                continue
+            if rank != 0:
+                if self._sending is not None:
+                    self._sending[0].wait()
+                buf = torch.from_numpy(np.ascontiguousarray(local)).to(state.device)
+                # Non-blocking: this rank goes on to its next piece while rank 0 decodes its own and encodes.
+                self._sending = (dist.isend(buf, state.cp_ranks[0], group=state.cp_group), buf)
+                continue
+            # NOTE(order): the pieces between rank 0's last one and this one were decoded alongside this one; rank 0
+            # receives them only now, after its own piece's relayed frames, in the order their owners sent.
+            if k > first:
+                yield from others(k - 1)
             yield local
-            continue
-        if rank != 0:
-            if sending is not None:
-                sending[0].wait()
-            buf = torch.from_numpy(np.ascontiguousarray(local)).to(state.device)
-            # Non-blocking: this rank goes on to its next piece while rank 0 decodes its own and encodes.
-            sending = (dist.isend(buf, state.cp_ranks[0], group=state.cp_group), buf)
-            continue
-        # NOTE(order): the pieces between rank 0's last one and this one were decoded alongside this one; rank 0
-        # receives them only now, after its own piece's relayed frames, in the order their owners sent.
-        if k > 0:
-            yield from others(k - 1)
-        yield local
-        del local
-    if rank == 0 and not alone:
-        yield from others(split.rounds - 1)
-    if sending is not None:
-        sending[0].wait()
+            del local
+        if rank == 0 and not alone:
+            yield from others(last - 1)
+        if self._sending is not None and (self.done or rank == 0):
+            self._sending[0].wait()
+            self._sending = None

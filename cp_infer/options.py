@@ -31,7 +31,7 @@ STANDARD: dict[str, str] = {
     "frame_rate": "fps",
 }
 
-_KINDS = (int, float, str, bool, tuple)
+_KINDS = (int, float, str, bool, tuple, list)
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ class Option:
 
     name: str
     kind: type
-    """``int``, ``float``, ``str``, ``bool``, or ``tuple`` (a list of integers)."""
+    """``int``, ``float``, ``str``, ``bool``, ``tuple`` (a list of integers) or ``list`` (a list of JSON objects,
+    each checked by ``check``)."""
     default: Any
     help: str
     """One line: what it does (the default and range are added where it is shown)."""
@@ -80,7 +81,7 @@ class Option:
         if hi is None and self.limit is not None:
             hi = self.limit  # named: the deployment sets it
         what = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-                tuple: "a list of integers"}[self.kind]
+                tuple: "a list of integers", list: "a list of objects"}[self.kind]
         if self.multiple_of:
             what += f" multiple of {self.multiple_of}"
         if lo is not None or hi is not None:
@@ -101,6 +102,11 @@ class Option:
                 raise ValueError(f"{self.name}={value!r} must be a non-empty list of at most {self.max_items} "
                                  f"integers, e.g. [{_fmt(lo if lo is not None else 0, '0')}]")
             return tuple(_number(f"{self.name}[]", item, int, lo, hi, self.multiple_of) for item in value)
+        if self.kind is list:
+            if not isinstance(value, (list, tuple)) or not value or len(value) > self.max_items \
+                    or not all(isinstance(item, Mapping) for item in value):
+                raise ValueError(f"{self.name} must be a non-empty list of at most {self.max_items} objects")
+            return tuple(dict(item) for item in value)
         if self.kind is str:
             if not isinstance(value, str):
                 raise ValueError(f"{self.name} must be a string, got {type(value).__name__}")
@@ -146,6 +152,10 @@ class ModelOptions:
     check: Callable[[Mapping[str, Any]], None] | None = field(default=None, compare=False)
     """A check across options of the resolved values (every declared name), run last by :meth:`resolve`; raises
     ``ValueError`` naming the options and the fix (e.g. a size that one of the model's modes cannot take)."""
+    window_frames: Callable[[Mapping[str, Any]], int] | None = field(default=None, compare=False)
+    """For a model that makes long videos window by window: the video frames of the longest sequence a request's
+    plan denoises at once (the resolved values; the deployment's token limit applies to it). ``None``: the whole
+    video is one sequence."""
 
     def __post_init__(self) -> None:
         names = [o.name for o in self.options] + [a for o in self.options for a in o.aliases]

@@ -5,7 +5,8 @@ Invariants:
   passes in order on every rank, each a full sharded loop (prepare agreed on, steps, one gather), hands each pass
   the gathered latents of the one before, and decodes the last pass's latents.
 - A plan is built from the request alone, identically on every rank (no collective, no randomness).
-- Progress counts the steps of every pass: ``Plan.steps`` is their sum.
+- Progress counts the steps of every pass: ``Plan.steps`` is their sum; a long video's passes are its windows
+  (``DenoisePass.window``), made in order, each conditioned on the latents of the ones before.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class DenoisePass:
     kind: str = "denoise"
     """Which of its passes the adapter prepares (its own names: ``denoise``; ``refine`` for a second stage, ...);
     handed to ``DenoiseModel.prepare`` with the request."""
+    window: int | None = None
+    """For a long video made window by window: which window this pass makes (from 0); ``None`` otherwise."""
 
 
 @dataclass(frozen=True)
@@ -45,3 +48,8 @@ class Plan:
     @property
     def steps(self) -> int:
         return sum(p.steps for p in self.passes)
+
+    @property
+    def windows(self) -> int:
+        """How many windows the plan makes the video in (1: not windowed)."""
+        return 1 + max((p.window or 0 for p in self.passes), default=0)

@@ -86,12 +86,13 @@ class GenerationRequest:
 class GenerationLimits:
     """What a deployment accepts. The defaults suit a single GPU; the CLI and server expose each field."""
 
-    max_frames: int = 257
-    """Longest video in frames."""
+    max_frames: int = 1537
+    """Longest video in frames (61 s at 25 fps: longer than a model window, it is made window by window)."""
     max_side: int = 1536
     """Largest height or width in pixels."""
     max_tokens: int = 65536
-    """Largest latent token count (frames x height x width after compression): bounds memory and time."""
+    """Largest latent token count (frames x height x width after compression) of one sequence, the whole video or
+    one window of a long one: bounds memory and time."""
     max_steps: int = 200
     max_guidance: float = 30.0
     max_prompt_chars: int = 4000
@@ -199,8 +200,12 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     options.resolve(values, limits=limits)
     _check_conditions(request, options, geometry)
     shape = geometry.latent_shape(request.num_frames, request.height, request.width)
-    if shape.tokens > limits.max_tokens:
+    frames = request.num_frames if options.window_frames is None else options.window_frames(values)
+    tokens = geometry.latent_shape(frames, request.height, request.width).tokens
+    if tokens > limits.max_tokens:
+        what = "" if frames == request.num_frames else f" per window of {frames} frames"
         raise ValueError(
-            f"num_frames={request.num_frames} at {request.width}x{request.height} is {shape.tokens} latent tokens; "
-            f"the limit is {limits.max_tokens}: use fewer frames or a smaller size")
+            f"num_frames={request.num_frames} at {request.width}x{request.height} is {tokens} latent tokens{what}; "
+            f"the limit is {limits.max_tokens}: use {'fewer frames' if not what else 'shorter windows'} "
+            "or a smaller size")
     return shape

@@ -14,6 +14,9 @@ Invariants:
   step's guidance passes over the guidance group (the model's ``predict`` exchanges them), the status agreement
   spans the whole world. Every guidance rank ends with the same latents, so only the Ulysses group of guidance
   index 0 decodes (``ParallelState.decodes``) and only the mesh's first rank delivers (``ParallelState.delivers``).
+- A long video's plan makes the latents final a part (a window) at a time: after each such pass the frames they
+  allow are decoded and delivered (``Decoder.feed``, ``cp_infer.decode.ProgressiveDecode``), so the video streams
+  while later windows are made and no rank holds every frame; the state after each is a checkpoint to go on from.
 - Models plug in through :class:`DenoiseModel`; this module knows no model and no HTTP.
 """
 
@@ -30,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_max_int, gather_sequence
-from .decode import TemporalSplit, decode_parallel
+from .decode import ProgressiveDecode, TemporalSplit
 from .options import ModelOptions
 from .plan import DenoisePass, Plan
 from .request import GenerationLimits, GenerationRequest, check_request, resolve_request
@@ -113,6 +116,12 @@ class DenoiseModel(Protocol):
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """How to decode the full packed latents of every stream (same on every rank)."""
 
+    # Optional, for plans whose passes make the video's latents final a part at a time (a long video's windows):
+    # ``finish_pass(latents, prepared) -> int | None``: fold a pass's gathered latents into the request's state, and
+    # say how many latent frames of the video are now final (``None``: the pass is not such a part);
+    # ``checkpoint(state) -> dict[str, np.ndarray]``: that state, to go on from; ``restore(request, arrays) ->
+    # (state, final)``: the state back (the next pass's ``previous_state``) and its final latent frames.
+
 
 @dataclass(frozen=True)
 class Decoder:
@@ -125,6 +134,13 @@ class Decoder:
     decode_range: Callable[[int, int], np.ndarray]
     """Decodes latent frames ``[a, b)`` on this rank (frames relayed between ranks inside) to uint8 frames
     ``[F, H, W, 3]``."""
+    reads: Callable[[int, int], int] | None = None
+    """``reads(a, b)``: decoding latent frames ``[a, b)`` reads the latents ``[0, reads)`` (the decoder's look-ahead
+    included); with ``feed``, the decode of a piece waits until those are final. ``None``: all of them."""
+    feed: Callable[[Any, int], None] | None = None
+    """For a plan whose passes make the latents final a part at a time: ``feed(state, final)`` gives the decoder the
+    latent frames ``[0, final)`` of a pass's ``Prepared.state`` (called after each such pass, in order, before the
+    decode of what they allow; the decoder was made from the first)."""
     audio: Callable[[], tuple[np.ndarray, int]] | None = None
     """For audio-video models: decodes the soundtrack to a float waveform ``[C, S]`` in [-1, 1] and its sample
     rate. Called on the delivering rank only (``ParallelState.delivers``; no collectives inside), before the video
@@ -150,6 +166,15 @@ class SampleControl:
     on_frames: Callable[[np.ndarray, int, int], None] | None = None
     """``(frames, first_frame_index, total_frames)`` on the delivering rank for each decoded chunk, in temporal order
     (a streaming encoder writes them as they come)."""
+    on_pass: Callable[[int, Plan], None] | None = None
+    """``(index, plan)`` on every rank before each pass of the plan runs (a long video's window:
+    ``plan.passes[index].window``)."""
+    on_checkpoint: Callable[[int, dict[str, np.ndarray]], None] | None = None
+    """``(passes_done, arrays)`` on the delivering rank after each pass the job can go on from (a long video's
+    window; ``DenoiseModel.checkpoint``): given back as ``resume``, the job continues there."""
+    resume: tuple[int, dict[str, np.ndarray]] | None = None
+    """A checkpoint (``on_checkpoint``'s) to go on from, the same on every rank: its passes are not run again, and
+    the video is decoded from its first frame."""
     collect: bool = True
     """Also return the whole video; a streaming caller sets False so no rank ever holds every frame."""
 
@@ -216,18 +241,6 @@ def _poll(control: SampleControl, i: int) -> tuple[StepStatus, str]:
     return _run_hook(lambda: control.poll(i))
 
 
-def _prepare_decode(model: DenoiseModel, full: dict[str, torch.Tensor], prepared: Prepared, control: SampleControl,
-                    out: list[Decoder], state: ParallelState) -> None:
-    if control.on_latents and state.delivers:
-        control.on_latents(model.output_latents(full, prepared))
-    decoder = model.decoder(full, prepared)
-    if decoder.audio is not None and state.delivers:
-        waveform, sample_rate = decoder.audio()
-        if control.on_audio:
-            control.on_audio(waveform, sample_rate)
-    out.append(decoder)
-
-
 @torch.inference_mode()
 def sample(
     model: DenoiseModel,
@@ -245,36 +258,110 @@ def sample(
     request = resolve_request(request, model.options, limits=limits)
     check_request(request, geometry=model.geometry, limits=limits, options=model.options)
     plan = model.plan(request)
-    total, done = plan.steps, 0
-    full: dict[str, torch.Tensor] | None = None
+    total = plan.steps
+    video = _Delivery(model, control, state)
+    full: dict[str, torch.Tensor] = {}
     prepared: Prepared | None = None
+    start = 0
+    if control.resume is not None:
+        start, arrays = control.resume
+        if not 0 < start < len(plan.passes):
+            raise ValueError(f"a checkpoint after pass {start} of a plan of {len(plan.passes)} passes")
+        restored, final = model.restore(request, arrays)
+        prepared = Prepared(latents={}, timesteps=(), state=restored)
+        video.progress(full, prepared, final)
+    done = sum(p.steps for p in plan.passes[:start])
     if control.on_phase:
         control.on_phase("denoise")
-    for pass_ in plan.passes:
-        full, prepared = _run_pass(model, pass_, full, None if prepared is None else prepared.state, done=done,
-                                   total=total, limits=limits, control=control, state=state)
+    finish = getattr(model, "finish_pass", None)
+    for index in range(start, len(plan.passes)):
+        pass_ = plan.passes[index]
+        if control.on_pass:
+            control.on_pass(index, plan)
+        full, prepared = _run_pass(model, pass_, full or None, None if prepared is None else prepared.state,
+                                   done=done, total=total, limits=limits, control=control, state=state)
         done += pass_.steps
+        if finish is None:
+            continue
+        final_box: list[int | None] = []
+
+        def finished(index=index, full=full, prepared=prepared, final_box=final_box) -> None:
+            final_box.append(finish(full, prepared))
+            arrays = model.checkpoint(prepared.state) if final_box[0] is not None else None
+            if arrays is not None and control.on_checkpoint and state.delivers and index + 1 < len(plan.passes):
+                control.on_checkpoint(index + 1, arrays)
+
+        _agree(*_run_hook(finished), state=state)
+        if final_box[0] is not None and index + 1 < len(plan.passes):
+            video.progress(full, prepared, final_box[0])
     if control.on_phase:
         control.on_phase("decode")
-    decoders: list[Decoder] = []
     status, message = _poll(control, total)
     if status == StepStatus.OK and state.decodes:
         # Everything before the video decode's relayed frames is local: run it before the agreement, so that a
         # failure on one rank (the soundtrack is decoded on the delivering rank alone) ends the job on every rank.
-        status, message = _run_hook(lambda: _prepare_decode(model, full, prepared, control, decoders, state))
+        status, message = _run_hook(lambda: video.prepare_last(full, prepared))
     _agree(status, message, state=state)
-    pieces, done = [], 0
-    # NOTE(decode): collectives of the Ulysses group only; the other guidance ranks skip them (same latents).
-    for decoder in decoders:
-        split = decoder.split
-        for frames in decode_parallel(split, decoder.decode_range, frame_shape=decoder.frame_shape, state=state):
-            if control.on_frames:
-                control.on_frames(frames, done, split.video_frames)
-            done += frames.shape[0]
-            if control.collect:
-                pieces.append(frames)
+    video.decode(None)
     if control.on_phase:
         control.on_phase("done")
     if not state.delivers:
         return None
-    return np.concatenate(pieces) if control.collect else None
+    return np.concatenate(video.pieces) if control.collect else None
+
+
+class _Delivery:
+    """The video's decode and delivery: once at the end, or, for a plan whose passes make the latents final a part at
+    a time (a long video's windows: ``DenoiseModel.finish_pass``), streamed as they become final."""
+
+    def __init__(self, model: DenoiseModel, control: SampleControl, state: ParallelState):
+        self.model, self.control, self.state = model, control, state
+        self.decoder: Decoder | None = None
+        self.stream: ProgressiveDecode | None = None
+        self.pieces: list[np.ndarray] = []
+        self.delivered = 0
+
+    def _start(self, full: dict[str, torch.Tensor], prepared: Prepared) -> None:
+        decoder = self.model.decoder(full, prepared)
+        if decoder.audio is not None and self.state.delivers:
+            waveform, sample_rate = decoder.audio()
+            if self.control.on_audio:
+                self.control.on_audio(waveform, sample_rate)
+        self.decoder = decoder
+        self.stream = ProgressiveDecode(decoder.split, decoder.decode_range, frame_shape=decoder.frame_shape,
+                                        state=self.state, reads=decoder.reads)
+
+    def progress(self, full: dict[str, torch.Tensor], prepared: Prepared, final: int) -> None:
+        """Decode and deliver what the latent frames ``[0, final)`` allow (every rank, agreed on)."""
+        status, message = StepStatus.OK, ""
+        if self.state.decodes:
+            def feed() -> None:
+                if self.decoder is None:
+                    self._start(full, prepared)
+                if self.decoder.feed is None:
+                    raise RuntimeError("a plan that makes its latents final a part at a time needs Decoder.feed")
+                self.decoder.feed(prepared.state, final)
+
+            status, message = _run_hook(feed)
+        _agree(status, message, state=self.state)
+        self.decode(final)
+
+    def prepare_last(self, full: dict[str, torch.Tensor], prepared: Prepared) -> None:
+        if self.control.on_latents and self.state.delivers:
+            self.control.on_latents(self.model.output_latents(full, prepared))
+        if self.decoder is None:
+            self._start(full, prepared)
+        if self.decoder.feed is not None:
+            self.decoder.feed(prepared.state, self.decoder.split.latent_frames)
+
+    def decode(self, final: int | None) -> None:
+        # NOTE(decode): collectives of the Ulysses group only; the other guidance ranks skip them (same latents).
+        if self.stream is None:
+            return
+        total = self.decoder.split.video_frames
+        for frames in self.stream.advance(final):
+            if self.control.on_frames:
+                self.control.on_frames(frames, self.delivered, total)
+            self.delivered += frames.shape[0]
+            if self.control.collect:
+                self.pieces.append(frames)

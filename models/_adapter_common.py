@@ -18,7 +18,7 @@ from cp_infer.request import GenerationRequest
 
 from .ltx_vae_parallel import DecodeContext, decode_cost, decode_round
 
-__all__ = ["decode_round_uint8", "decode_split", "noise_for_decode", "refuse_stochastic_sampling"]
+__all__ = ["DecodeNoise", "decode_round_uint8", "decode_split", "noise_for_decode", "refuse_stochastic_sampling"]
 
 
 def refuse_stochastic_sampling(scheduler) -> None:
@@ -43,14 +43,31 @@ def noise_for_decode(latents: torch.Tensor, *, vae, generator: torch.Generator,
                      request: GenerationRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(latents, timestep)`` to decode: for a timestep-conditioned VAE, the latents noised by the request's decode
     noise scale and its decode timestep, as the pipelines do; for any other, ``latents`` unchanged and ``None``."""
-    if not vae.config.timestep_conditioning:
-        return latents, None
-    # Drawn on every rank from the same generator state, so every rank noises the same way.
-    noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype).to(latents.device)
-    decode_timestep, scale = request.options["decode_timestep"], request.options["decode_noise_scale"]
-    scale = decode_timestep if scale is None else scale
-    timestep = torch.tensor([decode_timestep], device=latents.device, dtype=latents.dtype)
-    return (1 - scale) * latents + scale * noise, timestep
+    noise = DecodeNoise(latents.shape, vae=vae, generator=generator, request=request, dtype=latents.dtype)
+    return noise.apply(latents, 0), noise.timestep
+
+
+class DecodeNoise:
+    """The decode noise of a whole video's latents, drawn at once (on every rank from the same generator state),
+    applied to any part of them: the same values as applied to the whole."""
+
+    def __init__(self, shape: torch.Size, *, vae, generator: torch.Generator, request: GenerationRequest,
+                 dtype: torch.dtype):
+        self.noise = self.timestep = None
+        if not vae.config.timestep_conditioning:
+            return
+        self.noise = torch.randn(shape, generator=generator, dtype=dtype)
+        decode_timestep, scale = request.options["decode_timestep"], request.options["decode_noise_scale"]
+        self.scale = decode_timestep if scale is None else scale
+        self.timestep = torch.tensor([decode_timestep], dtype=dtype)
+
+    def apply(self, latents: torch.Tensor, start: int) -> torch.Tensor:
+        """``latents``: the latent frames ``start..`` of the video, noised (unchanged for a VAE without)."""
+        if self.noise is None:
+            return latents
+        self.timestep = self.timestep.to(latents.device)
+        noise = self.noise[:, :, start:start + latents.shape[2]].to(latents.device)
+        return (1 - self.scale) * latents + self.scale * noise
 
 
 def decode_round_uint8(pipe, vae, ctx: DecodeContext, latents: torch.Tensor, a: int, b: int,

@@ -24,6 +24,7 @@ from diffusers import (
     AutoencoderKLLTXVideo,
     FlowMatchEulerDiscreteScheduler,
     LTX2VideoTransformer3DModel,
+    LTXEulerAncestralRFScheduler,
     LTXVideoTransformer3DModel,
 )
 from diffusers.pipelines.ltx.modeling_latent_upsampler import LTXLatentUpsamplerModel
@@ -277,6 +278,24 @@ def _pick_class(root: Path, subfolder: str, classes: dict[str, Any]) -> Any:
     return classes[class_name]
 
 
+# The schedulers the adapters run: LTX-Video's and LTX-2's own, and the per-step-noise Euler-ancestral one
+# LTXI2VLongMultiPromptPipeline is made for (its noise is drawn for the whole sequence on every rank).
+_SCHEDULERS = {"FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscreteScheduler,
+               "LTXEulerAncestralRFScheduler": LTXEulerAncestralRFScheduler}
+
+
+def _pick_scheduler(root: Path) -> Any:
+    path = root / "scheduler" / "scheduler_config.json"
+    try:
+        name = json.loads(path.read_text()).get("_class_name", "FlowMatchEulerDiscreteScheduler")
+    except (OSError, ValueError):
+        return FlowMatchEulerDiscreteScheduler  # the load names the missing or broken file
+    if name not in _SCHEDULERS:
+        raise ModelLoadError(f"scheduler class {name!r} in {str(root)!r} is not supported; supported: "
+                             f"{', '.join(_SCHEDULERS)}")
+    return _SCHEDULERS[name]
+
+
 def _load_components(
     path: str | os.PathLike,
     components_class: Any,
@@ -312,7 +331,7 @@ def _load_components(
         if isinstance(model_class, dict):
             model_class = _pick_class(root, subfolder, model_class)
         components[subfolder] = _load(root, subfolder, model_class.from_pretrained, **diffusers_kwargs)
-    components["scheduler"] = _load(root, "scheduler", FlowMatchEulerDiscreteScheduler.from_pretrained)
+    components["scheduler"] = _load(root, "scheduler", _pick_scheduler(root).from_pretrained)
     components["text_encoder"] = _load(root, "text_encoder", text_encoder.from_pretrained, dtype=dtype)
     _require_tokenizer_files(root, tokenizer_files)
     components["tokenizer"] = _load(root, "tokenizer", tokenizer.from_pretrained)

@@ -54,6 +54,7 @@ from cp_infer.decode import FrameRelay, Frames, TemporalSplit, video_index
 __all__ = [
     "DecodeContext",
     "decode_cost",
+    "decode_reads",
     "decode_round",
     "decoder_receptive_field",
     "parallelize_ltx2_decoder",
@@ -498,3 +499,13 @@ def decode_round(vae: torch.nn.Module, ctx: DecodeContext, latents: torch.Tensor
     else:
         relay.flush()  # this rank's last piece: what it handed on must have left before the decode returns
     return video
+
+
+def decode_reads(vae: torch.nn.Module, split: TemporalSplit, a: int, b: int) -> int:
+    """The latent frames ``[0, reads)`` that :func:`decode_round` of the piece ``[a, b)`` of ``split`` reads: its
+    first stage's end (the decoder's look-ahead included); everything for a one-piece decode."""
+    if split.pieces == 1:
+        return split.latent_frames
+    plan = _plan(vae.decoder, _runtime_causal(vae.decoder, None))
+    video = (video_index(a, split.temporal_compression), video_index(b, split.temporal_compression))
+    return plan.piece_cuts(video, plan.lengths(split.latent_frames))[0][1]

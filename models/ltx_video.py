@@ -35,11 +35,26 @@ from cp_infer.plan import Plan
 from cp_infer.request import Condition, GenerationRequest, resolve_frame_index
 from cp_infer.sampler import Decoder, Prepared
 
-from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
+from ._adapter_common import (
+    DecodeNoise,
+    decode_round_uint8,
+    decode_split,
+    noise_for_decode,
+    refuse_stochastic_sampling,
+)
+from ._windows import window_plan, windows_of
 from .loading import recommended_stages
-from .ltx_vae_parallel import DecodeContext, parallelize_ltx_decoder
+from .ltx_vae_parallel import DecodeContext, decode_reads, parallelize_ltx_decoder
 from .ltx_video_options import ltx_video_options
 from .ltx_video_stages import DENOISE_STRENGTH, stage_conditions, two_stage_plan
+from .ltx_video_windows import (
+    WindowPass,
+    finish_window,
+    predict_window,
+    prepare_window,
+    restore_state,
+    step_window,
+)
 
 __all__ = ["LTXVideoModel", "parallelize_ltx_transformer"]
 
@@ -233,6 +248,12 @@ class LTXVideoModel:
     def plan(self, request: GenerationRequest) -> Plan:
         """One pass (text-to-video, image-to-video or conditions: their tokens in the pass's sequence), or with
         ``stages=2`` the two-stage plan (``models.ltx_video_stages``)."""
+        windows = windows_of(request)
+        if windows is not None:
+            if request.image is not None or request.conditions:
+                raise ValueError("image and conditions with a video longer than one window (temporal_tile_size) are "
+                                 "not supported yet: ask for at most temporal_tile_size frames")
+            return window_plan(request, windows)
         if request.options.get("stages", 1) == 2:
             return two_stage_plan(request)
         return Plan.single(request)
@@ -243,6 +264,8 @@ class LTXVideoModel:
         LTXConditionPipeline's (the media encoded on every rank alike: an image or a short clip is one small encode,
         not worth a time-parallel split). ``kind="stage1"`` and ``"refine"``: the stages of two, both
         LTXConditionPipeline's, stage 2 from the gathered latents of stage 1 (``models.ltx_video_stages``)."""
+        if kind == "window":
+            return prepare_window(self, request, previous_state)
         pipe, device = self.pipe, self.device
         staged = kind in ("stage1", "refine")
         assert staged or kind == "denoise", kind
@@ -301,7 +324,7 @@ class LTXVideoModel:
         # NOTE(upsampler): replicated, on every rank alike (a few 3-D convolutions over the half-size latents, small
         # beside one transformer step); its output is the same on every rank, so the group needs no exchange.
         return self.upsample_pipe(latents=self._video_latents(previous, before), output_type="latent",
-                                  adain_factor=float(request.options["adain_factor"]),
+                                  adain_factor=float(request.options["adain_factor"] or 0.0),
                                   tone_map_compression_ratio=float(request.options["tone_map_compression_ratio"]),
                                   return_dict=False)[0]
 
@@ -347,6 +370,8 @@ class LTXVideoModel:
 
     def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
                 plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
+        if isinstance(prepared.state, WindowPass):
+            return predict_window(self, latents_local, t, prepared, plans)
         x: _RequestState = prepared.state
         latents_local, plan = latents_local["video"], plans["video"]
         mode, batch = x.mode, 2 if x.cfg_on else 1
@@ -396,6 +421,8 @@ class LTXVideoModel:
     def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
              latents_local: dict[str, torch.Tensor], prepared: Prepared,
              plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
+        if isinstance(prepared.state, WindowPass):
+            return step_window(self, noise_pred_local, t, latents_local, prepared, plans)
         x: _RequestState = prepared.state
         noise_pred, latents, mode = noise_pred_local["video"], latents_local["video"], x.mode
         if mode == "conditions":
@@ -411,8 +438,17 @@ class LTXVideoModel:
             return {"video": torch.where(x.cond_mask_local.unsqueeze(-1) > 0.5, latents, stepped)}
         return {"video": stepped}
 
+    def finish_pass(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> int | None:
+        """A window's latents folded into the video made so far (``models.ltx_video_windows``): the latent frames
+        now final; ``None`` for other passes."""
+        if isinstance(prepared.state, WindowPass):
+            return finish_window(self, latents, prepared)
+        return None
+
     def _video_latents(self, latents: dict[str, torch.Tensor], x: _RequestState) -> torch.Tensor:
         """The video's own tokens unpacked to ``[B, C, F, H, W]`` (conditioning tokens dropped)."""
+        if isinstance(x, WindowPass):
+            return x.video.latents
         shape, cfg = x.shape, self.transformer.config
         return self.pipe._unpack_latents(latents["video"][:, x.extra_tokens:], shape.frames,
                                          shape.height, shape.width, cfg.patch_size, cfg.patch_size_t)
@@ -420,7 +456,7 @@ class LTXVideoModel:
     def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
         """``output_type="latent"``: LTXPipeline and LTXImageToVideoPipeline return the packed ``[B, S, C]``
         latents, LTXConditionPipeline the unpacked ``[B, C, F, H, W]`` ones."""
-        if prepared.state.mode == "conditions":
+        if isinstance(prepared.state, WindowPass) or prepared.state.mode == "conditions":
             return {"latents": self._video_latents(latents, prepared.state).float().cpu().numpy()}
         return {"latents": latents["video"].float().cpu().numpy()}
 
@@ -428,7 +464,9 @@ class LTXVideoModel:
         """Unpack, denormalise and (timestep-conditioned VAEs) noise the latents once; decode this rank's piece of
         each round (``cp_infer.decode``: rounds of ``decode_frames_per_rank`` latent frames per rank)."""
         pipe, vae = self.pipe, self.components.vae
-        x: _RequestState = prepared.state
+        x = prepared.state
+        if not isinstance(x, _RequestState):  # a long video's windows, fed to the decode as they are made
+            return self._window_decoder(x)
         request = x.request
         latents = self._video_latents(latents, x)
         latents = pipe._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
@@ -444,6 +482,44 @@ class LTXVideoModel:
                                       split_scope=self.decode_split(split))
 
         return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range)
+
+    def _window_decoder(self, x) -> Decoder:
+        """The decode of a long video: its latents are written into a whole-video buffer (denormalised, noised with
+        noise drawn for the whole video from the request's seed) as the windows make them final; a piece is decoded
+        once the latents it reads are there (``Decoder.reads``)."""
+        pipe, vae, request = self.pipe, self.components.vae, x.request
+        total = x.windows.latent_frames
+        shape = (*x.video.latents.shape[:2], total, *x.video.latents.shape[3:])
+        buffer = torch.zeros(shape, dtype=vae.dtype, device=self.device)
+        noise = DecodeNoise(shape, vae=vae, generator=torch.Generator("cpu").manual_seed(request.seed),
+                            request=request, dtype=self.transformer.dtype)
+        filled = [0]
+
+        def feed(state, final: int) -> None:
+            a = filled[0]
+            part = state.video.latents[:, :, a:final].to(self.device)
+            part = pipe._denormalize_latents(part, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+            buffer[:, :, a:final] = noise.apply(part.to(self.transformer.dtype), a).to(vae.dtype)
+            filled[0] = max(a, final)
+
+        split = decode_split(vae, total, world=self.state.cp_size,
+                             temporal_compression=self.geometry.temporal_compression,
+                             frames_per_rank=self.decode_frames_per_rank, request=request)
+
+        def decode_range(a: int, b: int) -> np.ndarray:
+            return decode_round_uint8(pipe, vae, self._decode_ctx, buffer, a, b, noise.timestep, seed=request.seed,
+                                      split_scope=self.decode_split(split))
+
+        return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
+                       reads=lambda a, b: decode_reads(vae, split, a, b), feed=feed)
+
+    def checkpoint(self, state) -> dict[str, np.ndarray]:
+        """A long video's windows made so far (``models.ltx_video_windows.Video``)."""
+        return state.video.checkpoint()
+
+    def restore(self, request: GenerationRequest, arrays: dict[str, np.ndarray]):
+        """The state a checkpoint was taken in, and the latent frames final in it."""
+        return restore_state(request, arrays)
 
     def decode_split(self, split: TemporalSplit) -> contextlib.AbstractContextManager[None]:
         """Inside this block, ``decode_round(vae, ..., a, b)`` decodes one round's piece of ``split``."""

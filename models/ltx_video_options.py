@@ -8,6 +8,7 @@ from cp_infer.options import ModelOptions, Option
 
 from ._stages import check_two_stage_size, stages_option
 from ._standard_options import decode_options, standard_options
+from ._windows import check_windows, window_frames, window_options, windows_of
 
 __all__ = ["ltx_video_options"]
 
@@ -26,8 +27,19 @@ def ltx_video_options(*, latent_upsampler: bool = False, stages: int | None = No
         stages_option(latent_upsampler=latent_upsampler, stages=stages,
                       refine="refines them with LTXConditionPipeline's denoise_strength=0.4 of 10 steps (4 steps)",
                       where="a latent_upsampler/ beside transformer/, e.g. Lightricks/ltxv-spatial-upscaler-0.9.7's"),
-        Option("adain_factor", float, 0.0, "with stages=2: AdaIN of the upsampled latents to stage 1's statistics "
-               "(LTXLatentUpsamplePipeline; 1.0 in diffusers' LTX-Video 0.9.7/0.9.8 distilled recipes)", lo=0, hi=1),
+        Option("adain_factor", float, None, "AdaIN towards a reference's statistics: across windows, each window to "
+               "the first (unset: 0.25, LTXI2VLongMultiPromptPipeline); with stages=2, the upsampled latents to stage "
+               "1's (unset: 0.0, LTXLatentUpsamplePipeline; 1.0 in diffusers' LTX-Video 0.9.7/0.9.8 distilled "
+               "recipes)", lo=0, hi=1, nullable=True),
         Option("tone_map_compression_ratio", float, 0.0, "with stages=2: tone mapping of the upsampled latents "
                "(LTXLatentUpsamplePipeline; 0.6 in diffusers' LTX-Video 0.9.8 recipe)", lo=0, hi=1),
-    ), check=check_two_stage_size)
+        *window_options(default_tile=80, default_overlap=24),
+    ), check=_check, window_frames=window_frames)
+
+
+def _check(values) -> None:
+    check_two_stage_size(values)
+    check_windows(values)
+    if values.get("stages", 1) == 2 and windows_of(values) is not None:
+        raise ValueError("stages=2 with a video longer than one window (temporal_tile_size) is not supported yet: use "
+                         "stages=1, or at most temporal_tile_size frames")

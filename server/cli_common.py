@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -150,7 +151,20 @@ def option_keys(options: ModelOptions) -> dict[str, str]:
 def _option_type(option: Option):
     if option.kind is tuple:
         return _block_list
+    if option.kind is list:
+        return _json_list
     return option.kind
+
+
+def _json_list(text: str) -> list[Any]:
+    """``--prompt-segments '[{"start_window": 0, "text": "..."}]'``."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): give a JSON list of objects") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError("give a JSON list of objects")
+    return value
 
 
 def _default_text(option: Option) -> str:
@@ -171,7 +185,7 @@ def add_request_arguments(parser: argparse.ArgumentParser, options: ModelOptions
         group.add_argument("--prompt", required=True, metavar="TEXT", help="what the video shows")
     group.add_argument("--seed", type=int, default=None if batch else 0, help="noise seed (default 0)")
     for option in options:
-        metavar = {str: "TEXT", tuple: "I,J"}.get(option.kind, option.name.split("_")[-1].upper())
+        metavar = {str: "TEXT", tuple: "I,J", list: "JSON"}.get(option.kind, option.name.split("_")[-1].upper())
         group.add_argument(*_flags(option), dest=option.name, type=_option_type(option), default=None,
                            metavar=metavar, help=f"{option.help}; {option.describe()} (default "
                                                  f"{_default_text(option)})")

@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 from typing import Any, Literal
@@ -116,11 +117,12 @@ class VideoCreateParams(BaseModel):
     """Declared option name -> the alias the client wrote it as (``frame_rate`` -> ``fps``), for error messages."""
 
 
-_PY_TYPES = {int: int, float: float, str: str, bool: bool, tuple: list[int]}
+_PY_TYPES = {int: int, float: float, str: str, bool: bool, tuple: list[int], list: list[dict[str, Any]]}
 
 
 def _option_field(option: Option) -> tuple[Any, Any]:
     default = list(option.default) if isinstance(option.default, tuple) else option.default
+    # A list of objects: pydantic takes the shape, the option's own check the content (so errors name the item).
     shown = "unset" if default is None else repr(default)
     return (_PY_TYPES[option.kind] | None,
             Field(None, description=f"{option.help} (default {shown}: the reference pipeline's; {option.describe()})",
@@ -212,7 +214,8 @@ def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | N
     if canonical is not None:
         option = options[canonical]
         hint = option.describe(limits)
-        return hint + " (a form: \"20,28\")" if option.kind is tuple else hint
+        form = {tuple: " (a form: \"20,28\")", list: " (a form: the JSON list)"}.get(option.kind, "")
+        return hint + form
     return "a valid value"
 
 
@@ -312,19 +315,33 @@ def params_from_form(data: dict[str, Any], *, options: ModelOptions, limits: Gen
     return params
 
 
+def _json_list(name: str, text: Any, **kw: Any) -> list[Any]:
+    """A form field holding a JSON list of objects (``prompt_segments``)."""
+    try:
+        value = json.loads(text) if isinstance(text, str) else text
+    except ValueError:
+        value = None
+    if not isinstance(value, list):
+        raise ApiError(400, "invalid_value", f"{name} must be a JSON list of objects, e.g. "
+                       "[{\"start_window\": 0, \"end_window\": 1, \"text\": \"...\"}]", param=name)
+    return value
+
+
 def _form_params(data: dict[str, Any], *, options: ModelOptions, limits: GenerationLimits,
                  geometry: VideoGeometry | None) -> VideoCreateParams:
     lists = {o.name for o in options if o.kind is tuple and o.name in data}
+    objects = {o.name for o in options if o.kind is list and o.name in data}
     nested = {k: data[k] for k in ("conditions", "input_reference") if not isinstance(data.get(k, ""), str)}
     kw = dict(limits=limits, geometry=geometry, options=options)
     model = params_model(options)
     try:
         params = model.model_validate_strings(
-            {k: v for k, v in data.items() if k not in lists and k not in nested}, strict=False)
+            {k: v for k, v in data.items() if k not in lists | objects and k not in nested}, strict=False)
     except ValidationError as exc:
         raise _from_validation_error(exc, **kw) from None
     # NOTE(forms): pydantic's string validation takes no nested lists: each item is validated on its own.
     update: dict[str, Any] = {name: _int_list(name, data[name], **kw) for name in lists}
+    update.update({name: _json_list(name, data[name], **kw) for name in objects})
     if isinstance(nested.get("input_reference"), dict):
         try:
             update["input_reference"] = ImageReference.model_validate_strings(nested["input_reference"])

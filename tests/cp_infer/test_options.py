@@ -45,13 +45,13 @@ def test_resolve_fills_every_default_and_keeps_given_values():
     ({"blocks": []}, "must be a non-empty list"),
     ({"blocks": [8]}, "blocks[]=8 is out of range; use a value in [0, 7]"),
     ({"blocks": [1], "block_list": [2]}, "blocks was given twice"),
-    ({"num_frames": 500}, None),  # within the declaration; capped only by a deployment's limits
+    ({"num_frames": 5000}, None),  # within the declaration; capped only by a deployment's limits
 ])
 def test_resolve_refuses_bad_values_naming_them(values, words):
     options = _declaration()
     if words is None:
-        assert options.resolve(values)["num_frames"] == 500
-        with pytest.raises(ValueError, match=r"num_frames=500 is out of range; use a value in \[1, 257\]"):
+        assert options.resolve(values)["num_frames"] == 5000
+        with pytest.raises(ValueError, match=r"num_frames=5000 is out of range; use a value in \[1, 1537\]"):
             options.resolve(values, limits=GenerationLimits())
         return
     with pytest.raises(ValueError) as info:

@@ -1,0 +1,154 @@
+"""Long videos as temporal windows, as diffusers' ``LTXI2VLongMultiPromptPipeline`` cuts them: the options, the
+windows, the prompt of each window and the plan. Pure arithmetic on the request: imports no model code, so the
+options modules that use it stay cheap for front ends.
+
+Invariants:
+- A request whose latent frames fit one window (``temporal_tile_size``) is not windowed: it runs as it always has.
+  A longer one runs as windows of ``temporal_tile_size // 8`` latent frames that start ``tile - overlap`` apart
+  (the pipeline's ``split_into_temporal_windows``); each window is one pass of the plan, conditioned on the tail of
+  the latents made so far.
+- Each window after the first adds ``end - start - overlap`` latent frames (its first dropped, ``overlap - 1``
+  blended with the frames before), so the windows together make exactly the request's latent frames: the overlap is
+  at least 3 latent frames (24 video frames; with fewer the pipeline blends nothing and makes a longer video than
+  asked for) and smaller than the tile.
+- After window ``w`` every latent frame but the last ``overlap - 1`` (blended with the next window) is final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from cp_infer.options import Option
+from cp_infer.plan import DenoisePass, Plan
+from cp_infer.request import GenerationRequest
+
+__all__ = ["TEMPORAL_COMPRESSION", "Windows", "check_windows", "window_frames", "window_options", "window_plan",
+           "windows_of"]
+
+TEMPORAL_COMPRESSION = 8
+"""Video frames per latent frame of the LTX VAEs (the first latent frame holds one)."""
+MIN_OVERLAP = 3
+"""Latent frames of the smallest overlap (see the invariants)."""
+
+
+def window_options(*, default_tile: int, default_overlap: int) -> tuple[Option, ...]:
+    """The window options, named and defaulted as ``LTXI2VLongMultiPromptPipeline``'s (80 and 24 frames)."""
+    return (
+        Option("temporal_tile_size", int, default_tile, "frames per window: a longer video is made window by "
+               "window, each conditioned on the one before", lo=(MIN_OVERLAP + 1) * TEMPORAL_COMPRESSION,
+               hi=100_000),
+        Option("temporal_overlap", int, default_overlap, "frames each window shares with the one before (fewer "
+               "than temporal_tile_size)", lo=MIN_OVERLAP * TEMPORAL_COMPRESSION, hi=100_000),
+        Option("temporal_overlap_cond_strength", float, 0.5, "how strongly the previous window's tail conditions "
+               "the next window", lo=0, hi=1),
+        Option("prompt_segments", list, None, "a prompt per range of windows: [{\"start_window\": 0, "
+               "\"end_window\": 1, \"text\": \"...\"}, ...] (unset: the prompt, split at '|', one part per window, "
+               "the last one repeated)", nullable=True, max_items=64, check=_check_segments),
+    )
+
+
+def _check_segments(segments: Sequence[Any]) -> None:
+    for i, seg in enumerate(segments):
+        where = f"prompt_segments[{i}]"
+        if not isinstance(seg, Mapping) or set(seg) - {"start_window", "end_window", "text"} or "text" not in seg:
+            raise ValueError(f"{where} must be an object with text and optional start_window, end_window, e.g. "
+                             "{\"start_window\": 0, \"end_window\": 1, \"text\": \"a fox runs\"}")
+        start, end = seg.get("start_window", 0), seg.get("end_window", seg.get("start_window", 0))
+        for name, value in (("start_window", start), ("end_window", end)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10_000:
+                raise ValueError(f"{where}.{name}={value!r} must be a window index in [0, 10000]")
+        if end < start:
+            raise ValueError(f"{where}: end_window={end} is before start_window={start}; swap them")
+        if not isinstance(seg["text"], str) or not seg["text"].strip():
+            raise ValueError(f"{where}.text must be a non-empty string (the prompt of those windows)")
+
+
+class Windows:
+    """The windows of one request, in latent frames."""
+
+    def __init__(self, latent_frames: int, tile: int, overlap: int):
+        self.latent_frames, self.tile, self.overlap = latent_frames, tile, overlap
+        stride = max(tile - overlap, 1)
+        spans, start = [], 0
+        while True:
+            end = min(start + tile, latent_frames)
+            spans.append((start, end))
+            if end == latent_frames:
+                break
+            start += stride
+        self.spans: tuple[tuple[int, int], ...] = tuple(spans)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    @property
+    def blend(self) -> int:
+        """Latent frames of the video made so far that the next window is blended into."""
+        return self.overlap - 1
+
+    def made(self, window: int) -> int:
+        """Latent frames of the video made once window ``window`` is done."""
+        return self.spans[window][1]
+
+    def final(self, window: int) -> int:
+        """Latent frames that are final once window ``window`` is done (the next blends into the rest)."""
+        return self.latent_frames if window == len(self) - 1 else self.made(window) - self.blend
+
+
+def windows_of(request: GenerationRequest | Mapping[str, Any]) -> Windows | None:
+    """The windows of a resolved request (or its option values), ``None`` when it fits one window."""
+    values = request if isinstance(request, Mapping) else {"num_frames": request.num_frames, **request.options}
+    latent = (values["num_frames"] - 1) // TEMPORAL_COMPRESSION + 1
+    tile = max(1, values["temporal_tile_size"] // TEMPORAL_COMPRESSION)
+    if latent <= tile:
+        return None
+    return Windows(latent, tile, values["temporal_overlap"] // TEMPORAL_COMPRESSION)
+
+
+def check_windows(values: Mapping[str, Any]) -> None:
+    """The window options against each other (a ``ModelOptions.check`` part)."""
+    tile, overlap = values["temporal_tile_size"], values["temporal_overlap"]
+    if overlap // TEMPORAL_COMPRESSION >= tile // TEMPORAL_COMPRESSION:
+        raise ValueError(f"temporal_overlap={overlap} is not smaller than temporal_tile_size={tile} (in latent frames "
+                         f"of {TEMPORAL_COMPRESSION}): use a smaller overlap or a larger tile")
+    if values.get("prompt_segments") and windows_of(values) is None:
+        raise ValueError("prompt_segments: the video fits one window (num_frames <= temporal_tile_size); give one "
+                         "prompt, or ask for more frames")
+
+
+def window_frames(values: Mapping[str, Any]) -> int:
+    """Video frames of the longest pass's sequence: the whole video, or a window with the previous tail it is
+    conditioned on (the deployment's token limit applies to it)."""
+    windows = windows_of(values)
+    if windows is None:
+        return values["num_frames"]
+    latent = max(end - start for start, end in windows.spans) + windows.overlap
+    return (latent - 1) * TEMPORAL_COMPRESSION + 1
+
+
+def window_prompts(request: GenerationRequest, windows: Windows) -> list[str]:
+    """The prompt of each window: ``prompt_segments`` (each window its segment's text, gaps taking the one before),
+    or the prompt split at ``|``; windows past the last prompt take the last (``parse_prompt_segments``)."""
+    segments = request.options.get("prompt_segments")
+    if segments:
+        texts = [""] * (max(int(s.get("end_window", s.get("start_window", 0))) for s in segments) + 1)
+        for seg in segments:
+            start = int(seg.get("start_window", 0))
+            for w in range(start, int(seg.get("end_window", start)) + 1):
+                texts[w] = seg["text"]
+        last = ""
+        for i, text in enumerate(texts):
+            texts[i] = last = text or last
+    else:
+        texts = [part.strip() for part in request.prompt.split("|")]
+    return [texts[min(w, len(texts) - 1)] or request.prompt for w in range(len(windows))]
+
+
+def window_plan(request: GenerationRequest, windows: Windows) -> Plan:
+    """One ``window`` pass per window, each with its own prompt; ``num_inference_steps - 1`` steps each (the
+    pipeline runs the schedule's timesteps but the last)."""
+    prompts = window_prompts(request, windows)
+    return Plan(tuple(DenoisePass(replace(request, prompt=prompts[w]), steps=request.num_inference_steps - 1,
+                                  kind="window", window=w) for w in range(len(windows))))
