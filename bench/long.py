@@ -1,0 +1,198 @@
+"""A minute of video window by window (issue #12) at N=1 and N=2 on the tiny defaults, in one run: total time, time
+to first byte over total, peak memory per rank against a one-window video, windows per minute.
+
+    python bench/long.py [--rounds 3] [--frames 1537] [--height 128] [--width 128] [--steps 3]
+
+The model is the embedded default (``tiny-ltx-video``: its scheduler, guidance 3.0, the window options' defaults,
+``temporal_tile_size=80``, ``temporal_overlap=24``), fp32, gloo on CPU, 1 intra-op thread per rank. Two groups of
+rank processes (1 and 2 ranks) load once; each job is ``sample(..., collect=False)``, the engine's streaming path,
+with ``on_frames`` discarding the frames (no encoder: what is timed is the engine). Four rows, alternating round by
+round (round r starts at row r), medians over the rounds:
+
+- long: ``--frames`` frames (1537 at 25 fps: 61 s, 28 windows);
+- one window: 73 frames (10 latent frames, the most one 80-frame tile holds), the same size, steps and prompt.
+
+Before the timed rounds every row runs once with 2 steps (warm-up). Measured on every rank, per job:
+
+- total: wall time of ``sample()``; the table's is the delivering rank's (rank 0);
+- first byte: from the start of ``sample()`` to the first ``on_frames`` call on the delivering rank, over total;
+- peak memory: ``VmHWM`` minus ``VmRSS`` just before the job, the peak first reset to the current RSS with
+  ``/proc/self/clear_refs`` (``bench/_procs.py``): the most resident memory the job added above what the loaded
+  process held, its model weights excluded. glibc's mmap and trim thresholds are set to 1 MiB in every rank so that
+  freed blocks go back to the kernel and the RSS follows what is live (``bench/generate.py``'s measuring setting);
+  the ratio long / one window is per rank at the same N, the largest over ranks in the table; the peak RSS column
+  is ``VmHWM`` itself (weights, torch and the interpreter included), for scale;
+- windows per minute: the windows the plan ran (``on_pass`` calls) over the total time in minutes.
+
+Targets (issue #12): first byte over total <= 0.15 at N=2; peak memory per rank <= 1.2x a one-window video's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from bench._procs import RankGroup, free_port, reset_peak_rss, set_malloc, status_kib  # noqa: E402 -- path set-up
+
+__all__ = ["main"]
+
+_TIMEOUT_S = 900.0
+_MODEL = "tiny-ltx-video"
+_PROMPT = "a long walk through a forest | a river in the valley | mountains at dusk"
+_NEGATIVE = "blurry, low quality"
+_FPS = 25
+_SEED = 11
+_ONE_WINDOW_FRAMES = 73
+"""(73 - 1) / 8 + 1 = 10 latent frames: the most that one window of the default ``temporal_tile_size=80`` holds."""
+_WARMUP_STEPS = 2  # NOTE(warm-up-steps) in bench/generate.py: not 1
+_MALLOC_MEASURE = (1 << 20, 1 << 20)  # bench/generate.py's: freed blocks over 1 MiB go back to the kernel
+_TTFB_TARGET, _MEMORY_TARGET = 0.15, 1.2
+
+
+def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
+    """One rank: load, report ready, then run one streamed job per command (request fields) until ``None``."""
+    import traceback
+
+    import torch
+
+    try:
+        malloc_ok = set_malloc(*_MALLOC_MEASURE)
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        from cp_infer import ParallelConfig, init_parallel
+        from cp_infer.request import GenerationRequest
+        from cp_infer.sampler import SampleControl, sample
+        from models.registry import open_model
+
+        state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=_TIMEOUT_S), rank=rank,
+                              world_size=world, local_rank=rank)
+        model = open_model(_MODEL, dtype="fp32", state=state)
+        outbox.put((rank, "ok", dict(malloc_ok=malloc_ok, rss_loaded_mib=status_kib("VmRSS") / 1024)))
+    except BaseException:  # noqa: BLE001 -- every failure goes back to the main process with its traceback
+        outbox.put((rank, "error", traceback.format_exc()))
+        return
+    while (command := inbox.get()) is not None:
+        try:
+            request = GenerationRequest.of(prompt=_PROMPT, negative_prompt=_NEGATIVE, seed=_SEED, fps=_FPS, **command)
+            first: list[float] = []
+            frames, windows = [0], [0]
+
+            def on_frames(chunk, _first, _total, frames=frames, first=first) -> None:
+                if not first:
+                    first.append(time.perf_counter())
+                frames[0] += chunk.shape[0]  # and the chunk is dropped
+
+            def on_pass(_index, plan, windows=windows) -> None:
+                windows[0] = len(plan.passes)
+
+            if world > 1:
+                torch.distributed.barrier(group=state.cpu_group)
+            reset = reset_peak_rss()
+            rss_before = status_kib("VmRSS")
+            started = time.perf_counter()
+            sample(model, request, state=state,
+                   control=SampleControl(on_frames=on_frames, on_pass=on_pass, collect=False))
+            total = time.perf_counter() - started
+            outbox.put((rank, "ok", dict(
+                total_s=total, first_s=first[0] - started if first else None, frames=frames[0], windows=windows[0],
+                peak_mib=(status_kib("VmHWM") - rss_before) / 1024, hwm_mib=status_kib("VmHWM") / 1024,
+                peak_reset=reset)))
+        except BaseException:  # noqa: BLE001
+            outbox.put((rank, "error", traceback.format_exc()))
+
+
+def _fmt_load(load: tuple[float, float, float]) -> str:
+    return " / ".join(f"{x:.1f}" for x in load)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--frames", type=int, default=1537, help="the long video's frames (1537: 61 s at 25 fps)")
+    parser.add_argument("--height", type=int, default=128)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 2:
+        raise ValueError(f"rounds={args.rounds} must be >= 1 and steps={args.steps} >= 2 (NOTE(warm-up-steps))")
+    size = dict(height=args.height, width=args.width, num_inference_steps=args.steps)
+    lengths = {"long": args.frames, "one window": _ONE_WINDOW_FRAMES}
+    rows = [(n, kind) for kind in lengths for n in (1, 2)]
+    load_start = os.getloadavg()
+    started = time.perf_counter()
+    groups: dict[int, RankGroup] = {}
+    results: dict[tuple[int, str], list[list[dict[str, Any]]]] = {row: [] for row in rows}
+    try:
+        for n in (1, 2):
+            port = free_port()
+            groups[n] = RankGroup(f"N={n}", _worker, [(r, n, port) for r in range(n)], timeout_s=_TIMEOUT_S)
+        ready = {n: g.replies() for n, g in groups.items()}
+        # Warm-up: every row once, 2 steps. A process's first long video leaves its RSS tens of MiB higher (at N=2
+        # about 40 MiB; the runs after it add nothing), which would count as the first timed job's peak.
+        for n, kind in rows:
+            groups[n].call(dict(size, num_frames=lengths[kind], num_inference_steps=_WARMUP_STEPS))
+        for round_ in range(args.rounds):
+            for n, kind in rows[round_ % len(rows):] + rows[:round_ % len(rows)]:
+                results[(n, kind)].append(groups[n].call(dict(size, num_frames=lengths[kind])))
+            print(f"round {round_ + 1}/{args.rounds} done, {time.perf_counter() - started:.0f} s, "
+                  f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    finally:
+        for g in groups.values():
+            g.close()
+    load_end = os.getloadavg()
+    elapsed = time.perf_counter() - started
+
+    def med(row, key, rank=0):
+        return statistics.median(job[rank][key] for job in results[row])
+
+    def peak(row, rank):
+        return med(row, "peak_mib", rank)
+
+    for row, jobs in results.items():
+        assert all(job[0]["frames"] == lengths[row[1]] for job in jobs), f"{row}: not every frame was delivered"
+    malloc_ok = all(r["malloc_ok"] for rs in ready.values() for r in rs)
+    reset_ok = all(r["peak_reset"] for jobs in results.values() for job in jobs for r in job)
+    print(f"`python {' '.join(['bench/long.py', *sys.argv[1:]])}`: {_MODEL}, {args.width}x{args.height}, "
+          f"{args.steps} steps, guidance 3.0, fp32, N ranks x 1 thread (gloo, {os.cpu_count()} CPU cores); "
+          f"long {args.frames} frames ({args.frames / _FPS:.1f} s at {_FPS} fps), one window {_ONE_WINDOW_FRAMES} "
+          f"frames; {args.rounds} rounds alternating, medians; {elapsed / 60:.1f} min in all; load average "
+          f"{_fmt_load(load_start)} at the start, {_fmt_load(load_end)} at the end; frames discarded as they come; "
+          f"peak reset by clear_refs: {reset_ok}; malloc thresholds set: {malloc_ok}")
+    print()
+    print("| N | video | windows | total | first byte | first byte / total | windows / min | peak memory / rank "
+          "(above loaded) | peak / one window's | peak RSS / rank | total vs N=1 |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n, kind in rows:
+        row = (n, kind)
+        total, first = med(row, "total_s"), med(row, "first_s")
+        ttfb = statistics.median(job[0]["first_s"] / job[0]["total_s"] for job in results[row])
+        windows = results[row][0][0]["windows"]
+        peaks = " / ".join(f"{peak(row, r):.0f}" for r in range(n))
+        hwm = " / ".join(f"{med(row, 'hwm_mib', r):.0f}" for r in range(n))
+        ratio = max(peak(row, r) / peak((n, "one window"), r) for r in range(n))
+        print(f"| {n} | {kind}, {lengths[kind]} frames | {windows} | {total:.1f} s | {first:.2f} s | {ttfb:.3f} | "
+              f"{windows / (total / 60):.0f} | {peaks} MiB | {ratio:.2f}x | {hwm} MiB | "
+              f"{total / med((1, kind), 'total_s'):.2f}x |")
+    print()
+    long2, one = (2, "long"), "one window"
+    ttfb2 = statistics.median(job[0]["first_s"] / job[0]["total_s"] for job in results[long2])
+    verdicts = [f"first byte / total at N=2: {ttfb2:.3f} (target <= {_TTFB_TARGET}: "
+                f"{'met' if ttfb2 <= _TTFB_TARGET else 'NOT met'})"]
+    for n in (1, 2):
+        ratio = max(peak((n, "long"), r) / peak((n, one), r) for r in range(n))
+        whole = max(med((n, "long"), "hwm_mib", r) / med((n, one), "hwm_mib", r) for r in range(n))
+        verdicts.append(f"peak memory per rank above loaded, long / one window at N={n}: {ratio:.2f}x (target <= "
+                        f"{_MEMORY_TARGET}x: {'met' if ratio <= _MEMORY_TARGET else 'NOT met'}; "
+                        f"peak RSS: {whole:.2f}x)")
+    print("; ".join(verdicts) + ".")
+
+
+if __name__ == "__main__":
+    main()
