@@ -267,7 +267,10 @@ def sample(
         start, arrays = control.resume
         if not 0 < start < len(plan.passes):
             raise ValueError(f"a checkpoint after pass {start} of a plan of {len(plan.passes)} passes")
-        restored, final = model.restore(request, arrays)
+        box: list[Any] = []
+        # Agreed on: a checkpoint that does not fit this request fails the job on every rank alike.
+        _agree(*_run_hook(lambda: box.append(model.restore(request, arrays))), state=state)
+        restored, final = box[0]
         prepared = Prepared(latents={}, timesteps=(), state=restored)
         video.progress(full, prepared, final)
     done = sum(p.steps for p in plan.passes[:start])

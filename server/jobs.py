@@ -5,8 +5,10 @@ Invariants:
   contains client text; :func:`valid_job_id` gates every id that arrives in a URL.
 - FIFO: the leader claims the oldest queued job (by insertion order); a claim and a cancel of a queued job
   are serialised by one lock, so a job is either claimed or deleted, never both.
-- The database survives restarts of the worker group: :meth:`JobStore.recover` (run once by each new leader)
-  marks jobs that were ``in_progress`` as failed; queued jobs stay queued and run.
+- The database survives restarts of the worker group: :meth:`JobStore.recover` (run once by each new leader) puts
+  jobs that were ``in_progress`` back at the head of the queue (they run again, a long video from its last finished
+  window's checkpoint, ``<id>.resume.npz``), unless they have already been started ``MAX_ATTEMPTS`` times: a job
+  that takes the group down every time it runs is failed instead of taking it down forever.
 - Every change of a job's visible state appends a snapshot to an in-memory event log (per job, bounded), which
   the SSE endpoint tails, so no progress change is missed however slowly a client reads.
 """
@@ -33,6 +35,8 @@ from cp_infer.request import Condition, GenerationRequest
 __all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
 
 TERMINAL = ("completed", "failed", "cancelled")
+MAX_ATTEMPTS = 3
+"""Times a job is started before a restart of the group fails it instead of running it again."""
 _ID_RE = re.compile(r"^video_[0-9a-f]{32}$")
 _MAX_LOGGED_JOBS = 256
 
@@ -53,6 +57,8 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq);
 """
+# Columns added after the first schema (an older database gets them on open).
+_ADDED_COLUMNS = {"window": "INTEGER", "windows": "INTEGER", "attempts": "INTEGER NOT NULL DEFAULT 0"}
 
 
 def valid_job_id(job_id: str) -> bool:
@@ -78,6 +84,10 @@ class Job:
     error_code: str | None = None
     error_message: str | None = None
     deleting: bool = False
+    window: int | None = None
+    """A long video's window being made (from 0), ``None`` before the first or for one made at once."""
+    windows: int | None = None
+    attempts: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -91,7 +101,8 @@ class Job:
             "id": self.id, "object": "video", "status": self.status, "progress": self.progress,
             "created_at": self.created_at, "completed_at": self.completed_at, "model": self.model,
             "seconds": f"{r.num_frames / r.fps:.3g}", "size": f"{r.width}x{r.height}", "prompt": r.prompt,
-            "error": error, "negative_prompt": r.negative_prompt, "num_frames": r.num_frames, "width": r.width,
+            "error": error, "window": self.window, "windows": self.windows,
+            "negative_prompt": r.negative_prompt, "num_frames": r.num_frames, "width": r.width,
             "height": r.height, "fps": r.fps, "num_inference_steps": r.num_inference_steps,
             "guidance_scale": r.guidance_scale, "seed": r.seed,
             # The model's own options, as resolved (every one it declares).
@@ -145,6 +156,7 @@ def _row_to_job(row: sqlite3.Row) -> Job:
         seq=row["seq"], id=row["id"], status=row["status"], progress=row["progress"], created_at=row["created_at"],
         completed_at=row["completed_at"], model=row["model"], request=_request_from_json(row["request"]),
         error_code=row["error_code"], error_message=row["error_message"], deleting=bool(row["deleting"]),
+        window=row["window"], windows=row["windows"], attempts=row["attempts"],
     )
 
 
@@ -165,6 +177,10 @@ class JobStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        have = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        for name, kind in _ADDED_COLUMNS.items():
+            if name not in have:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
         self._event_seq = 0
         self._events: OrderedDict[str, list[tuple[int, dict[str, Any]]]] = OrderedDict()
 
@@ -172,6 +188,24 @@ class JobStore:
     def path(self, job_id: str, suffix: str) -> Path:
         assert valid_job_id(job_id), job_id
         return self.videos_dir / f"{job_id}{suffix}"
+
+    def save_checkpoint(self, job_id: str, passes_done: int, arrays: dict[str, np.ndarray]) -> None:
+        """A running job's checkpoint (``SampleControl.on_checkpoint``), replacing the one before atomically."""
+        path = self.path(job_id, ".resume.npz")
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, passes_done=np.array(passes_done, dtype=np.int64), **arrays)
+        tmp.replace(path)
+
+    def load_checkpoint(self, job_id: str) -> tuple[int, dict[str, np.ndarray]] | None:
+        """The job's last checkpoint, ``None`` when it has none (or an unreadable one: the job starts over)."""
+        path = self.path(job_id, ".resume.npz")
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                arrays = {k: archive[k] for k in archive.files}
+        except (OSError, ValueError):
+            return None
+        return int(arrays.pop("passes_done")), arrays
 
     def _remove_files(self, job_id: str) -> None:
         for file in self.videos_dir.glob(f"{job_id}.*"):
@@ -288,17 +322,35 @@ class JobStore:
 
     # -- the leader side ---------------------------------------------------------------------------------------
     def recover(self) -> list[str]:
-        """Run once by a new leader: jobs a previous group was running are failed; returns their ids."""
+        """Run once by a new leader: jobs a previous group was running go back to the head of the queue (failed
+        after ``MAX_ATTEMPTS`` starts); returns their ids."""
         with self._lock:
-            rows = self._db.execute("SELECT id, deleting FROM jobs WHERE status = 'in_progress'").fetchall()
+            rows = self._db.execute("SELECT id, deleting, attempts, cancel_requested FROM jobs WHERE status = "
+                                    "'in_progress'").fetchall()
             for row in rows:
                 if row["deleting"]:
                     self._db.execute("DELETE FROM jobs WHERE id = ?", (row["id"],))
                     self._remove_files(row["id"])
-                else:
+                elif row["cancel_requested"]:
+                    self._finish_locked(row["id"], "cancelled", "cancelled", "cancelled while the group restarted")
+                elif row["attempts"] >= MAX_ATTEMPTS:
                     self._finish_locked(row["id"], "failed", "worker_group_restarted",
-                                        "the worker group failed and restarted while this job ran; submit it again")
+                                        f"the worker group failed and restarted each of the {row['attempts']} times "
+                                        "this job ran; it is not run again")
+                else:
+                    # Back to queued with its place in the queue (the oldest seq runs first).
+                    self._db.execute("UPDATE jobs SET status = 'queued' WHERE id = ?", (row["id"],))
+                    self._log(self._get(row["id"]))
+            self._work.notify_all()
         return [r["id"] for r in rows]
+
+    def set_window(self, job_id: str, window: int, windows: int) -> None:
+        """The window a long video is making now."""
+        with self._lock:
+            cur = self._db.execute("UPDATE jobs SET window = ?, windows = ? WHERE id = ? AND status = 'in_progress'",
+                                   (window, windows, job_id))
+            if cur.rowcount:
+                self._log(self._get(job_id))
 
     def wake(self) -> None:
         with self._lock:
@@ -312,8 +364,8 @@ class JobStore:
                 row = self._db.execute(
                     "SELECT * FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1").fetchone()
                 if row is not None:
-                    self._db.execute("UPDATE jobs SET status = 'in_progress', progress = 0 WHERE id = ?",
-                                     (row["id"],))
+                    self._db.execute("UPDATE jobs SET status = 'in_progress', progress = 0, attempts = attempts + 1 "
+                                     "WHERE id = ?", (row["id"],))
                     job = self._get(row["id"])
                     self._log(job)
                     return job
@@ -349,6 +401,7 @@ class JobStore:
                          (status, progress, int(time.time()), code, message, job_id))
         job = self._get(job_id)
         self._log(job)
+        self.path(job_id, ".resume.npz").unlink(missing_ok=True)  # an ended job goes on from nowhere
         if job.deleting:
             self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             self._remove_files(job_id)

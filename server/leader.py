@@ -298,7 +298,9 @@ class GroupLeader:
             stream = self._streams.pop(job.id, None)
         outputs = None
         try:
-            if stream is not None:
+            if stream is not None or self._made_in_windows(group, job):
+                # Streamed, or long enough to be made window by window: encoded as the frames come, so that rank 0
+                # never holds the whole video.
                 try:
                     outputs = StreamedOutputs(self.store, job.id, job.request, keep_frames=self.config.keep_frames,
                                               stream=stream)
@@ -314,6 +316,15 @@ class GroupLeader:
                 final = self.store.snapshot_any(job.id)  # None: deleted
                 stream.end(final.status if final is not None and final.terminal else "cancelled",
                            None if final is None else final.error_message)
+
+    def _made_in_windows(self, group: GroupDriver, job: Job) -> bool:
+        model = group.runtime.model
+        if not hasattr(model, "plan"):
+            return False  # a test's stand-in model
+        try:
+            return model.plan(resolve_request(job.request, model.options, limits=self.config.limits)).windows > 1
+        except ValueError:
+            return False  # refused in _generate_and_write, with the reason
 
     def _generate_and_write(self, group: GroupDriver, job: Job, outputs: StreamedOutputs | None = None) -> None:
         from cp_infer.sampler import JobCancelled, JobFailed, SampleControl, StepStatus
@@ -378,11 +389,23 @@ class GroupLeader:
 
             return call
 
+        def on_pass(index: int, plan) -> None:
+            window = plan.passes[index].window
+            if window is not None:
+                self.store.set_window(job.id, window, plan.windows)
+
+        def on_checkpoint(passes_done: int, arrays: dict[str, np.ndarray]) -> None:
+            self.store.save_checkpoint(job.id, passes_done, arrays)
+
+        resume = self.store.load_checkpoint(job.id)
+        if resume is not None:
+            log.info("job %s goes on from its checkpoint after pass %d", job.id, resume[0])
         control = SampleControl(poll=poll, on_step=on_step, on_phase=on_phase, on_frames=on_frames,
-                                on_audio=on_audio, collect=outputs is None)
+                                on_audio=on_audio, on_pass=on_pass, on_checkpoint=on_checkpoint, resume=resume,
+                                collect=outputs is None)
         control = with_faults(control, request, rank=runtime.state.rank, rules=self._faults)
         control = replace(control, on_step=deferred(control.on_step), on_phase=deferred(control.on_phase),
-                          on_frames=deferred(control.on_frames))
+                          on_frames=deferred(control.on_frames), on_pass=deferred(control.on_pass))
         log.info("job %s: %d frames %dx%d, %d steps%s", job.id, request.num_frames, request.width, request.height,
                  request.num_inference_steps, ", streamed" if outputs is not None else "")
         try:
@@ -398,9 +421,12 @@ class GroupLeader:
             return
         except Exception as exc:
             if phase["name"] != "done":
-                # Raised inside the sampler on this rank only (a step, the gather or the parallel decode):
-                # the other ranks may be waiting in a collective that will never come.
-                self._finish(job, "failed", "worker_group_failed", f"rank 0: {type(exc).__name__}: {exc}")
+                # Raised inside the sampler on this rank only (a step, the gather or the parallel decode): the other
+                # ranks may be waiting in a collective that will never come, so the group goes down. The job stays
+                # in progress: the restarted group's leader puts it back in the queue (``JobStore.recover``), and a
+                # long video goes on from its last checkpoint.
+                log.error("job %s: the worker group failed (rank 0: %s: %s); it runs again when the group is back",
+                          job.id, type(exc).__name__, exc)
                 raise
             log.exception("job %s failed on rank 0 after the decode", job.id)
             self._finish(job, "failed", "decode_failed", f"rank 0: {type(exc).__name__}: {exc}")

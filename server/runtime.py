@@ -88,6 +88,8 @@ class Command:
     """``generate``, ``idle`` (heartbeat), ``ping`` (heartbeat answered by one all-reduce) or ``stop``."""
     request: GenerationRequest | None = None
     job_id: str | None = None
+    resume: tuple[int, dict[str, np.ndarray]] | None = None
+    """``generate``: the checkpoint the job goes on from (``SampleControl.resume``; saved by an earlier run)."""
 
 
 @dataclass
@@ -114,8 +116,11 @@ class GroupDriver:
     def generate(self, request: GenerationRequest, job_id: str, control: SampleControl | None = None
                  ) -> np.ndarray | None:
         """Run ``request`` on the whole group: rank 0's frames (``None`` with ``control.collect=False``). Raises as
-        :meth:`Runtime.generate`; ``JobCancelled`` and ``JobFailed`` leave every rank in step."""
-        broadcast_object(Command("generate", request=request, job_id=job_id), state=self.runtime.state)
+        :meth:`Runtime.generate`; ``JobCancelled`` and ``JobFailed`` leave every rank in step. ``control.resume``
+        goes to every rank with the command."""
+        resume = None if control is None else control.resume
+        broadcast_object(Command("generate", request=request, job_id=job_id, resume=resume),
+                         state=self.runtime.state)
         self.jobs_sent += 1
         return self.runtime.generate(request, control)
 
@@ -164,6 +169,9 @@ class FaultRule:
     """A step index, ``"decode"`` (rank 0 only: the phase after the gather) or ``None`` for every step."""
     prompt: str = ""
     seconds: float = 0.0
+    once: str = ""
+    """A marker file's path: the rule fires only while the file does not exist, and creates it when it does (so a
+    fault fires once across restarts of the group)."""
 
     def matches(self, rank: int, prompt: str) -> bool:
         return (self.rank is None or self.rank == rank) and self.prompt in prompt
@@ -172,6 +180,11 @@ class FaultRule:
         if self.kind == "sleep":
             time.sleep(self.seconds)
             return
+        if self.once:
+            try:
+                os.close(os.open(self.once, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return
         log.warning("injecting fault %s at %s (pid %d)", self, where, os.getpid())
         if self.kind == "raise":
             raise RuntimeError(f"injected fault at {where}")
@@ -190,7 +203,7 @@ def parse_faults(text: str | None) -> tuple[FaultRule, ...]:
             continue
         fields = dict(item.split("=", 1) for item in part.split(",") if item.strip())
         fields = {k.strip(): v.strip() for k, v in fields.items()}
-        unknown = set(fields) - {"kind", "rank", "step", "prompt", "seconds"}
+        unknown = set(fields) - {"kind", "rank", "step", "prompt", "seconds", "once"}
         if unknown or fields.get("kind") not in ("raise", "kill", "exit", "sleep"):
             raise ValueError(f"{FAULT_ENV}: cannot parse {part!r}; expected e.g. 'rank=1,step=2,kind=raise'")
         rank = fields.get("rank", "*")
@@ -198,7 +211,7 @@ def parse_faults(text: str | None) -> tuple[FaultRule, ...]:
         rules.append(FaultRule(
             kind=fields["kind"], rank=None if rank == "*" else int(rank),
             step=None if step == "*" else (step if step == "decode" else int(step)),
-            prompt=fields.get("prompt", ""), seconds=float(fields.get("seconds", 0.0))))
+            prompt=fields.get("prompt", ""), seconds=float(fields.get("seconds", 0.0)), once=fields.get("once", "")))
     return tuple(rules)
 
 
@@ -246,6 +259,8 @@ def worker_loop(runtime: Runtime, *, control_for: Callable[[Command], SampleCont
         if command.kind != "generate":
             continue
         control = control_for(command) if control_for else None
+        if command.resume is not None:
+            control = replace(control or SampleControl(), resume=command.resume)
         control = with_faults(control, command.request, rank=runtime.state.rank, rules=faults)
         try:
             runtime.generate(command.request, control)

@@ -158,6 +158,11 @@ class VideoJob(BaseModel):
     size: str
     prompt: str
     error: VideoError | None = None
+    window: int | None = None
+    """A long video (made window by window): the window being made, from 0; ``None`` before it starts or for a
+    video made at once."""
+    windows: int | None = None
+    """A long video: how many windows it is made in."""
     negative_prompt: str
     num_frames: int
     width: int

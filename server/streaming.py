@@ -73,7 +73,8 @@ class StreamedOutputs:
     """A streamed job's files, written piece by piece on rank 0 (see the module docstring); each goes to a ``.tmp``
     sibling that :meth:`commit` renames into place and :meth:`discard` removes."""
 
-    def __init__(self, store, job_id: str, request: GenerationRequest, *, keep_frames: bool, stream: VideoStream):
+    def __init__(self, store, job_id: str, request: GenerationRequest, *, keep_frames: bool,
+                 stream: VideoStream | None):
         from cp_infer.stream import FragmentedMP4Writer
 
         self.job_id = job_id
@@ -103,7 +104,8 @@ class StreamedOutputs:
         except BaseException:
             self.discard()
             raise
-        stream.attach(mp4.with_suffix(".mp4.tmp"))
+        if stream is not None:  # None: nobody reads it as it is made (a long video, encoded as it comes)
+            stream.attach(mp4.with_suffix(".mp4.tmp"))
 
     def _emit(self, data: bytes) -> None:
         self._mp4.write(data)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from cp_infer.request import GenerationRequest
-from cp_infer.sampler import SampleControl, sample
+from cp_infer.sampler import JobFailed, SampleControl, sample
 
 from ..harness import one_thread
 from ..worker_groups import groups_by_world
@@ -266,5 +266,5 @@ def test_resume_from_a_checkpoint_equals_the_whole_run(cache_dir):
     _, events2, _, digest2 = one_thread(_long_run, state, cache_dir, 161, resume=(2, checkpoints[2]))
     assert [e for e in events2 if e[0] == "pass"] == [("pass", 2, 2)]
     assert digest2 == digest
-    with pytest.raises(ValueError, match="not one of this request's windows"):
+    with pytest.raises(JobFailed, match="not one of this request.s windows"):
         one_thread(_long_run, state, cache_dir, 161, resume=(2, dict(checkpoints[2], window=np.array(2))))

@@ -142,18 +142,38 @@ def test_no_cors_unless_configured(tmp_path):
         assert client.get("/v1/videos", headers=origin).status_code == 401  # CORS is not authentication
 
 
-def test_queued_jobs_survive_a_new_store_and_running_ones_fail(tmp_path):
+def test_jobs_survive_a_new_store_and_running_ones_run_again(tmp_path):
+    """A new leader puts the job that was running back at the head of the queue, with its checkpoint, until it has
+    been started MAX_ATTEMPTS times; then it fails it. Queued jobs stay queued, in order; a job that ends keeps no
+    checkpoint."""
+    import numpy as np
+
     from cp_infer.request import GenerationRequest, resolve_request
+    from server.jobs import MAX_ATTEMPTS
 
     store = JobStore(tmp_path, max_queue=4)
     a, b = (store.submit(resolve_request(GenerationRequest(prompt=p), ltx_video_options()), model="m")
             for p in ("first", "second"))
     assert store.claim_next(timeout=0).id == a.id
+    store.save_checkpoint(a.id, 2, {"latents": np.ones((1, 2, 3), dtype=np.float32)})
+    store.set_window(a.id, 2, 5)
+    for attempt in range(1, MAX_ATTEMPTS):
+        store.close()
+        store = JobStore(tmp_path, max_queue=4)
+        assert store.recover() == [a.id]
+        job = store.get(a.id)
+        assert job.status == "queued" and job.attempts == attempt and (job.window, job.windows) == (2, 5)
+        assert store.claim_next(timeout=0).id == a.id, "the interrupted job runs before the ones queued after it"
+        passes, arrays = store.load_checkpoint(a.id)
+        assert passes == 2 and arrays["latents"].shape == (1, 2, 3)
     store.close()
-    reopened = JobStore(tmp_path, max_queue=4)
-    assert reopened.recover() == [a.id]
-    assert reopened.get(a.id).status == "failed" and reopened.get(a.id).error_code == "worker_group_restarted"
-    assert reopened.claim_next(timeout=0).id == b.id
+    store = JobStore(tmp_path, max_queue=4)
+    assert store.recover() == [a.id]
+    job = store.get(a.id)
+    assert job.status == "failed" and job.error_code == "worker_group_restarted", job
+    assert store.load_checkpoint(a.id) is None
+    assert store.claim_next(timeout=0).id == b.id
+    assert store.get(b.id).public()["window"] is None
 
 
 @pytest.mark.parametrize("seconds,fps,frames", [(4, 24, 97), (0.7, 24, 17), (0.01, 24, 1), (5, 8, 41), (1, 12, 9)])
