@@ -201,6 +201,9 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     _check_conditions(request, options, geometry)
     shape = geometry.latent_shape(request.num_frames, request.height, request.width)
     frames = request.num_frames if options.window_frames is None else options.window_frames(values)
+    if request.conditions and frames != request.num_frames:
+        raise ValueError("conditions: a video longer than one window takes an image (image-to-video), not "
+                         "conditions; give the first frame as image, or ask for fewer frames")
     tokens = geometry.latent_shape(frames, request.height, request.width).tokens
     if tokens > limits.max_tokens:
         what = "" if frames == request.num_frames else f" per window of {frames} frames"

@@ -43,6 +43,9 @@ def window_options(*, default_tile: int, default_overlap: int) -> tuple[Option, 
                "than temporal_tile_size)", lo=MIN_OVERLAP * TEMPORAL_COMPRESSION, hi=100_000),
         Option("temporal_overlap_cond_strength", float, 0.5, "how strongly the previous window's tail conditions "
                "the next window", lo=0, hi=1),
+        Option("cond_strength", float, 0.5, "with an image and a video longer than one window: how strongly the "
+               "image holds the first frame (the image also conditions every window as a negative-index frame)",
+               lo=0, hi=1),
         Option("prompt_segments", list, None, "a prompt per range of windows: [{\"start_window\": 0, "
                "\"end_window\": 1, \"text\": \"...\"}, ...] (unset: the prompt, split at '|', one part per window, "
                "the last one repeated)", nullable=True, max_items=64, check=_check_segments),

@@ -250,9 +250,6 @@ class LTXVideoModel:
         ``stages=2`` the two-stage plan (``models.ltx_video_stages``)."""
         windows = windows_of(request)
         if windows is not None:
-            if request.image is not None or request.conditions:
-                raise ValueError("image and conditions with a video longer than one window (temporal_tile_size) are "
-                                 "not supported yet: ask for at most temporal_tile_size frames")
             return window_plan(request, windows)
         if request.options.get("stages", 1) == 2:
             return two_stage_plan(request)

@@ -127,12 +127,21 @@ def prepare_window(model, request: GenerationRequest, previous_state) -> Prepare
     height, width = request.height // s_ratio, request.width // s_ratio
     window = torch.zeros((1, cfg.in_channels, end - start, height, width), dtype=torch.float32)
     cond = torch.ones((1, 1, end - start, height, width), dtype=torch.float32)
+    # The pipeline ignores its image at cond_strength 0.
+    image = None if request.image is None or not request.options["cond_strength"] else _image_latents(model, request)
+    if image is not None and w == 0:
+        window[:, :, :1] = image
     tail = 0
     if before is not None and windows.overlap > 0:
         strength = float(request.options["temporal_overlap_cond_strength"])
         k = min(windows.overlap, before.latents.shape[2])
         window, cond, tail = inject_prev_tail_latents(window, before.latents[:, :, -k:], cond, windows.overlap,
                                                       strength, 0)
+    if image is not None:
+        # The image as the pipeline's negative-index frame: appended to every window, fully conditioned.
+        window, cond, tail = inject_prev_tail_latents(window, image, cond, 1, 1.0, tail)
+        if w == 0:
+            cond[:, :, 0] = 1.0 - float(request.options["cond_strength"])
     generator = torch.Generator("cpu").manual_seed(int(request.seed) + int(start))
     noise = torch.randn(window.shape, generator=generator, dtype=torch.float32)
     mixed = noise * cond + (1 - cond) * window
@@ -140,7 +149,8 @@ def prepare_window(model, request: GenerationRequest, previous_state) -> Prepare
     t_ratio = model.geometry.temporal_compression
     coords = build_video_coords_for_window(
         latents=window, overlap_len=windows.overlap if w > 0 and windows.overlap > 0 else 0, guiding_len=0,
-        negative_len=0, rope_interpolation_scale=(t_ratio, s_ratio, s_ratio), frame_rate=request.fps)
+        negative_len=0 if image is None else 1, rope_interpolation_scale=(t_ratio, s_ratio, s_ratio),
+        frame_rate=request.fps)
     scheduler = model.scheduler
     mu = None
     if scheduler.config.get("use_dynamic_shifting", False):
@@ -158,6 +168,19 @@ def prepare_window(model, request: GenerationRequest, previous_state) -> Prepare
     # The pipeline runs every timestep but the last.
     return Prepared(latents={"video": pipe._pack_latents(mixed, p, pt)}, timesteps=list(scheduler.timesteps[:-1]),
                     state=state)
+
+
+def _image_latents(model, request: GenerationRequest) -> torch.Tensor:
+    """``[1, C, 1, H, W]``: the request's image encoded as the pipeline encodes ``cond_image`` (the latent
+    distribution's mode, normalised), the same on every rank."""
+    from PIL import Image
+
+    pipe, vae = model.pipe, model.components.vae
+    image = Image.fromarray(request.image.frames[0], mode="RGB")
+    pixels = pipe.video_processor.preprocess(image, height=request.height, width=request.width)
+    encoded = vae.encode(pixels.to(device=model.device, dtype=vae.dtype).unsqueeze(2))
+    latents = (encoded.latent_dist.mode() if hasattr(encoded, "latent_dist") else encoded.latents).float().cpu()
+    return pipe._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
 
 
 def predict_window(model, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,

@@ -15,7 +15,7 @@ import random
 import numpy as np
 import pytest
 
-from cp_infer.request import GenerationRequest
+from cp_infer.request import Condition, GenerationRequest
 from cp_infer.sampler import JobFailed, SampleControl, sample
 
 from ..harness import one_thread
@@ -58,7 +58,18 @@ def _requests(seed: int) -> list[GenerationRequest]:
                           options=dict(WINDOWS, adain_factor=0.0, temporal_overlap_cond_strength=0.8,
                                        prompt_segments=({"start_window": 0, "end_window": 1, "text": "a calm lake"},
                                                         {"start_window": 3, "end_window": 3, "text": "a storm"}))),
+        # image-to-video: the image holds frame 0 and conditions every window as its negative-index frame
+        GenerationRequest(**base, prompt="a lighthouse at dusk", num_frames=57, guidance_scale=3.0, seed=seed + 2,
+                          image=Condition(_image(seed)), options=dict(WINDOWS, cond_strength=0.7)),
     ]
+
+
+def _image(seed: int) -> np.ndarray:
+    """uint8 [1, 50, 70, 3]: a gradient with noise (another size than the video's: the pipeline resizes it)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:50, 0:70]
+    base = np.stack([(x * 3) % 256, (y * 5) % 256, ((x + y) * 2) % 256], axis=-1)
+    return np.clip(base + rng.integers(-30, 30, base.shape), 0, 255).astype(np.uint8)[None]
 
 
 def _sample_all(state, cache_dir: str, seed: int, scheduler: str):
@@ -82,7 +93,12 @@ def _reference(cache_dir: str, request: GenerationRequest, scheduler: str) -> np
                                          tokenizer=c.tokenizer, transformer=c.transformer)
     pipe.set_progress_bar_config(disable=True)
     o = request.options
-    extra = {k: o[k] for k in ("adain_factor", "temporal_overlap_cond_strength", "prompt_segments") if k in o}
+    extra = {k: o[k] for k in ("adain_factor", "temporal_overlap_cond_strength", "prompt_segments", "cond_strength")
+             if k in o}
+    if request.image is not None:
+        from PIL import Image
+
+        extra["cond_image"] = Image.fromarray(request.image.frames[0])
     if "prompt_segments" in extra:
         extra["prompt_segments"] = [dict(s) for s in extra["prompt_segments"]]
     return pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.num_frames,
