@@ -66,6 +66,10 @@ class GenerationRequest:
     """Images or clips at frame indices with strengths, as the models' condition pipelines take them."""
     options: dict[str, Any] = field(default_factory=dict)
     """The model's own options by declared name (after :func:`resolve_request`: every one of them)."""
+    extends: Condition | None = None
+    """An extension: the last frames of the video this one continues (at least ``EXTEND_TAIL`` of them, at the
+    request's size). The ``num_frames - 1`` frames made follow that video's last frame; the models that make long
+    videos window by window take it (``ModelOptions.window_frames``)."""
 
     @classmethod
     def of(cls, **values: Any) -> GenerationRequest:
@@ -161,6 +165,27 @@ def _check_conditions(request: GenerationRequest, options: ModelOptions, geometr
         _check_condition(f"conditions[{i}]", cond, request.num_frames, geometry.temporal_compression)
 
 
+EXTEND_TAIL = 17
+"""Frames of the video to extend that condition the extension (two latent frames after the first: the
+overlap of a window with the one before)."""
+
+
+def _check_extends(request: GenerationRequest, options: ModelOptions, geometry: VideoGeometry) -> None:
+    if options.window_frames is None:
+        raise ValueError(f"video: the loaded model ({options.model}) does not extend videos; serve one that makes "
+                         "long videos window by window")
+    if request.image is not None or request.conditions:
+        raise ValueError("video: an extension takes no image or conditions; the video it extends conditions it")
+    _check_condition("video", request.extends, EXTEND_TAIL, geometry.temporal_compression)
+    if request.extends.frames.shape[0] != EXTEND_TAIL:
+        raise ValueError(f"video: an extension is conditioned on the last {EXTEND_TAIL} frames of the video it "
+                         f"extends, got {request.extends.frames.shape[0]}")
+    if request.extends.frames.shape[1:3] != (request.height, request.width):
+        raise ValueError(f"video: the frames to extend are {request.extends.frames.shape[2]}x"
+                         f"{request.extends.frames.shape[1]}, the extension {request.width}x{request.height}: "
+                         "an extension keeps the size of the video it extends")
+
+
 def _given(request: GenerationRequest) -> dict[str, Any]:
     if not isinstance(request.options, dict):
         raise ValueError(f"options must be a mapping of option names to values, got {type(request.options).__name__}")
@@ -201,6 +226,8 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     _check_conditions(request, options, geometry)
     shape = geometry.latent_shape(request.num_frames, request.height, request.width)
     frames = request.num_frames if options.window_frames is None else options.window_frames(values)
+    if request.extends is not None:
+        _check_extends(request, options, geometry)
     if request.conditions and frames != request.num_frames:
         raise ValueError("conditions: a video longer than one window takes an image (image-to-video), not "
                          "conditions; give the first frame as image, or ask for fewer frames")

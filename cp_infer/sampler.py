@@ -141,6 +141,9 @@ class Decoder:
     """For a plan whose passes make the latents final a part at a time: ``feed(state, final)`` gives the decoder the
     latent frames ``[0, final)`` of a pass's ``Prepared.state`` (called after each such pass, in order, before the
     decode of what they allow; the decoder was made from the first)."""
+    skip: int = 0
+    """Decoded video frames that are not delivered, at the start (an extension's: the frames of the video it
+    extends, decoded again only as the decoder's context)."""
     audio: Callable[[], tuple[np.ndarray, int]] | None = None
     """For audio-video models: decodes the soundtrack to a float waveform ``[C, S]`` in [-1, 1] and its sample
     rate. Called on the delivering rank only (``ParallelState.delivers``; no collectives inside), before the video
@@ -322,7 +325,7 @@ class _Delivery:
         self.decoder: Decoder | None = None
         self.stream: ProgressiveDecode | None = None
         self.pieces: list[np.ndarray] = []
-        self.delivered = 0
+        self.delivered = self.skipped = 0
 
     def _start(self, full: dict[str, torch.Tensor], prepared: Prepared) -> None:
         decoder = self.model.decoder(full, prepared)
@@ -361,8 +364,14 @@ class _Delivery:
         # NOTE(decode): collectives of the Ulysses group only; the other guidance ranks skip them (same latents).
         if self.stream is None:
             return
-        total = self.decoder.split.video_frames
+        skip = self.decoder.skip
+        total = self.decoder.split.video_frames - skip
         for frames in self.stream.advance(final):
+            if self.skipped < skip:
+                dropped = min(skip - self.skipped, frames.shape[0])
+                self.skipped, frames = self.skipped + dropped, frames[dropped:]
+                if not frames.shape[0]:
+                    continue
             if self.control.on_frames:
                 self.control.on_frames(frames, self.delivered, total)
             self.delivered += frames.shape[0]

@@ -101,13 +101,19 @@ class Windows:
 
 
 def windows_of(request: GenerationRequest | Mapping[str, Any]) -> Windows | None:
-    """The windows of a resolved request (or its option values), ``None`` when it fits one window."""
+    """The windows of a resolved request (or its option values), ``None`` when it fits one window.
+
+    An extension (``GenerationRequest.extends``) is always windows: the latent frames of the tail it continues
+    (``overlap`` of them, the video made before its first window) and its ``num_frames - 1`` new frames'."""
     values = request if isinstance(request, Mapping) else {"num_frames": request.num_frames, **request.options}
-    latent = (values["num_frames"] - 1) // TEMPORAL_COMPRESSION + 1
     tile = max(1, values["temporal_tile_size"] // TEMPORAL_COMPRESSION)
+    overlap = values["temporal_overlap"] // TEMPORAL_COMPRESSION
+    if not isinstance(request, Mapping) and request.extends is not None:
+        return Windows(overlap + (request.num_frames - 1) // TEMPORAL_COMPRESSION, tile, overlap)
+    latent = (values["num_frames"] - 1) // TEMPORAL_COMPRESSION + 1
     if latent <= tile:
         return None
-    return Windows(latent, tile, values["temporal_overlap"] // TEMPORAL_COMPRESSION)
+    return Windows(latent, tile, overlap)
 
 
 def check_windows(values: Mapping[str, Any]) -> None:

@@ -30,7 +30,7 @@ from diffusers.pipelines.ltx.pipeline_ltx_condition import linear_quadratic_sche
 from PIL import Image
 
 from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, gather_passes, pass_shares, ulysses_attention
-from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit, video_index
 from cp_infer.plan import Plan
 from cp_infer.request import Condition, GenerationRequest, resolve_frame_index
 from cp_infer.sampler import Decoder, Prepared
@@ -507,8 +507,10 @@ class LTXVideoModel:
             return decode_round_uint8(pipe, vae, self._decode_ctx, buffer, a, b, noise.timestep, seed=request.seed,
                                       split_scope=self.decode_split(split))
 
+        # An extension's first latent frames are the video it extends: decoded as context, not delivered.
+        skip = 0 if request.extends is None else video_index(x.windows.overlap, self.geometry.temporal_compression)
         return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
-                       reads=lambda a, b: decode_reads(vae, split, a, b), feed=feed)
+                       reads=lambda a, b: decode_reads(vae, split, a, b), feed=feed, skip=skip)
 
     def checkpoint(self, state) -> dict[str, np.ndarray]:
         """A long video's windows made so far (``models.ltx_video_windows.Video``)."""

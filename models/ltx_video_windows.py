@@ -114,7 +114,10 @@ def prepare_window(model, request: GenerationRequest, previous_state) -> Prepare
     """The pipeline's steps 6.1-6.5 for the window after ``previous_state``'s (``None``: the first)."""
     pipe, device = model.pipe, model.device
     windows = windows_of(request)
-    before: Video | None = None if previous_state is None else previous_state.video
+    if previous_state is not None:
+        before = previous_state.video
+    else:  # an extension's first window follows the video it extends; a long video's, nothing
+        before = None if request.extends is None else _extended(model, request)
     w = 0 if before is None else before.window + 1
     start, end = windows.spans[w]
     cfg_on = request.guidance_scale > 1.0
@@ -148,7 +151,7 @@ def prepare_window(model, request: GenerationRequest, previous_state) -> Prepare
     p, pt = cfg.patch_size, cfg.patch_size_t
     t_ratio = model.geometry.temporal_compression
     coords = build_video_coords_for_window(
-        latents=window, overlap_len=windows.overlap if w > 0 and windows.overlap > 0 else 0, guiding_len=0,
+        latents=window, overlap_len=windows.overlap if before is not None and windows.overlap > 0 else 0, guiding_len=0,
         negative_len=0 if image is None else 1, rope_interpolation_scale=(t_ratio, s_ratio, s_ratio),
         frame_rate=request.fps)
     scheduler = model.scheduler
@@ -170,17 +173,35 @@ def prepare_window(model, request: GenerationRequest, previous_state) -> Prepare
                     state=state)
 
 
+def _extended(model, request: GenerationRequest) -> Video:
+    """The video an extension continues, as the windows see it: its last frames (``GenerationRequest.extends``)
+    encoded as ``overlap`` latent frames, the tail the first window is conditioned on and its AdaIN reference."""
+    from PIL import Image
+
+    pipe = model.pipe
+    clip = [Image.fromarray(frame, mode="RGB") for frame in request.extends.frames]
+    pixels = pipe.video_processor.preprocess_video(clip, height=request.height, width=request.width)
+    latents = _encode(model, pixels)
+    return Video(latents, latents, window=-1)
+
+
+def _encode(model, pixels: torch.Tensor) -> torch.Tensor:
+    """``[1, 3, F, H, W]`` pixels in [-1, 1] -> normalised latents (the latent distribution's mode), as the pipeline
+    encodes its conditioning image."""
+    pipe, vae = model.pipe, model.components.vae
+    encoded = vae.encode(pixels.to(device=model.device, dtype=vae.dtype))
+    latents = (encoded.latent_dist.mode() if hasattr(encoded, "latent_dist") else encoded.latents).float().cpu()
+    return pipe._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+
+
 def _image_latents(model, request: GenerationRequest) -> torch.Tensor:
     """``[1, C, 1, H, W]``: the request's image encoded as the pipeline encodes ``cond_image`` (the latent
     distribution's mode, normalised), the same on every rank."""
     from PIL import Image
 
-    pipe, vae = model.pipe, model.components.vae
     image = Image.fromarray(request.image.frames[0], mode="RGB")
-    pixels = pipe.video_processor.preprocess(image, height=request.height, width=request.width)
-    encoded = vae.encode(pixels.to(device=model.device, dtype=vae.dtype).unsqueeze(2))
-    latents = (encoded.latent_dist.mode() if hasattr(encoded, "latent_dist") else encoded.latents).float().cpu()
-    return pipe._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    pixels = model.pipe.video_processor.preprocess(image, height=request.height, width=request.width)
+    return _encode(model, pixels.unsqueeze(2))
 
 
 def predict_window(model, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,

@@ -284,3 +284,30 @@ def test_resume_from_a_checkpoint_equals_the_whole_run(cache_dir):
     assert digest2 == digest
     with pytest.raises(JobFailed, match="not one of this request.s windows"):
         one_thread(_long_run, state, cache_dir, 161, resume=(2, dict(checkpoints[2], window=np.array(2))))
+
+
+def _extend(state, cache_dir: str, tail: np.ndarray, frames: int):
+    from models.ltx_video import LTXVideoModel
+
+    model = LTXVideoModel(_components(cache_dir, "ancestral"), state=state)
+    model.decode_frames_per_rank = 2
+    request = GenerationRequest(prompt="the river goes on", num_frames=frames, height=64, width=224,
+                                num_inference_steps=3, guidance_scale=3.0, fps=24, seed=7,
+                                extends=Condition(tail), options=dict(WINDOWS))
+    return sample(model, request, state=state)
+
+
+def test_an_extension_continues_the_tail_it_is_given(cache_dir, groups):
+    """An extension makes num_frames - 1 new frames after the video it extends (window by window from its last 17
+    frames, which are not delivered again), depends on that tail, and is the same at N = 2 as at 1 rank."""
+    from cp_infer import single_process_state
+
+    rng = np.random.default_rng(5)
+    tail = rng.integers(0, 255, (17, 64, 224, 3), dtype=np.uint8)
+    one = one_thread(_extend, single_process_state(), cache_dir, tail, 49)
+    assert one.shape == (48, 64, 224, 3) and one.std() > 5
+    other = one_thread(_extend, single_process_state(), cache_dir, 255 - tail, 49)
+    assert np.abs(one.astype(int) - other.astype(int)).mean() > 1
+    two = groups(2).run(_extend, cache_dir, tail, 49, timeout=600)[0]
+    diff = np.abs(two.astype(np.int16) - one.astype(np.int16))
+    assert diff.max() <= 1 and diff.mean() < 0.01
