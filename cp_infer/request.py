@@ -18,7 +18,7 @@ import numpy as np
 from .options import STANDARD, ModelOptions
 from .shapes import LatentShape, VideoGeometry
 
-__all__ = ["Condition", "GenerationRequest", "GenerationLimits", "check_request", "resolve_frame_index",
+__all__ = ["EXTEND_TAIL", "Condition", "GenerationRequest", "GenerationLimits", "check_request", "resolve_frame_index",
            "resolve_request"]
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ class Job:
             "guidance_scale": r.guidance_scale, "seed": r.seed,
             # The model's own options, as resolved (every one it declares).
             **{name: list(v) if isinstance(v, tuple) else v for name, v in r.options.items()},
-            "input_reference": r.image is not None,
+            "input_reference": r.image is not None, "extends": r.extends is not None,
             "conditions": [{"frame_index": c.frame_index, "strength": c.strength,
                             "num_frames": int(c.frames.shape[0])} for c in r.conditions] or None,
         }
@@ -131,6 +131,7 @@ def _request_to_json(request: GenerationRequest) -> str:
     data = {f.name: getattr(request, f.name) for f in fields(request)}
     data["image"] = None if request.image is None else _condition_to_json(request.image)
     data["conditions"] = [_condition_to_json(c) for c in request.conditions]
+    data["extends"] = None if request.extends is None else _condition_to_json(request.extends)
     return json.dumps(data)
 
 
@@ -148,6 +149,8 @@ def _request_from_json(text: str) -> GenerationRequest:
     if data.get("image") is not None:
         data["image"] = _condition_from_json(data["image"])
     data["conditions"] = tuple(_condition_from_json(c) for c in data.get("conditions") or ())
+    if data.get("extends") is not None:
+        data["extends"] = _condition_from_json(data["extends"])
     return GenerationRequest(**data)
 
 
@@ -188,6 +191,13 @@ class JobStore:
     def path(self, job_id: str, suffix: str) -> Path:
         assert valid_job_id(job_id), job_id
         return self.videos_dir / f"{job_id}{suffix}"
+
+    def lead_frames(self, job_id: str) -> np.ndarray | None:
+        """The frames the job's video starts with (``submit``'s ``lead``), memory-mapped; ``None`` without."""
+        try:
+            return np.load(self.path(job_id, ".lead.npy"), mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError:
+            return None
 
     def save_checkpoint(self, job_id: str, passes_done: int, arrays: dict[str, np.ndarray]) -> None:
         """A running job's checkpoint (``SampleControl.on_checkpoint``), replacing the one before atomically."""
@@ -277,13 +287,18 @@ class JobStore:
             return self._event_seq, (None if job is None or job.deleting else job)
 
     # -- the HTTP side -----------------------------------------------------------------------------------------
-    def submit(self, request: GenerationRequest, *, model: str) -> Job:
-        """Queue a validated request; raises :class:`QueueFull` past ``max_queue`` queued jobs."""
+    def submit(self, request: GenerationRequest, *, model: str, lead: np.ndarray | None = None) -> Job:
+        """Queue a validated request; raises :class:`QueueFull` past ``max_queue`` queued jobs. ``lead``: frames
+        the video starts with before the ones made (an extension's: the video it extends), kept in a file
+        beside the job's outputs until it ends."""
         job_id = f"video_{secrets.token_hex(16)}"
         with self._lock:
             depth = self._queued()
             if depth >= self.max_queue:
                 raise QueueFull(depth)
+            if lead is not None:
+                # Written before the job is visible, so that the leader never claims it without them.
+                np.save(self.path(job_id, ".lead.npy"), np.ascontiguousarray(lead, dtype=np.uint8))
             self._db.execute(
                 "INSERT INTO jobs (id, status, created_at, model, request) VALUES (?, 'queued', ?, ?, ?)",
                 (job_id, int(time.time()), model, _request_to_json(request)))
@@ -401,7 +416,8 @@ class JobStore:
                          (status, progress, int(time.time()), code, message, job_id))
         job = self._get(job_id)
         self._log(job)
-        self.path(job_id, ".resume.npz").unlink(missing_ok=True)  # an ended job goes on from nowhere
+        for suffix in (".resume.npz", ".lead.npy"):  # an ended job goes on from nowhere
+            self.path(job_id, suffix).unlink(missing_ok=True)
         if job.deleting:
             self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             self._remove_files(job_id)

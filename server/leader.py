@@ -297,17 +297,19 @@ class GroupLeader:
         with self._streams_lock:
             stream = self._streams.pop(job.id, None)
         outputs = None
+        lead = self.store.lead_frames(job.id)
         try:
-            if stream is not None or self._made_in_windows(group, job):
+            if stream is not None or lead is not None or self._made_in_windows(group, job):
                 # Streamed, or long enough to be made window by window: encoded as the frames come, so that rank 0
                 # never holds the whole video.
                 try:
+                    made = job.request.num_frames - (0 if lead is None else 1)  # an extension's: after the lead
                     outputs = StreamedOutputs(self.store, job.id, job.request, keep_frames=self.config.keep_frames,
-                                              stream=stream)
+                                              stream=stream, frames=made + (0 if lead is None else len(lead)))
                 except (OSError, ValueError) as exc:
                     self._finish(job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
                     return
-            self._generate_and_write(group, job, outputs)
+            self._generate_and_write(group, job, outputs, lead)
         finally:
             if outputs is not None:
                 outputs.discard()  # a no-op once committed
@@ -326,7 +328,9 @@ class GroupLeader:
         except ValueError:
             return False  # refused in _generate_and_write, with the reason
 
-    def _generate_and_write(self, group: GroupDriver, job: Job, outputs: StreamedOutputs | None = None) -> None:
+    def _generate_and_write(self, group: GroupDriver, job: Job, outputs: StreamedOutputs | None = None,
+                            lead: np.ndarray | None = None) -> None:
+        """``lead``: frames the video starts with, written before the ones the group makes (an extension's)."""
         from cp_infer.sampler import JobCancelled, JobFailed, SampleControl, StepStatus
         from server.runtime import with_faults
 
@@ -364,14 +368,20 @@ class GroupLeader:
             if outputs is not None:
                 outputs.set_audio(waveform, sample_rate)
 
+        offset = 0 if lead is None else len(lead)
+
         def on_frames(frames: np.ndarray, first: int, total: int) -> None:
+            if offset and first == 0:
+                for a in range(0, offset, 16):  # the video extended, a few frames at a time (memory-mapped)
+                    outputs.write(np.asarray(lead[a:a + 16]), a)
+            first += offset
             if outputs is not None:
                 # NOTE(timeout): the ranks whose pieces come later wait in their send while this encodes; that
                 # wait (about the encode time of the pieces before theirs) must stay under the collective timeout.
                 if self.store.cancel_requested(job.id):
                     outputs.stop()  # the job ends cancelled: encode nothing more
                 outputs.write(frames, first)
-            decoded = (first + len(frames)) / max(total, 1)
+            decoded = (first - offset + len(frames)) / max(total, 1)
             self.store.set_progress(job.id, _DENOISE_SHARE + int((_DECODED - _DENOISE_SHARE) * decoded))
 
         def deferred(hook):

@@ -173,6 +173,9 @@ class VideoJob(BaseModel):
     seed: int
     input_reference: bool = False
     """Whether the video was made from a reference image."""
+    extends: bool = False
+    """Whether the video is an extension (``POST /v1/videos/extensions``): the video it extends, then
+    ``num_frames - 1`` new frames."""
     conditions: list[dict] | None = None
     """The conditioning items (``frame_index``, ``strength``, ``num_frames`` of the media), without their pixels."""
 

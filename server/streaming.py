@@ -74,13 +74,14 @@ class StreamedOutputs:
     sibling that :meth:`commit` renames into place and :meth:`discard` removes."""
 
     def __init__(self, store, job_id: str, request: GenerationRequest, *, keep_frames: bool,
-                 stream: VideoStream | None):
+                 stream: VideoStream | None, frames: int | None = None):
+        """``frames``: how many the video has (unset: the request's ``num_frames``)."""
         from cp_infer.stream import FragmentedMP4Writer
 
         self.job_id = job_id
         self.error: str | None = None
         self.frames_written = 0
-        self._shape = (request.num_frames, request.height, request.width, 3)
+        self._shape = (request.num_frames if frames is None else frames, request.height, request.width, 3)
         self._stopped = self._done = False
         self._files: list[tuple[Path, Path]] = []  # (tmp, final), renamed by commit
         self._mp4 = self._raw = self._writer = None

@@ -26,10 +26,11 @@ from typing import Literal
 from urllib.parse import parse_qsl
 
 import anyio
+import numpy as np
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
 
-from cp_infer.request import Condition
+from cp_infer.request import EXTEND_TAIL, Condition, check_request
 from server.app import AppConfig, ConfigDep
 from server.conditions import (
     UPLOAD_PREFIX,
@@ -394,6 +395,63 @@ async def edit_video(request: Request, engine: EngineDep, config: ConfigDep) -> 
     return job.public()
 
 
+@router.post("/extensions", response_model=VideoJob, responses=_ERRORS)
+async def extend_video(request: Request, engine: EngineDep, config: ConfigDep) -> dict:
+    """A new job: ``video`` (an upload, a data URL, or ``{"id": ...}`` of a completed job) followed by ``seconds``
+    (or ``num_frames - 1`` frames) more, made window by window from its last frames (the ``openai`` SDK's
+    ``videos.extend``). Size and frame rate are the source's (an upload's size down to the model's size step);
+    other fields as for ``POST /v1/videos``."""
+    _require_ready(engine)
+    body = await _read_media_body(request, **_body_caps(config))
+    data = dict(body.data)
+    if "video" not in data:
+        raise ApiError(400, "missing_required_parameter", "video is required: an uploaded file, a data URL or "
+                       "{\"id\": video id} of a completed job", "video")
+    ref = data.pop("video")
+    store, limits = engine.store, media_limits(config.max_upload_bytes, engine.limits)
+    source = None
+    if isinstance(ref, dict) and set(ref) == {"id"} and isinstance(ref["id"], str):
+        source = completed_job(store, ref["id"], field="video")
+        frames = await anyio.to_thread.run_sync(lambda: job_frames(store, source, field="video", limits=limits))
+    elif isinstance(ref, str):
+        frames = await anyio.to_thread.run_sync(lambda: load_media(
+            ref, field="video", uploads=body.uploads, store=store, limits=limits))
+    else:
+        raise ApiError(400, "invalid_value", "video must be an uploaded file, a data URL or {\"id\": video id}",
+                       "video")
+    if len(frames) < EXTEND_TAIL:
+        raise ApiError(400, "invalid_value", f"video has {len(frames)} frames; an extension continues from the "
+                       f"last {EXTEND_TAIL}: extend a longer video", "video")
+    if "seconds" not in data and "num_frames" not in data:
+        raise ApiError(400, "missing_required_parameter", "seconds is required: how long the extension is", "seconds")
+    params = _create_params(_edit_defaults(dataclasses.replace(body, data=data), frames, source, engine), engine)
+    if params.input_reference is not None or params.conditions:
+        raise ApiError(400, "conflicting_parameters", "an extension is conditioned on its video alone; remove "
+                       "input_reference and conditions", "video")
+    generation = _build(engine, params, Resolved())
+    lead = await anyio.to_thread.run_sync(lambda: _fit(frames, generation.width, generation.height))
+    generation = dataclasses.replace(generation, extends=Condition(np.ascontiguousarray(lead[-EXTEND_TAIL:])))
+    try:
+        check_request(generation, geometry=engine.geometry, limits=engine.limits, options=engine.options)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_value", str(exc), "video") from None
+    try:
+        job = engine.store.submit(generation, model=engine.served_model, lead=lead)
+    except QueueFull as exc:
+        raise ApiError(429, "queue_full", f"{exc}; retry later", headers={
+            "Retry-After": str(engine.retry_after_s())}) from None
+    return job.public()
+
+
+def _fit(frames: np.ndarray, width: int, height: int) -> np.ndarray:
+    """The frames at ``width`` x ``height`` (an upload whose size is not the model's step is resized)."""
+    if frames.shape[1:3] == (height, width):
+        return frames
+    from PIL import Image
+
+    return np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.BICUBIC)) for f in frames])
+
+
 @router.post("/{video_id}/remix", response_model=VideoJob, responses=_ERRORS)
 async def remix_video(video_id: str, request: Request, engine: EngineDep, config: ConfigDep) -> dict:
     """A new job with the settings and media of ``video_id`` and a new ``prompt``."""
@@ -409,8 +467,6 @@ async def remix_video(video_id: str, request: Request, engine: EngineDep, config
     _require_ready(engine)
     generation = dataclasses.replace(source.request, prompt=prompt)
     try:
-        from cp_infer.request import check_request
-
         check_request(generation, geometry=engine.geometry, limits=engine.limits, options=engine.options)
     except ValueError as exc:
         raise ApiError(400, "invalid_value", str(exc), "prompt") from None
