@@ -4,12 +4,13 @@ leader).
 Invariants:
 - The app never touches the process group: it reads and writes the engine's job store, and the engine's
   leader thread alone talks to the other ranks. ``lifespan`` starts and stops that thread.
-- The routers (``server.health``, ``server.videos``) are declared at module level; a route reaches the engine
-  (``app.state.engine``, a :class:`server.engine.Engine`) and this config (``app.state.config``) through the
-  dependencies :func:`server.engine.get_engine` and :func:`get_app_config`.
+- The routers (``server.health``, ``server.videos``, ``server.playground``) are declared at module level; a route
+  reaches the engine (``app.state.engine``, a :class:`server.engine.Engine`) and this config (``app.state.config``)
+  through the dependencies :func:`server.engine.get_engine` and :func:`get_app_config`.
 - With an API key, one ASGI middleware in front of every route (FastAPI's own docs routes included) checks
-  the bearer token with ``hmac.compare_digest``; only ``/health`` is exempt. Bodies over the cap are refused
-  with 413, from their Content-Length before they are read, and while streaming otherwise.
+  the bearer token with ``hmac.compare_digest``; only ``/health`` is exempt, and the playground page's own static
+  files (``server.playground.PageFiles``, in front of the guard and not routes). Bodies over the cap are refused with
+  413, from their Content-Length before they are read, and while streaming otherwise.
 - Every error is a 4xx/5xx JSON ``{"error": {"code", "message", "param"}}``; nothing fails with 200.
 """
 
@@ -27,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server import health
+from server import health, playground
 from server.engine import Engine
 from server.schemas import ApiError
 
@@ -172,6 +173,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     _install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(videos.router)
+    app.include_router(playground.router)
     _derive_openapi(app, engine)
     # Routes cap their own bodies (those that carry media higher); the guard only stops what no route takes.
     app.add_middleware(_GuardMiddleware, api_key=config.api_key,
@@ -182,4 +184,6 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
         # Outside the guard: a browser's preflight carries no token; the real request still needs one.
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Video-Id"])
+    # The page's own files answer before the guard: a browser cannot send a token when it navigates.
+    app.add_middleware(playground.PageFiles)
     return app
