@@ -349,6 +349,20 @@ async def create_video(request: Request, engine: EngineDep, config: ConfigDep, s
     return job.public()
 
 
+async def _source_video(ref, body: _Body, engine, config: AppConfig) -> tuple[np.ndarray, Job | None]:
+    """The ``video`` an edit or an extension starts from: its frames, and the completed job it names (``None`` for
+    an upload or a data URL)."""
+    store, limits = engine.store, media_limits(config.max_upload_bytes, engine.limits)
+    if isinstance(ref, dict) and set(ref) == {"id"} and isinstance(ref["id"], str):
+        source = completed_job(store, ref["id"], field="video")  # one lookup: its frames and its settings
+        return await anyio.to_thread.run_sync(lambda: job_frames(store, source, field="video", limits=limits)), source
+    if isinstance(ref, str):
+        return await anyio.to_thread.run_sync(lambda: load_media(
+            ref, field="video", uploads=body.uploads, store=store, limits=limits)), None
+    raise ApiError(400, "invalid_value", "video must be an uploaded file, a data URL or {\"id\": video id}",
+                   "video")
+
+
 @router.post("/edits", response_model=VideoJob, responses=_ERRORS)
 async def edit_video(request: Request, engine: EngineDep, config: ConfigDep) -> dict:
     """A new job that redoes a video with a new prompt: ``video`` (an upload, a data URL, or ``{"id": ...}`` of
@@ -362,17 +376,7 @@ async def edit_video(request: Request, engine: EngineDep, config: ConfigDep) -> 
         raise ApiError(400, "missing_required_parameter", "video is required: an uploaded file, a data URL or "
                        "{\"id\": video id}", "video")
     ref, strength = data.pop("video"), data.pop("strength", 0.6)
-    store, limits = engine.store, media_limits(config.max_upload_bytes, engine.limits)
-    source = None
-    if isinstance(ref, dict) and set(ref) == {"id"} and isinstance(ref["id"], str):
-        source = completed_job(store, ref["id"], field="video")  # one lookup: its frames and its settings
-        frames = await anyio.to_thread.run_sync(lambda: job_frames(store, source, field="video", limits=limits))
-    elif isinstance(ref, str):
-        frames = await anyio.to_thread.run_sync(lambda: load_media(
-            ref, field="video", uploads=body.uploads, store=store, limits=limits))
-    else:
-        raise ApiError(400, "invalid_value", "video must be an uploaded file, a data URL or {\"id\": video id}",
-                       "video")
+    frames, source = await _source_video(ref, body, engine, config)
     if body.form:
         try:
             strength = float(strength)
@@ -407,18 +411,7 @@ async def extend_video(request: Request, engine: EngineDep, config: ConfigDep) -
     if "video" not in data:
         raise ApiError(400, "missing_required_parameter", "video is required: an uploaded file, a data URL or "
                        "{\"id\": video id} of a completed job", "video")
-    ref = data.pop("video")
-    store, limits = engine.store, media_limits(config.max_upload_bytes, engine.limits)
-    source = None
-    if isinstance(ref, dict) and set(ref) == {"id"} and isinstance(ref["id"], str):
-        source = completed_job(store, ref["id"], field="video")
-        frames = await anyio.to_thread.run_sync(lambda: job_frames(store, source, field="video", limits=limits))
-    elif isinstance(ref, str):
-        frames = await anyio.to_thread.run_sync(lambda: load_media(
-            ref, field="video", uploads=body.uploads, store=store, limits=limits))
-    else:
-        raise ApiError(400, "invalid_value", "video must be an uploaded file, a data URL or {\"id\": video id}",
-                       "video")
+    frames, source = await _source_video(data.pop("video"), body, engine, config)
     if len(frames) < EXTEND_TAIL:
         raise ApiError(400, "invalid_value", f"video has {len(frames)} frames; an extension continues from the "
                        f"last {EXTEND_TAIL}: extend a longer video", "video")

@@ -12,6 +12,7 @@ from diffusers import (
     LTXLatentUpsamplePipeline,
     LTXPipeline,
 )
+from diffusers.pipelines.ltx.pipeline_ltx_i2v_long_multi_prompt import LTXI2VLongMultiPromptPipeline
 
 from models.registry import model_options
 
@@ -26,11 +27,17 @@ _RESOLVED = {
     ("ltx2", "spatio_temporal_guidance_blocks"): (28,),
     # LTXPipeline 128, LTXConditionPipeline 256: unset picks the one of the pipeline the request follows.
     ("ltx-video", "max_sequence_length"): None,
+    # 0.0 for the upsampler (LTXLatentUpsamplePipeline), 0.25 across windows (LTXI2VLongMultiPromptPipeline): unset
+    # picks the one of the pipeline the request follows.
+    ("ltx-video", "adain_factor"): None,
 }
 # Options that LTXPipeline / LTX2Pipeline lack, and the pipeline whose argument they are.
 _FROM = {("ltx-video", "image_cond_noise_scale"): LTXConditionPipeline,
          ("ltx-video", "adain_factor"): LTXLatentUpsamplePipeline,
-         ("ltx-video", "tone_map_compression_ratio"): LTXLatentUpsamplePipeline}
+         ("ltx-video", "tone_map_compression_ratio"): LTXLatentUpsamplePipeline,
+         **{("ltx-video", name): LTXI2VLongMultiPromptPipeline for name in (
+             "temporal_tile_size", "temporal_overlap", "temporal_overlap_cond_strength", "cond_strength",
+             "prompt_segments")}}
 # Options of a recipe over several pipelines, an argument of none (stages: models.ltx2_stages,
 # models.ltx_video_stages).
 _RECIPE = {("ltx2", "stages"), ("ltx-video", "stages")}
@@ -47,6 +54,10 @@ def test_names_and_defaults_are_the_reference_pipelines(family, pipeline):
         assert option.name in parameters, f"{option.name} is not an argument of {reference.__name__}"
         default = parameters[option.name].default
         expected = _RESOLVED.get((family, option.name), default)
+        if (family, option.name) == ("ltx-video", "adain_factor"):
+            assert {LTXLatentUpsamplePipeline: 0.0, LTXI2VLongMultiPromptPipeline: 0.25} == {
+                p: inspect.signature(p.__call__).parameters["adain_factor"].default
+                for p in (LTXLatentUpsamplePipeline, LTXI2VLongMultiPromptPipeline)}
         # Equal values (LTX2Pipeline's frame_rate 24.0 is an integer here: it is also the output's frame rate;
         # LTXPipeline's guidance_scale 3 a float), and None only where the pipeline's is None.
         assert option.default == expected and (option.default is None) == (expected is None), (

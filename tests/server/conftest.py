@@ -11,6 +11,7 @@ One server is shared by the e2e, fault and bad-input modules (``api_server``, se
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.harness import free_port
@@ -45,6 +47,28 @@ def tiny(prompt: str = "a red fox runs through fresh snow", **overrides) -> dict
     body = {"prompt": prompt, "num_frames": 9, "size": "96x64", "num_inference_steps": 2, "seed": 1234}
     body.update(overrides)
     return body
+
+
+def mp4_bytes(frames: np.ndarray) -> bytes:
+    """An H.264 MP4 of uint8 frames [F, H, W, 3] at 24 fps, near-lossless (crf 10), as a client uploads it."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        stream.options = {"crf": "10"}
+        for f in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+def lossless_frames(server, job_id: str) -> np.ndarray:
+    """A completed job's frames as the server kept them (``variant=frames``: ``--keep-frames``)."""
+    r = server.client.get(f"/v1/videos/{job_id}/content", params={"variant": "frames"})
+    assert r.status_code == 200, r.text
+    return np.load(io.BytesIO(r.content))
 
 
 def _children() -> dict[int, list[int]]:

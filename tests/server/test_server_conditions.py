@@ -22,6 +22,8 @@ import pytest
 from PIL import Image
 
 from .conftest import API_KEY, tiny
+from .conftest import lossless_frames as _frames
+from .conftest import mp4_bytes as _mp4
 
 
 def _image(seed: int, height: int = 64, width: int = 96) -> np.ndarray:
@@ -39,26 +41,6 @@ def _png(frame: np.ndarray) -> bytes:
 
 def _data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-def _mp4(frames: np.ndarray) -> bytes:
-    import av
-
-    out = io.BytesIO()
-    with av.open(out, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=24)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        stream.options = {"crf": "10"}
-        for f in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
-        container.mux(stream.encode())
-    return out.getvalue()
-
-
-def _frames(s, job_id: str) -> np.ndarray:
-    r = s.client.get(f"/v1/videos/{job_id}/content", params={"variant": "frames"})
-    assert r.status_code == 200, r.text
-    return np.load(io.BytesIO(r.content))
 
 
 def _levels(a: np.ndarray, b: np.ndarray) -> float:

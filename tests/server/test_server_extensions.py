@@ -6,33 +6,14 @@ followed by the frames made from its tail; bad inputs are 4xx naming the field, 
 
 from __future__ import annotations
 
-import io
 import warnings
 
 import numpy as np
 import pytest
 
 from .conftest import API_KEY, tiny
-
-
-def _frames(s, job_id: str) -> np.ndarray:
-    r = s.client.get(f"/v1/videos/{job_id}/content", params={"variant": "frames"})
-    assert r.status_code == 200, r.text
-    return np.load(io.BytesIO(r.content))
-
-
-def _mp4(frames: np.ndarray) -> bytes:
-    import av
-
-    out = io.BytesIO()
-    with av.open(out, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=24)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        stream.options = {"crf": "10"}
-        for f in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
-        container.mux(stream.encode())
-    return out.getvalue()
+from .conftest import lossless_frames as _frames
+from .conftest import mp4_bytes as _mp4
 
 
 @pytest.fixture(scope="module")
