@@ -152,6 +152,9 @@ class ModelOptions:
     check: Callable[[Mapping[str, Any]], None] | None = field(default=None, compare=False)
     """A check across options of the resolved values (every declared name), run last by :meth:`resolve`; raises
     ``ValueError`` naming the options and the fix (e.g. a size that one of the model's modes cannot take)."""
+    window_media: tuple[str, ...] = ("image", "extends")
+    """What a request made window by window may carry besides its prompt: ``image`` (image-to-video), ``extends`` (an
+    extension of a video)."""
     window_frames: Callable[[Mapping[str, Any]], int] | None = field(default=None, compare=False)
     """For a model that makes long videos window by window: the video frames of the longest sequence a request's
     plan denoises at once (the resolved values; the deployment's token limit applies to it). ``None``: the whole

@@ -171,9 +171,9 @@ overlap of a window with the one before)."""
 
 
 def _check_extends(request: GenerationRequest, options: ModelOptions, geometry: VideoGeometry) -> None:
-    if options.window_frames is None:
-        raise ValueError(f"video: the loaded model ({options.model}) does not extend videos; serve one that makes "
-                         "long videos window by window")
+    if options.window_frames is None or "extends" not in options.window_media:
+        raise ValueError(f"video: the loaded model ({options.model}) does not extend videos; serve a model that "
+                         "does")
     if request.image is not None or request.conditions:
         raise ValueError("video: an extension takes no image or conditions; the video it extends conditions it")
     _check_condition("video", request.extends, EXTEND_TAIL, geometry.temporal_compression)
@@ -231,6 +231,9 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     if request.conditions and frames != request.num_frames:
         raise ValueError("conditions: a video longer than one window takes an image (image-to-video), not "
                          "conditions; give the first frame as image, or ask for fewer frames")
+    if request.image is not None and frames != request.num_frames and "image" not in options.window_media:
+        raise ValueError(f"image: {options.model} models make a video longer than one window from text only; remove "
+                         "the image, or ask for fewer frames")
     tokens = geometry.latent_shape(frames, request.height, request.width).tokens
     if tokens > limits.max_tokens:
         what = "" if frames == request.num_frames else f" per window of {frames} frames"

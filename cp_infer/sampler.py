@@ -118,9 +118,10 @@ class DenoiseModel(Protocol):
 
     # Optional, for plans whose passes make the video's latents final a part at a time (a long video's windows):
     # ``finish_pass(latents, prepared) -> int | None``: fold a pass's gathered latents into the request's state, and
-    # say how many latent frames of the video are now final (``None``: the pass is not such a part);
-    # ``checkpoint(state) -> dict[str, np.ndarray]``: that state, to go on from; ``restore(request, arrays) ->
-    # (state, final)``: the state back (the next pass's ``previous_state``) and its final latent frames.
+    # say how many latent frames of the video are now final (``None``: none to decode before the plan's end);
+    # ``checkpoint(state) -> dict[str, np.ndarray] | None``: that state, to go on from (``None``: a pass the job cannot
+    # go on from); ``restore(request, arrays) -> (state, final)``: the state back (the next pass's
+    # ``previous_state``) and its final latent frames (or ``None``).
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,8 @@ def sample(
         _agree(*_run_hook(lambda: box.append(model.restore(request, arrays))), state=state)
         restored, final = box[0]
         prepared = Prepared(latents={}, timesteps=(), state=restored)
-        video.progress(full, prepared, final)
+        if final is not None:
+            video.progress(full, prepared, final)
     done = sum(p.steps for p in plan.passes[:start])
     if control.on_phase:
         control.on_phase("denoise")
@@ -293,7 +295,7 @@ def sample(
 
         def finished(index=index, full=full, prepared=prepared, final_box=final_box) -> None:
             final_box.append(finish(full, prepared))
-            arrays = model.checkpoint(prepared.state) if final_box[0] is not None else None
+            arrays = model.checkpoint(prepared.state)
             if arrays is not None and control.on_checkpoint and state.delivers and index + 1 < len(plan.passes):
                 control.on_checkpoint(index + 1, arrays)
 

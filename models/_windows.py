@@ -33,9 +33,10 @@ MIN_OVERLAP = 3
 """Latent frames of the smallest overlap (see the invariants)."""
 
 
-def window_options(*, default_tile: int, default_overlap: int) -> tuple[Option, ...]:
-    """The window options, named and defaulted as ``LTXI2VLongMultiPromptPipeline``'s (80 and 24 frames)."""
-    return (
+def window_options(*, default_tile: int, default_overlap: int, image: bool = True) -> tuple[Option, ...]:
+    """The window options, named and defaulted as ``LTXI2VLongMultiPromptPipeline``'s (80 and 24 frames); ``image``:
+    whether windows take an image (``cond_strength``)."""
+    options = (
         Option("temporal_tile_size", int, default_tile, "frames per window: a longer video is made window by "
                "window, each conditioned on the one before", lo=(MIN_OVERLAP + 1) * TEMPORAL_COMPRESSION,
                hi=100_000),
@@ -50,6 +51,7 @@ def window_options(*, default_tile: int, default_overlap: int) -> tuple[Option, 
                "\"end_window\": 1, \"text\": \"...\"}, ...] (unset: the prompt, split at '|', one part per window, "
                "the last one repeated)", nullable=True, max_items=64, check=_check_segments),
     )
+    return options if image else tuple(o for o in options if o.name != "cond_strength")
 
 
 def _check_segments(segments: Sequence[Any]) -> None:
@@ -155,9 +157,8 @@ def window_prompts(request: GenerationRequest, windows: Windows) -> list[str]:
     return [texts[min(w, len(texts) - 1)] or request.prompt for w in range(len(windows))]
 
 
-def window_plan(request: GenerationRequest, windows: Windows) -> Plan:
-    """One ``window`` pass per window, each with its own prompt; ``num_inference_steps - 1`` steps each (the
-    pipeline runs the schedule's timesteps but the last)."""
+def window_plan(request: GenerationRequest, windows: Windows, *, steps: int) -> Plan:
+    """One ``window`` pass per window, each with its own prompt and ``steps`` steps."""
     prompts = window_prompts(request, windows)
-    return Plan(tuple(DenoisePass(replace(request, prompt=prompts[w]), steps=request.num_inference_steps - 1,
-                                  kind="window", window=w) for w in range(len(windows))))
+    return Plan(tuple(DenoisePass(replace(request, prompt=prompts[w]), steps=steps, kind="window", window=w)
+                      for w in range(len(windows))))

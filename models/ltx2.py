@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,10 +45,12 @@ from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
 from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
+from ._windows import window_plan, windows_of
 from .loading import recommended_stages
 from .ltx2_conditions import VideoConditioning, prepare_conditions, prepare_image
 from .ltx2_options import ltx2_options
 from .ltx2_stages import REFINE_SIGMAS, refine_scheduler, two_stage_plan
+from .ltx2_windows import WindowState, finish_window, prepare_window, restore_state
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
 from .ltx_video import _scoped
 from .registry import min_latent_side
@@ -203,6 +205,8 @@ class _RequestState:
     audio_frames: int
     fps: float
     conditioning: VideoConditioning | None = None
+    audio_conditioning: VideoConditioning | None = None
+    """A long video's window: its first audio tokens conditioned on the soundtrack made so far."""
     step: int = 0
 
 
@@ -300,6 +304,9 @@ class LTX2Model:
     def plan(self, request: GenerationRequest) -> Plan:
         """One pass (text-to-video, image-to-video or conditions: keyframe tokens in the pass's video stream), or with
         ``stages=2`` the two-stage plan (``models.ltx2_stages``)."""
+        windows = windows_of(request)
+        if windows is not None:
+            return window_plan(request, windows, steps=request.num_inference_steps)  # models.ltx2_windows
         if request.options.get("stages", 1) == 2:
             return two_stage_plan(request)
         return Plan.single(request)
@@ -321,6 +328,8 @@ class LTX2Model:
         ``request.conditions`` LTX2ConditionPipeline's (the media encoded on every rank alike: an image or a short
         clip is one small encode, not worth a time-parallel split). ``kind="refine"``: stage 2 of two, from the
         gathered latents of stage 1 (``models.ltx2_stages``)."""
+        if kind == "window":
+            return prepare_window(self, request, previous_state)
         if kind == "refine":
             assert previous is not None and previous_state is not None, "a refine pass follows a pass"
             return self._prepare_refine(request, shape, previous, previous_state)
@@ -355,9 +364,14 @@ class LTX2Model:
                                                  noise_scale=0.0, dtype=torch.float32, device=cpu,
                                                  generator=generator)
         sigmas = np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps)
-        return self._prepared(request, shape, settings, (video_ctx, audio_ctx, ctx_mask), video, audio,
-                              scheduler=pipe.scheduler, sigmas=sigmas, generator=generator,
-                              conditioning=conditioning, keyframe_coords=keyframe_coords, audio_frames=audio_frames)
+        return self.prepared_pass(request, shape, settings, (video_ctx, audio_ctx, ctx_mask), video, audio,
+                                  sigmas=sigmas, generator=generator, conditioning=conditioning,
+                                  keyframe_coords=keyframe_coords, audio_frames=audio_frames)
+
+    def settings_and_contexts(self, request: GenerationRequest):
+        """A pass's guidance settings and prompt contexts (``_encode_prompt``)."""
+        settings = LTX2Settings.from_request(request)
+        return settings, self._encode_prompt(request, settings)
 
     def _encode_prompt(self, request: GenerationRequest, settings: LTX2Settings
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -404,16 +418,19 @@ class LTX2Model:
         audio = self.pipe.prepare_audio_latents(latents=audio, noise_scale=noise_scale, dtype=torch.float32,
                                                 device=cpu, generator=generator)
         scheduler = refine_scheduler(self.pipe.scheduler)
-        return self._prepared(request, shape, settings, contexts, video, audio, scheduler=scheduler,
-                              sigmas=REFINE_SIGMAS, generator=generator, conditioning=conditioning,
-                              keyframe_coords=None, audio_frames=before.audio_frames)
+        return self.prepared_pass(request, shape, settings, contexts, video, audio, scheduler=scheduler,
+                                  sigmas=REFINE_SIGMAS, generator=generator, conditioning=conditioning,
+                                  audio_frames=before.audio_frames)
 
-    def _prepared(self, request: GenerationRequest, shape: LatentShape, settings: LTX2Settings, contexts,
-                  video: torch.Tensor, audio: torch.Tensor, *, scheduler, sigmas, generator: torch.Generator,
-                  conditioning: VideoConditioning | None, keyframe_coords: torch.Tensor | None,
-                  audio_frames: int) -> Prepared:
-        """A pass's schedules (LTX2Pipeline's shift for the video's token count), RoPE coordinates and state."""
+    def prepared_pass(self, request: GenerationRequest, shape: LatentShape, settings: LTX2Settings, contexts,
+                      video: torch.Tensor, audio: torch.Tensor, *, sigmas, generator: torch.Generator,
+                      audio_frames: int, scheduler=None, conditioning: VideoConditioning | None = None,
+                      keyframe_coords: torch.Tensor | None = None,
+                      audio_conditioning: VideoConditioning | None = None) -> Prepared:
+        """A pass's schedules (LTX2Pipeline's shift for the video's token count; ``scheduler``: the pipeline's
+        unless given), RoPE coordinates and state."""
         device, cpu = self.device, torch.device("cpu")
+        scheduler = scheduler or self.pipe.scheduler
         video_ctx, audio_ctx, ctx_mask = contexts
         fps = float(request.fps)
         cfg = scheduler.config
@@ -435,7 +452,8 @@ class LTX2Model:
             request=request, shape=shape, settings=settings, schedulers=schedulers, video_ctx=video_ctx,
             audio_ctx=audio_ctx, ctx_mask=ctx_mask, coords={"video": video_coords.to(device),
                                                             "audio": audio_coords.to(device)},
-            batch=batch, generator=generator, audio_frames=audio_frames, fps=fps, conditioning=conditioning)
+            batch=batch, generator=generator, audio_frames=audio_frames, fps=fps, conditioning=conditioning,
+            audio_conditioning=audio_conditioning)
         return Prepared(latents={"video": video.to(device), "audio": audio.to(device)}, timesteps=list(timesteps),
                         state=state)
 
@@ -463,12 +481,14 @@ class LTX2Model:
         conditioning: VideoConditioning | None = x.conditioning
         # Conditioned video tokens have their own timesteps ([B, S_LOCAL]); audio and the prompt modulation run at t.
         video_timestep = timestep if conditioning is None else conditioning.timestep(timestep, plans["video"], rank)
+        audio_cond: VideoConditioning | None = x.audio_conditioning
+        audio_timestep = timestep if audio_cond is None else audio_cond.timestep(timestep, plans["audio"], rank)
         shape: LatentShape = x.shape
         with self.sharded(plans):
             video, audio = self.transformer(
                 hidden_states=inputs["video"], audio_hidden_states=inputs["audio"],
                 encoder_hidden_states=video_ctx, audio_encoder_hidden_states=audio_ctx, timestep=video_timestep,
-                audio_timestep=timestep, sigma=timestep, encoder_attention_mask=ctx_mask,
+                audio_timestep=audio_timestep, sigma=timestep, encoder_attention_mask=ctx_mask,
                 audio_encoder_attention_mask=ctx_mask,
                 num_frames=shape.frames, height=shape.height, width=shape.width, fps=x.fps,
                 audio_num_frames=x.audio_frames, video_coords=coords["video"], audio_coords=coords["audio"],
@@ -479,7 +499,7 @@ class LTX2Model:
 
     def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
                 plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
-        x = prepared.state
+        x = _pass_state(prepared.state)
         s: LTX2Settings = x.settings
         i, schedulers = x.step, x.schedulers
         scales = {"video": (s.guidance_scale, s.stg_scale, s.modality_scale, s.guidance_rescale),
@@ -510,8 +530,9 @@ class LTX2Model:
             g = guided[name]
             if rescale > 0:
                 g = self._rescale(g, cond[name], rescale, plans[name])
-            if name == "video" and conditioning is not None:
-                g = conditioning.blend_denoised(g, plans[name], self.state.cp_rank)
+            stream_conditioning = conditioning if name == "video" else x.audio_conditioning
+            if stream_conditioning is not None:
+                g = stream_conditioning.blend_denoised(g, plans[name], self.state.cp_rank)
             result[name] = self.pipe.convert_x0_to_velocity(latents_local[name], g, i, schedulers[name])
         return result
 
@@ -556,7 +577,7 @@ class LTX2Model:
     def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
              latents_local: dict[str, torch.Tensor], prepared: Prepared,
              plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
-        x = prepared.state
+        x = _pass_state(prepared.state)
         x.step += 1
         stepped = {name: x.schedulers[name].step(noise_pred_local[name], t, latents_local[name],
                                                     return_dict=False)[0]
@@ -566,6 +587,37 @@ class LTX2Model:
             stepped["video"] = conditioning.keep_conditioned(stepped["video"], latents_local["video"], plans["video"],
                                                              self.state.cp_rank)
         return stepped
+
+    def finish_pass(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> int | None:
+        """A window's video and audio folded into those made so far (``models.ltx2_windows``); ``None`` always: a long
+        LTX-2 video is decoded after its last window."""
+        if isinstance(prepared.state, WindowState):
+            return finish_window(self, latents, prepared)
+        return None
+
+    def checkpoint(self, state) -> dict[str, np.ndarray] | None:
+        """A long video's windows made so far; ``None`` for any other pass."""
+        return state.made.checkpoint() if isinstance(state, WindowState) else None
+
+    def restore(self, request: GenerationRequest, arrays: dict[str, np.ndarray]):
+        return restore_state(request, arrays)
+
+    def video_latents(self, latents: dict[str, torch.Tensor], x: _RequestState) -> torch.Tensor:
+        return self._video_latents(latents, x)
+
+    def _made(self, latents: dict[str, torch.Tensor], state) -> tuple[dict[str, torch.Tensor], _RequestState]:
+        """The latents and the state to decode: a long video's made so far, as one pass over all its frames would
+        hold them; or the pass's own."""
+        if not isinstance(state, WindowState):
+            return latents, state
+        made, pipe = state.made, self.pipe
+        shape = LatentShape(frames=made.video.shape[2], height=made.video.shape[3], width=made.video.shape[4])
+        video = pipe._pack_latents(made.video, pipe.transformer_spatial_patch_size,
+                                   pipe.transformer_temporal_patch_size)
+        device = self.device
+        return {"video": video.to(device), "audio": made.audio.to(device)}, replace(
+            state.state, request=state.request, shape=shape, conditioning=None, audio_conditioning=None,
+            audio_frames=made.audio.shape[1])
 
     def _video_latents(self, latents: dict[str, torch.Tensor], x: _RequestState) -> torch.Tensor:
         """The video's own tokens unpacked to ``[B, C, F, H, W]`` (keyframe tokens dropped)."""
@@ -579,13 +631,14 @@ class LTX2Model:
     def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
         """``output_type="latent"`` of LTX2Pipeline and of its conditioned pipelines alike: video ``[B, C, F, H, W]``
         (its own tokens) and audio ``[B, C, L, M]``, unpacked and denormalised."""
-        return {name: x.float().cpu().numpy() for name, x in self._stage_output(latents, prepared.state).items()}
+        latents, state = self._made(latents, prepared.state)
+        return {name: x.float().cpu().numpy() for name, x in self._stage_output(latents, state).items()}
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """Video: unpack, (timestep-conditioned VAEs) noise, denormalise, decode this rank's range. Audio: the
         audio VAE's mel spectrogram through the vocoder, on group rank 0."""
         pipe, vae = self.pipe, self.components.vae
-        x = prepared.state
+        latents, x = self._made(latents, prepared.state)
         request: GenerationRequest = x.request
         video = self._video_latents(latents, x).to(x.video_ctx.dtype)
         video, timestep = noise_for_decode(video, vae=vae, generator=x.generator, request=request)
@@ -611,3 +664,9 @@ class LTX2Model:
 
         return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
                        audio=audio)
+
+
+def _pass_state(state) -> _RequestState:
+    """The ``_RequestState`` of a pass (a window's is inside its ``WindowState``)."""
+    return state.state if isinstance(state, WindowState) else state
+

@@ -7,6 +7,7 @@ from cp_infer.options import ModelOptions, Option
 
 from ._stages import STAGE_SIZE_STEP, check_two_stage_size, stages_option
 from ._standard_options import decode_options, standard_options
+from ._windows import check_windows, window_frames, window_options, windows_of
 
 __all__ = ["STAGE_SIZE_STEP", "ltx2_options"]
 
@@ -43,4 +44,14 @@ def ltx2_options(*, layers: int = 48, latent_upsampler: bool = True, stages: int
                multiple_of=128),
         stages_option(latent_upsampler=latent_upsampler, stages=stages, refine="refines them in 3 steps",
                       where="diffusers keeps it in latent_upsampler/, e.g. Lightricks/LTX-2's"),
-    ), check=check_two_stage_size)
+        # 16 latent frames a window: LTX2Pipeline's own 121 frames are one.
+        *window_options(default_tile=128, default_overlap=24, image=False),
+    ), check=_check, window_frames=window_frames, window_media=())
+
+
+def _check(values) -> None:
+    check_two_stage_size(values)
+    check_windows(values)
+    if values.get("stages", 1) == 2 and windows_of(values) is not None:
+        raise ValueError("stages=2 with a video longer than one window (temporal_tile_size) is not supported yet: use "
+                         "stages=1, or at most temporal_tile_size frames")

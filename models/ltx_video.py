@@ -250,7 +250,8 @@ class LTXVideoModel:
         ``stages=2`` the two-stage plan (``models.ltx_video_stages``)."""
         windows = windows_of(request)
         if windows is not None:
-            return window_plan(request, windows)
+            # LTXI2VLongMultiPromptPipeline runs every timestep of the schedule but the last.
+            return window_plan(request, windows, steps=request.num_inference_steps - 1)
         if request.options.get("stages", 1) == 2:
             return two_stage_plan(request)
         return Plan.single(request)
@@ -512,9 +513,9 @@ class LTXVideoModel:
         return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
                        reads=lambda a, b: decode_reads(vae, split, a, b), feed=feed, skip=skip)
 
-    def checkpoint(self, state) -> dict[str, np.ndarray]:
-        """A long video's windows made so far (``models.ltx_video_windows.Video``)."""
-        return state.video.checkpoint()
+    def checkpoint(self, state) -> dict[str, np.ndarray] | None:
+        """A long video's windows made so far (``models.ltx_video_windows.Video``); ``None`` for any other pass."""
+        return state.video.checkpoint() if isinstance(state, WindowPass) else None
 
     def restore(self, request: GenerationRequest, arrays: dict[str, np.ndarray]):
         """The state a checkpoint was taken in, and the latent frames final in it."""

@@ -1,0 +1,180 @@
+"""Long LTX-2 (video and soundtrack) window by window: the windows of ``models._windows`` (those of
+``LTXI2VLongMultiPromptPipeline``), each one sequence-parallel ``LTX2Pipeline`` pass of both streams, conditioned on
+the tails of both made so far.
+
+diffusers has no long-video LTX-2 pipeline; this is the LTX-Video one's scheme on LTX-2's own conditioning
+(``LTX2ConditionPipeline``'s per-token mask: timesteps ``t * (1 - mask)``, the clean latents blended into every
+step's denoised sample):
+- Video: the window's first ``overlap`` latent frames are the previous window's last ones, conditioned at
+  ``temporal_overlap_cond_strength``; the window's first latent frame (a single-frame latent to the causal VAE) is
+  dropped and the next ``overlap - 1`` are crossfaded into the video made so far, as the LTX-Video pipeline fuses.
+- Audio: each window has the soundtrack of its own frames, starting at its first frame's time; the audio latents it
+  shares with the soundtrack made so far are conditioned on it the same way and crossfaded into it, so the
+  soundtrack runs on across the seam.
+- Each window draws its noise from ``seed + start``, so N ranks equal 1 rank and a resumed job equals an
+  uninterrupted one; the made video and soundtrack (:class:`Made`) are the only state a window hands the next.
+- The soundtrack is decoded once the last window is done (an MP4's audio goes in before its frames), so a long
+  LTX-2 video is delivered after its last window, its frames still in decode rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from diffusers.pipelines.ltx.pipeline_ltx_i2v_long_multi_prompt import linear_overlap_fuse
+
+from cp_infer.request import GenerationRequest
+from cp_infer.sampler import Prepared
+
+from ._windows import Windows, windows_of
+from .ltx2_conditions import VideoConditioning
+
+__all__ = ["Made", "WindowState", "finish_window", "prepare_window", "restore_state"]
+
+
+@dataclass
+class Made:
+    """The video latents ``[1, C, F, H, W]`` and the packed audio latents ``[1, L, D]`` made so far (normalised, as
+    the model's streams hold them)."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    window: int
+
+    def checkpoint(self) -> dict[str, np.ndarray]:
+        return {"video": self.video.numpy(), "audio": self.audio.numpy(), "window": np.array(self.window)}
+
+
+@dataclass
+class WindowState:
+    """One window's pass: the pass's own ``_RequestState`` (``state``) and what the fusion needs."""
+
+    state: object
+    request: GenerationRequest
+    """The whole video's request (``state`` holds the window's own)."""
+    windows: Windows
+    window: int
+    before: Made | None
+    audio_start: int
+    """The window's first audio latent frame in the whole soundtrack."""
+    made: Made | None = None
+
+
+@dataclass
+class Restored:
+    request: GenerationRequest
+    windows: Windows
+    made: Made
+
+
+def _frames(latent_frames: int, t: int) -> int:
+    return (latent_frames - 1) * t + 1
+
+
+def audio_start(model, request: GenerationRequest, start: int) -> int:
+    """The audio latent frame where a window starting at latent frame ``start`` begins. A window's frame ``f >= 1`` is
+    the video's frame ``f + start * t`` (its first latent frame, a single frame to the causal VAE, stands for the
+    video's latent frame ``start``), so its soundtrack starts ``start * t`` frames into the video's, and the last
+    window's ends with the video."""
+    t = model.geometry.temporal_compression
+    return model.audio_latent_frames(replace(request, num_frames=start * t)) if start else 0
+
+
+def prepare_window(model, request: GenerationRequest, previous_state) -> Prepared:
+    """The window after ``previous_state``'s (``None``: the first) as an LTX2Pipeline pass of its own frames, its
+    first latents of both streams conditioned on the tails made so far."""
+    pipe, cpu = model.pipe, torch.device("cpu")
+    windows = windows_of(request)
+    before: Made | None = None if previous_state is None else previous_state.made
+    w = 0 if before is None else before.window + 1
+    start, end = windows.spans[w]
+    t = model.geometry.temporal_compression
+    wreq = replace(request, num_frames=_frames(end - start, t))
+    shape = model.geometry.latent_shape(wreq.num_frames, request.height, request.width)
+    settings, contexts = model.settings_and_contexts(wreq)
+    generator = torch.Generator("cpu").manual_seed(int(request.seed) + int(start))
+    channels = model.transformer.config.in_channels
+    video = pipe.prepare_latents(1, channels, request.height, request.width, wreq.num_frames, 0.0, torch.float32,
+                                 cpu, generator)
+    audio_frames = model.audio_latent_frames(wreq)
+    audio = pipe.prepare_audio_latents(1, num_channels_latents=pipe.audio_vae.config.latent_channels,
+                                       audio_latent_length=audio_frames, num_mel_bins=pipe.audio_vae.config.mel_bins,
+                                       noise_scale=0.0, dtype=torch.float32, device=cpu, generator=generator)
+    a0 = audio_start(model, request, start)
+    video_cond = audio_cond = None
+    if before is not None:
+        strength = float(request.options["temporal_overlap_cond_strength"])
+        tail = pipe._pack_latents(before.video[:, :, -windows.overlap:], pipe.transformer_spatial_patch_size,
+                                  pipe.transformer_temporal_patch_size)
+        video, video_cond = _conditioned(video, tail, strength)
+        shared = max(0, min(before.audio.shape[1] - a0, audio.shape[1]))
+        if shared:
+            audio, audio_cond = _conditioned(audio, before.audio[:, a0:a0 + shared], strength)
+    sigmas = np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps)
+    prepared = model.prepared_pass(wreq, shape, settings, contexts, video, audio, sigmas=sigmas, generator=generator,
+                                   conditioning=video_cond, audio_conditioning=audio_cond, audio_frames=audio_frames)
+    prepared.state = WindowState(state=prepared.state, request=request, windows=windows, window=w, before=before,
+                                 audio_start=a0)
+    return prepared
+
+
+def _conditioned(noise: torch.Tensor, tail: torch.Tensor, strength: float
+                 ) -> tuple[torch.Tensor, VideoConditioning]:
+    """A stream's ``[1, S, C]`` noise with its first ``tail`` tokens conditioned on ``tail`` at ``strength`` (mask,
+    clean latents, and those tokens started at ``strength`` of the way from the noise to the tail)."""
+    k = tail.shape[1]
+    mask = torch.zeros(noise.shape[:2], dtype=torch.float32)
+    mask[:, :k] = strength
+    clean = torch.zeros_like(noise)
+    clean[:, :k] = tail
+    latents = noise * (1 - mask.unsqueeze(-1)) + clean * mask.unsqueeze(-1)
+    return latents, VideoConditioning(mask=mask, clean=clean, video_tokens=noise.shape[1])
+
+
+def _crossfade(before: torch.Tensor, new: torch.Tensor, overlap: int, dim: int) -> torch.Tensor:
+    """``new`` after ``before``, their last / first ``overlap`` frames along ``dim`` crossfaded linearly."""
+    if overlap <= 0:
+        return torch.cat([before, new], dim=dim)
+    alpha = torch.linspace(1, 0, overlap + 2, dtype=before.dtype)[1:-1]
+    shape = [1] * before.ndim
+    shape[dim] = overlap
+    alpha = alpha.reshape(shape)
+    blended = alpha * before.narrow(dim, before.shape[dim] - overlap, overlap) + (1 - alpha) * new.narrow(
+        dim, 0, overlap)
+    return torch.cat([before.narrow(dim, 0, before.shape[dim] - overlap), blended,
+                      new.narrow(dim, overlap, new.shape[dim] - overlap)], dim=dim)
+
+
+def finish_window(model, full: dict[str, torch.Tensor], prepared: Prepared) -> int | None:
+    """Fold the window's gathered video and audio into those made so far. Returns ``None``: the soundtrack is decoded
+    after the last window, so nothing is decoded before (see the module docstring)."""
+    x: WindowState = prepared.state
+    inner = x.state
+    video = model.video_latents(full, inner).float().cpu().contiguous()
+    audio = full["audio"].float().cpu()
+    before = x.before
+    if before is None:
+        x.made = Made(video, audio, x.window)
+        return None
+    new = video[:, :, 1:]
+    fused = linear_overlap_fuse(before.video[:, :, -new.shape[2]:], new, x.windows.blend)
+    video = torch.cat([before.video[:, :, :-new.shape[2]], fused], dim=2)
+    shared = max(0, min(before.audio.shape[1] - x.audio_start, audio.shape[1]))
+    audio = _crossfade(before.audio[:, :x.audio_start + shared], audio, shared, dim=1)
+    x.made = Made(video, audio, x.window)
+    return None
+
+
+def restore_state(request: GenerationRequest, arrays: dict[str, np.ndarray]) -> tuple[Restored, None]:
+    windows = windows_of(request)
+    try:
+        made = Made(torch.from_numpy(np.array(arrays["video"], dtype=np.float32)),
+                    torch.from_numpy(np.array(arrays["audio"], dtype=np.float32)), int(arrays["window"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"not a checkpoint of a long video: {exc}") from None
+    if windows is None or not 0 <= made.window < len(windows) - 1 \
+            or made.video.shape[2] != windows.made(made.window):
+        raise ValueError("the checkpoint is not one of this request's windows")
+    return Restored(request, windows, made), None
