@@ -3,7 +3,8 @@ windows, the prompt of each window and the plan. Pure arithmetic on the request:
 options modules that use it stay cheap for front ends.
 
 Invariants:
-- A request whose latent frames fit one window (``temporal_tile_size``) is not windowed: it runs as it always has.
+- A request whose latent frames fit one window (``temporal_tile_size``) is not windowed: it runs as it always has;
+  so does a two-stage request (``stages=2``), whatever its length (its token limit then applies to the whole video).
   A longer one runs as windows of ``temporal_tile_size // 8`` latent frames that start ``tile - overlap`` apart
   (the pipeline's ``split_into_temporal_windows``); each window is one pass of the plan, conditioned on the tail of
   the latents made so far.
@@ -108,6 +109,8 @@ def windows_of(request: GenerationRequest | Mapping[str, Any]) -> Windows | None
     An extension (``GenerationRequest.extends``) is always windows: the latent frames of the tail it continues
     (``overlap`` of them, the video made before its first window) and its ``num_frames - 1`` new frames'."""
     values = request if isinstance(request, Mapping) else {"num_frames": request.num_frames, **request.options}
+    if values.get("stages", 1) == 2:
+        return None  # two stages make the video as one sequence, as they always have
     tile = max(1, values["temporal_tile_size"] // TEMPORAL_COMPRESSION)
     overlap = values["temporal_overlap"] // TEMPORAL_COMPRESSION
     if not isinstance(request, Mapping) and request.extends is not None:

@@ -8,7 +8,7 @@ from cp_infer.options import ModelOptions, Option
 
 from ._stages import check_two_stage_size, stages_option
 from ._standard_options import decode_options, standard_options
-from ._windows import check_windows, window_frames, window_options, windows_of
+from ._windows import check_windows, window_frames, window_options
 
 __all__ = ["ltx_video_options"]
 
@@ -40,6 +40,3 @@ def ltx_video_options(*, latent_upsampler: bool = False, stages: int | None = No
 def _check(values) -> None:
     check_two_stage_size(values)
     check_windows(values)
-    if values.get("stages", 1) == 2 and windows_of(values) is not None:
-        raise ValueError("stages=2 with a video longer than one window (temporal_tile_size) is not supported yet: use "
-                         "stages=1, or at most temporal_tile_size frames")

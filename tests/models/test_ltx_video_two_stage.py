@@ -116,7 +116,7 @@ def _reference(folder: str, request: GenerationRequest, output_type: str):
                    generator=torch.Generator().manual_seed(request.seed), **common).frames
     upsample = LTXLatentUpsamplePipeline(vae=c.vae, latent_upsampler=c.latent_upsampler)
     upsample.set_progress_bar_config(disable=True)
-    upsampled = upsample(latents=latents, adain_factor=o["adain_factor"],
+    upsampled = upsample(latents=latents, adain_factor=o["adain_factor"] or 0.0,  # unset: the upsampler's 0.0
                          tone_map_compression_ratio=o["tone_map_compression_ratio"], output_type="latent").frames
     return pipe(height=request.height, width=request.width, denoise_strength=0.4, num_inference_steps=10,
                 latents=upsampled, output_type=output_type, generator=torch.Generator().manual_seed(request.seed),

@@ -196,7 +196,6 @@ def test_windows_are_the_pipelines():
     (dict(prompt_segments=[{"start_window": 2, "end_window": 1, "text": "a"}]), r"prompt_segments\[0\]: end_window"),
     (dict(prompt_segments=[{"text": " "}]), r"prompt_segments\[0\].text must be a non-empty string"),
     (dict(prompt_segments=[{"txt": "a"}]), r"prompt_segments\[0\] must be an object with text"),
-    (dict(stages=2, latent_upsampler=True), "stages=2 with a video longer than one window"),
 ])
 def test_bad_window_options_are_refused(values, match):
     from cp_infer.request import GenerationLimits, resolve_request
@@ -209,6 +208,19 @@ def test_bad_window_options_are_refused(values, match):
                                    **dict(WINDOWS, **values))
     with pytest.raises(ValueError, match=match):
         resolve_request(request, options, limits=GenerationLimits())
+
+
+def test_two_stages_are_never_windowed():
+    """stages=2 makes its video as one sequence, as before windows: a long two-stage request is not cut."""
+    from cp_infer.request import GenerationLimits, resolve_request
+    from models._windows import windows_of
+    from models.ltx_video_options import ltx_video_options
+
+    options = ltx_video_options(latent_upsampler=True)
+    request = resolve_request(GenerationRequest.of(prompt="a", num_frames=161, height=128, width=128, stages=2),
+                              options, limits=GenerationLimits())
+    assert windows_of(request) is None
+    assert windows_of(dataclasses.replace(request, options=dict(request.options, stages=1))) is not None
 
 
 def test_token_limit_applies_per_window():
