@@ -1,7 +1,8 @@
 """Guidance parallelism: a step's guidance passes spread over ranks (alone, and with Ulysses), equal to 1 rank.
 
 Layouts (world = guidance x Ulysses): 2 = 2 x 1 (LTX-Video's CFG pair, one pass per rank; without CFG one pass on
-two ranks, the second idle; an image and a condition clip; LTX-2 with three passes, uneven on two ranks), 4 = 2 x 2
+two ranks, the second idle; an image and a condition clip; a long video from an image in windows; LTX-2 with three
+passes, uneven on two ranks, also in windows), 4 = 2 x 2
 (both models, every LTX-2 guidance with the rescale's std over the Ulysses group), 3 = 3 x 1 (LTX-2's default
 guidance: CFG's pair, STG and modality isolation, shared 2 + 1 + 1).
 
@@ -77,15 +78,24 @@ def _ltx_video_requests(seed: int, *, conditioned: bool) -> list[GenerationReque
             # conditions (LTXConditionPipeline): a clip at frame 8 adds its own tokens and coordinates
             GenerationRequest(**base, num_frames=17, height=32, width=64, guidance_scale=3.0, seed=seed + 3,
                               conditions=(Condition(_media(rng, 9, 32, 64), 8, 0.8),)),
+            # a long video from an image, window by window (LTXI2VLongMultiPromptPipeline): 3 windows
+            GenerationRequest(**base, num_frames=57, height=64, width=96, guidance_scale=3.0, seed=seed + 4,
+                              image=Condition(_media(rng, 1, 64, 96)),
+                              options=dict(temporal_tile_size=40, temporal_overlap=24)),
         ]
     return requests
 
 
-def _ltx2_requests(seed: int, guidance: dict | None) -> list[GenerationRequest]:
-    """``guidance=None``: the model's declared defaults (CFG, STG, modality isolation and the rescale all on)."""
-    return [GenerationRequest.of(prompt="a drummer plays on a rainy street", negative_prompt="silence, blurry",
-                                 num_frames=9, height=64, width=96, num_inference_steps=2, seed=seed, fps=24,
-                                 **(guidance or {}))]
+def _ltx2_requests(seed: int, guidance: dict | None, *, windows: bool = False) -> list[GenerationRequest]:
+    """``guidance=None``: the model's declared defaults (CFG, STG, modality isolation and the rescale all on);
+    ``windows``: also a long video made in 3 windows (``models.ltx2_windows``)."""
+    base = dict(prompt="a drummer plays on a rainy street", negative_prompt="silence, blurry", height=64, width=96,
+                num_inference_steps=2, fps=24, **(guidance or {}))
+    requests = [GenerationRequest.of(**base, num_frames=9, seed=seed)]
+    if windows:
+        requests.append(GenerationRequest.of(**base, num_frames=73, seed=seed + 1, temporal_tile_size=48,
+                                             temporal_overlap=24))
+    return requests
 
 
 def _sample(state, family: str, folder: str, requests: list[GenerationRequest]) -> list[tuple]:
@@ -150,7 +160,7 @@ def test_ltx_video_guidance_layouts_equal_one_rank(folders, layouts, world, guid
                          ids=["G2-3passes", "G2xU2-4passes", "G3-defaults"])
 def test_ltx2_guidance_layouts_equal_one_rank(folders, layouts, world, guidance, settings):
     seed = random.randrange(2**31)
-    requests = _ltx2_requests(seed, settings)
+    requests = _ltx2_requests(seed, settings, windows=world == 2)
     expected = _one_rank("ltx2", folders["ltx2"], requests)
     results = layouts(world, guidance).run(_sample, "ltx2", folders["ltx2"], requests, timeout=300)
     _check(results, expected, mean_levels=0.02, what=f"world={world} G={guidance} seed={seed}")
