@@ -3,8 +3,9 @@ windows, the prompt of each window and the plan. Pure arithmetic on the request:
 options modules that use it stay cheap for front ends.
 
 Invariants:
-- A request whose latent frames fit one window (``temporal_tile_size``) is not windowed: it runs as it always has;
-  so does a two-stage request (``stages=2``), whatever its length (its token limit then applies to the whole video).
+- A request whose latent frames fit one window (``temporal_tile_size``) is not windowed: it runs as it always has.
+  A longer two-stage request (``stages=2``) runs stage 1 window by window at half the size, then stage 2 over the
+  windows at full size (:func:`two_stage_window_plan`).
   A longer one runs as windows of ``temporal_tile_size // 8`` latent frames that start ``tile - overlap`` apart
   (the pipeline's ``split_into_temporal_windows``); each window is one pass of the plan, conditioned on the tail of
   the latents made so far.
@@ -25,8 +26,8 @@ from cp_infer.options import Option
 from cp_infer.plan import DenoisePass, Plan
 from cp_infer.request import GenerationRequest
 
-__all__ = ["TEMPORAL_COMPRESSION", "Windows", "check_windows", "window_frames", "window_options", "window_plan",
-           "windows_of"]
+__all__ = ["TEMPORAL_COMPRESSION", "Windows", "check_windows", "two_stage_window_plan", "window_frames",
+           "window_options", "window_plan", "windows_of"]
 
 TEMPORAL_COMPRESSION = 8
 """Video frames per latent frame of the LTX VAEs (the first latent frame holds one)."""
@@ -109,8 +110,6 @@ def windows_of(request: GenerationRequest | Mapping[str, Any]) -> Windows | None
     An extension (``GenerationRequest.extends``) is always windows: the latent frames of the tail it continues
     (``overlap`` of them, the video made before its first window) and its ``num_frames - 1`` new frames'."""
     values = request if isinstance(request, Mapping) else {"num_frames": request.num_frames, **request.options}
-    if values.get("stages", 1) == 2:
-        return None  # two stages make the video as one sequence, as they always have
     tile = max(1, values["temporal_tile_size"] // TEMPORAL_COMPRESSION)
     overlap = values["temporal_overlap"] // TEMPORAL_COMPRESSION
     if not isinstance(request, Mapping) and request.extends is not None:
@@ -158,6 +157,22 @@ def window_prompts(request: GenerationRequest, windows: Windows) -> list[str]:
     else:
         texts = [part.strip() for part in request.prompt.split("|")]
     return [texts[min(w, len(texts) - 1)] or request.prompt for w in range(len(windows))]
+
+
+def two_stage_window_plan(request: GenerationRequest, windows: Windows, *, steps: int, refine_steps: int) -> Plan:
+    """Two stages over the windows: every window at half the size (``stage1_window`` passes of ``steps``), then every
+    window again at full size (``refine_window`` passes of ``refine_steps``), the second from the first's latents
+    upsampled as a whole. Stage 2 goes over the windows (rather than each window two-staged) because the upsampler
+    and the refine then see the fused video: one upsample of the whole, and each refine window is conditioned on the
+    refined tail before it, so the seams are refined too."""
+    one_stage = {**request.options, "stages": 1}
+    first = replace(request, height=request.height // 2, width=request.width // 2, options=one_stage)
+    second = replace(request, options=one_stage)
+    prompts = window_prompts(request, windows)
+    return Plan(tuple(DenoisePass(replace(first, prompt=prompts[w]), steps=steps, kind="stage1_window", window=w)
+                      for w in range(len(windows)))
+                + tuple(DenoisePass(replace(second, prompt=prompts[w]), steps=refine_steps, kind="refine_window",
+                                    window=w) for w in range(len(windows))))
 
 
 def window_plan(request: GenerationRequest, windows: Windows, *, steps: int) -> Plan:

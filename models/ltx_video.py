@@ -42,11 +42,11 @@ from ._adapter_common import (
     noise_for_decode,
     refuse_stochastic_sampling,
 )
-from ._windows import window_plan, windows_of
+from ._windows import two_stage_window_plan, window_plan, windows_of
 from .loading import recommended_stages
 from .ltx_vae_parallel import DecodeContext, decode_reads, parallelize_ltx_decoder
 from .ltx_video_options import ltx_video_options
-from .ltx_video_stages import DENOISE_STRENGTH, stage_conditions, two_stage_plan
+from .ltx_video_stages import DENOISE_STRENGTH, refine_pass_steps, stage_conditions, two_stage_plan
 from .ltx_video_windows import (
     WindowPass,
     finish_window,
@@ -55,6 +55,7 @@ from .ltx_video_windows import (
     restore_state,
     step_window,
 )
+from .ltx_video_windows import checkpoint as window_checkpoint
 
 __all__ = ["LTXVideoModel", "parallelize_ltx_transformer"]
 
@@ -251,7 +252,10 @@ class LTXVideoModel:
         windows = windows_of(request)
         if windows is not None:
             # LTXI2VLongMultiPromptPipeline runs every timestep of the schedule but the last.
-            return window_plan(request, windows, steps=request.num_inference_steps - 1)
+            steps = request.num_inference_steps - 1
+            if request.options.get("stages", 1) == 2:
+                return two_stage_window_plan(request, windows, steps=steps, refine_steps=refine_pass_steps())
+            return window_plan(request, windows, steps=steps)
         if request.options.get("stages", 1) == 2:
             return two_stage_plan(request)
         return Plan.single(request)
@@ -262,8 +266,8 @@ class LTXVideoModel:
         LTXConditionPipeline's (the media encoded on every rank alike: an image or a short clip is one small encode,
         not worth a time-parallel split). ``kind="stage1"`` and ``"refine"``: the stages of two, both
         LTXConditionPipeline's, stage 2 from the gathered latents of stage 1 (``models.ltx_video_stages``)."""
-        if kind == "window":
-            return prepare_window(self, request, previous_state)
+        if kind in ("window", "stage1_window", "refine_window"):
+            return prepare_window(self, request, previous_state, kind=kind)
         pipe, device = self.pipe, self.device
         staged = kind in ("stage1", "refine")
         assert staged or kind == "denoise", kind
@@ -317,14 +321,7 @@ class LTXVideoModel:
                    before: _RequestState) -> torch.Tensor:
         """Stage 1's latents as LTXConditionPipeline returns them for ``output_type="latent"``, upsampled by
         LTXLatentUpsamplePipeline(latents=..., output_type="latent") with the request's AdaIN and tone mapping."""
-        if self.upsample_pipe is None:
-            raise ValueError("stages=2 needs a latent upsampler and this model folder has none: use stages=1")
-        # NOTE(upsampler): replicated, on every rank alike (a few 3-D convolutions over the half-size latents, small
-        # beside one transformer step); its output is the same on every rank, so the group needs no exchange.
-        return self.upsample_pipe(latents=self._video_latents(previous, before), output_type="latent",
-                                  adain_factor=float(request.options["adain_factor"] or 0.0),
-                                  tone_map_compression_ratio=float(request.options["tone_map_compression_ratio"]),
-                                  return_dict=False)[0]
+        return self.upsample_latents(request, self._video_latents(previous, before))
 
     def _prepare_conditions(self, request: GenerationRequest, shape: LatentShape, x: _RequestState,
                             conditions: tuple[Condition, ...], *, upsampled: torch.Tensor | None = None) -> Prepared:
@@ -515,7 +512,19 @@ class LTXVideoModel:
 
     def checkpoint(self, state) -> dict[str, np.ndarray] | None:
         """A long video's windows made so far (``models.ltx_video_windows.Video``); ``None`` for any other pass."""
-        return state.video.checkpoint() if isinstance(state, WindowPass) else None
+        return window_checkpoint(state) if isinstance(state, WindowPass) else None
+
+    def upsample_latents(self, request: GenerationRequest, latents: torch.Tensor) -> torch.Tensor:
+        """Stage 1's latents ``[1, C, F, H, W]`` (as LTXConditionPipeline returns them for ``output_type="latent"``)
+        upsampled by LTXLatentUpsamplePipeline with the request's AdaIN and tone mapping."""
+        if self.upsample_pipe is None:
+            raise ValueError("stages=2 needs a latent upsampler and this model folder has none: use stages=1")
+        # NOTE(upsampler): replicated, on every rank alike (a few 3-D convolutions over the half-size latents, small
+        # beside one transformer step); its output is the same on every rank, so the group needs no exchange.
+        return self.upsample_pipe(latents=latents.to(self.device), output_type="latent",
+                                  adain_factor=float(request.options["adain_factor"] or 0.0),
+                                  tone_map_compression_ratio=float(request.options["tone_map_compression_ratio"]),
+                                  return_dict=False)[0]
 
     def restore(self, request: GenerationRequest, arrays: dict[str, np.ndarray]):
         """The state a checkpoint was taken in, and the latent frames final in it."""

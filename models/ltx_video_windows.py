@@ -39,6 +39,7 @@ from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Prepared
 
 from ._windows import Windows, windows_of
+from .ltx_video_stages import REFINE_STEPS, refine_pass_steps
 
 __all__ = ["Restored", "Video", "WindowPass", "finish_window", "predict_window", "prepare_window", "restore_state",
            "step_window"]
@@ -66,6 +67,15 @@ class Restored:
     request: GenerationRequest
     windows: Windows
     video: Video
+    stage: int = 0
+    upsampled: torch.Tensor | None = None
+
+
+def checkpoint(state: WindowPass) -> dict[str, np.ndarray]:
+    arrays = dict(state.video.checkpoint(), stage=np.array(state.stage, dtype=np.int64))
+    if state.upsampled is not None:
+        arrays["upsampled"] = state.upsampled.numpy()
+    return arrays
 
 
 def restore_state(request: GenerationRequest, arrays: dict[str, np.ndarray]) -> tuple[Restored, int]:
@@ -74,12 +84,16 @@ def restore_state(request: GenerationRequest, arrays: dict[str, np.ndarray]) -> 
     try:
         video = Video(torch.from_numpy(np.array(arrays["latents"], dtype=np.float32)),
                       torch.from_numpy(np.array(arrays["first"], dtype=np.float32)), int(arrays["window"]))
+        stage = int(arrays.get("stage", 0))
+        upsampled = None if "upsampled" not in arrays else torch.from_numpy(np.array(arrays["upsampled"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a checkpoint of a long video: {exc}") from None
-    if windows is None or not 0 <= video.window < len(windows) - 1 \
-            or video.latents.shape[2] != windows.made(video.window):
+    last = len(windows) - 1 if windows is not None else -1
+    if windows is None or not 0 <= video.window <= last or (video.window == last and stage != 1) \
+            or video.latents.shape[2] != windows.made(video.window) or (stage == 2) != (upsampled is not None):
         raise ValueError("the checkpoint is not one of this request's windows")
-    return Restored(request, windows, video), windows.final(video.window)
+    # A stage-1 window's latents are half the size: nothing of the video to decode is final yet.
+    return Restored(request, windows, video, stage, upsampled), None if stage == 1 else windows.final(video.window)
 
 
 @dataclass
@@ -106,16 +120,29 @@ class WindowPass:
     """Latent frames of the previous tail appended (dropped again after the pass)."""
     before: Video | None
     """The video made before this window."""
+    stage: int = 0
+    """0: a one-stage window; 1: a window of stage 1 of two (half the size); 2: a window of stage 2 (full size)."""
+    upsampled: torch.Tensor | None = None
+    """Stage 2: stage 1's whole video upsampled ``[1, C, F, H, W]``, which its windows refine."""
     video: Video | None = None
     """The video made with this window (``finish_window``)."""
 
 
-def prepare_window(model, request: GenerationRequest, previous_state) -> Prepared:
-    """The pipeline's steps 6.1-6.5 for the window after ``previous_state``'s (``None``: the first)."""
+def prepare_window(model, request: GenerationRequest, previous_state, *, kind: str = "window") -> Prepared:
+    """The pipeline's steps 6.1-6.5 for the window after ``previous_state``'s (``None``: the first). ``kind``:
+    ``window`` (one stage), ``stage1_window`` (stage 1 of two: ``request`` is at half the size) or ``refine_window``
+    (stage 2: the window of stage 1's whole video upsampled, renoised and refined as ``models.ltx_video_stages``'s
+    stage 2 refines, conditioned on the refined tail before it)."""
     pipe, device = model.pipe, model.device
     windows = windows_of(request)
-    if previous_state is not None:
-        before = previous_state.video
+    stage = {"window": 0, "stage1_window": 1, "refine_window": 2}[kind]
+    upsampled = None
+    if stage == 2 and getattr(previous_state, "stage", 0) == 1:
+        # Stage 1 is done: its whole video upsampled, once; stage 2's windows start over from the first.
+        upsampled = model.upsample_latents(request, previous_state.video.latents).float().cpu()
+        before = None
+    elif previous_state is not None:
+        before, upsampled = previous_state.video, getattr(previous_state, "upsampled", None)
     else:  # an extension's first window follows the video it extends; a long video's, nothing
         before = None if request.extends is None else _extended(model, request)
     w = 0 if before is None else before.window + 1
@@ -162,15 +189,25 @@ def prepare_window(model, request: GenerationRequest, previous_state) -> Prepare
         c = scheduler.config
         mu = calculate_shift(mixed[0, 0].numel(), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
                              c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-    scheduler.set_timesteps(num_inference_steps=request.num_inference_steps, device=device,
-                            **({} if mu is None else {"mu": mu}))
+    if stage == 2:
+        # Stage 2's schedule: the last REFINE_STEPS * DENOISE_STRENGTH of REFINE_STEPS steps, to the end; its free
+        # tokens start from the upsampled latents renoised to the first sigma (the conditioned ones as in stage 1).
+        scheduler.set_timesteps(num_inference_steps=REFINE_STEPS, device=device, **({} if mu is None else {"mu": mu}))
+        first = REFINE_STEPS - refine_pass_steps()
+        sigma = float(scheduler.sigmas[first])
+        part = torch.zeros_like(window)
+        part[:, :, :end - start] = upsampled[:, :, start:end]
+        mixed = torch.where(cond == 1.0, sigma * noise + (1 - sigma) * part, mixed)
+        timesteps = list(scheduler.timesteps[first:])
+    else:
+        scheduler.set_timesteps(num_inference_steps=request.num_inference_steps, device=device,
+                                **({} if mu is None else {"mu": mu}))
+        timesteps = list(scheduler.timesteps[:-1])  # the pipeline runs every timestep but the last
     state = WindowPass(request=request, windows=windows, window=w, embeds=embeds, mask=mask, cfg_on=cfg_on,
                        generator=generator, clean=pipe._pack_latents(window, p, pt),
                        cond=pipe._pack_latents(cond, p, pt), coords=coords, size=tuple(window.shape[2:]), tail=tail,
-                       before=before)
-    # The pipeline runs every timestep but the last.
-    return Prepared(latents={"video": pipe._pack_latents(mixed, p, pt)}, timesteps=list(scheduler.timesteps[:-1]),
-                    state=state)
+                       before=before, stage=stage, upsampled=upsampled)
+    return Prepared(latents={"video": pipe._pack_latents(mixed, p, pt)}, timesteps=timesteps, state=state)
 
 
 def _extended(model, request: GenerationRequest) -> Video:
@@ -290,4 +327,5 @@ def finish_window(model, full: dict[str, torch.Tensor], prepared: Prepared) -> i
             out = adain_normalize_latents(out, before.first, factor)
         fused = linear_overlap_fuse(before.latents[:, :, -out.shape[2]:], out, x.windows.blend)
         x.video = Video(torch.cat([before.latents[:, :, :-out.shape[2]], fused], dim=2), before.first, x.window)
-    return x.windows.final(x.window)
+    # Stage 1's latents (half the size) are not the video's: nothing to decode before stage 2.
+    return None if x.stage == 1 else x.windows.final(x.window)

@@ -210,19 +210,6 @@ def test_bad_window_options_are_refused(values, match):
         resolve_request(request, options, limits=GenerationLimits())
 
 
-def test_two_stages_are_never_windowed():
-    """stages=2 makes its video as one sequence, as before windows: a long two-stage request is not cut."""
-    from cp_infer.request import GenerationLimits, resolve_request
-    from models._windows import windows_of
-    from models.ltx_video_options import ltx_video_options
-
-    options = ltx_video_options(latent_upsampler=True)
-    request = resolve_request(GenerationRequest.of(prompt="a", num_frames=161, height=128, width=128, stages=2),
-                              options, limits=GenerationLimits())
-    assert windows_of(request) is None
-    assert windows_of(dataclasses.replace(request, options=dict(request.options, stages=1))) is not None
-
-
 def test_token_limit_applies_per_window():
     """A minute of video passes the token limit that one window of it passes; a window over it is refused."""
     from cp_infer.request import GenerationLimits, check_request, resolve_request
@@ -323,3 +310,48 @@ def test_an_extension_continues_the_tail_it_is_given(cache_dir, groups):
     two = groups(2).run(_extend, cache_dir, tail, 49, timeout=600)[0]
     diff = np.abs(two.astype(np.int16) - one.astype(np.int16))
     assert diff.max() <= 1 and diff.mean() < 0.01
+
+
+def _two_stage(state, cache_dir: str, seed: int, resume=None):
+    from models.ltx_video import LTXVideoModel
+
+    model = LTXVideoModel(_components(cache_dir, "ancestral"), state=state)
+    model.decode_frames_per_rank = 2
+    request = GenerationRequest(prompt="a red fox runs | the fox jumps", negative_prompt="blurry", num_frames=57,
+                                height=128, width=448, num_inference_steps=3, guidance_scale=3.0, fps=24, seed=seed,
+                                options=dict(WINDOWS, stages=2))
+    out = {"passes": [], "checkpoints": {}}
+    control = SampleControl(on_latents=out.update, resume=resume,
+                            on_pass=lambda i, plan: out["passes"].append((plan.passes[i].kind, plan.passes[i].window)),
+                            on_checkpoint=lambda i, arrays: out["checkpoints"].update({i: arrays}))
+    out["frames"] = sample(model, request, state=state, control=control)
+    return out
+
+
+def test_two_stages_over_the_windows(cache_dir, groups):
+    """stages=2 longer than a window: stage 1 window by window at half the size (the pipeline's, bit for bit, at that
+    size), the upsampler over its whole video, stage 2 over the windows at full size; N=2 equals 1 rank, and a job
+    resumed in either stage equals the whole run."""
+    from cp_infer import single_process_state
+
+    seed = random.randrange(2**31)
+    one = one_thread(_two_stage, single_process_state(), cache_dir, seed)
+    kinds = [("stage1_window", w) for w in range(3)] + [("refine_window", w) for w in range(3)]
+    assert one["passes"] == kinds
+    assert one["frames"].shape == (57, 128, 448, 3) and one["frames"].std() > 5
+    assert one["latents"].shape == (1, 16, 8, 4, 14)
+    # Stage 1 is the long pipeline at half the size: its checkpoint after the last stage-1 window holds its latents.
+    half = GenerationRequest(prompt="a red fox runs | the fox jumps", negative_prompt="blurry", num_frames=57,
+                             height=64, width=224, num_inference_steps=3, guidance_scale=3.0, fps=24, seed=seed,
+                             options=dict(WINDOWS))
+    np.testing.assert_array_equal(one["checkpoints"][3]["latents"], one_thread(_reference, cache_dir, half,
+                                                                              "ancestral"))
+    two = groups(2).run(_two_stage, cache_dir, seed, timeout=600)[0]
+    np.testing.assert_allclose(two["latents"], one["latents"], rtol=0, atol=1e-4)
+    diff = np.abs(two["frames"].astype(np.int16) - one["frames"].astype(np.int16))
+    assert diff.max() <= 1 and diff.mean() < 0.01
+    for done in (2, 3, 4):
+        resumed = one_thread(_two_stage, single_process_state(), cache_dir, seed,
+                             resume=(done, one["checkpoints"][done]))
+        assert resumed["passes"] == kinds[done:]
+        np.testing.assert_array_equal(resumed["frames"], one["frames"], err_msg=f"resumed after pass {done}")
