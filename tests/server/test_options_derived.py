@@ -85,3 +85,21 @@ def test_a_stored_request_from_before_declared_options_still_loads():
     resolved = resolve_request(request, model_options("ltx2", layers=2))
     assert resolved.options["spatio_temporal_guidance_blocks"] == (0, 1)
     assert resolved.options["audio_guidance_scale"] == 5.0 and resolved.options["stg_scale"] == 1.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_stages_without_an_upsampler_is_a_400_over_http(tmp_path, family):
+    """A served folder without a latent upsampler: stages=2 is refused at the front end, naming stages and the fix,
+    and nothing is queued; stages=1 is accepted."""
+    from models.registry import model_options as options_of
+
+    engine = StubEngine(tmp_path)
+    engine.options = options_of(family, layers=48, latent_upsampler=False)
+    with TestClient(create_app(AppConfig(), engine)) as client:
+        body = {"prompt": "a fox", "num_frames": 9, "size": "128x128", "num_inference_steps": 2}
+        r = client.post("/v1/videos", json=dict(body, stages=2))
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "stages" and "latent upsampler" in error["message"] and "stages=1" in error["message"]
+        assert engine.store.counts()["queued"] == 0
+        assert client.post("/v1/videos", json=dict(body, stages=1)).status_code == 200
