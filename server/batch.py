@@ -48,6 +48,7 @@ from server.cli_common import (
     runtime_config_from_args,
 )
 from server.launch import group_size, in_torchrun, relaunch_under_torchrun
+from server.piece_video import FileVideo
 
 __all__ = ["add_batch_parser", "run_batch"]
 
@@ -303,15 +304,28 @@ def _lead_batch(leader: Leader, items: list[_Item], args: argparse.Namespace) ->
             # the group is done with the job, and media that went bad (UsageError) before it is sent: either
             # way the workers are back waiting for a command. Any other exception from the group leaves it in
             # an unknown state and aborts the batch.
+            video = None
             try:
                 request = _request_to_run(item)
-                result = leader.generate(request, item.name)
-                write_output(result, f"{path}/" if args.ext == "frames" else path, item.request.fps)
+                if args.ext == "mp4":
+                    # Encoded piece by piece as the decode delivers them: overlapped with it, no whole video held.
+                    video = FileVideo(str(path), request)
+                    leader.generate(request, item.name, on_frames=video.write, on_audio=video.set_audio)
+                    video.close()
+                else:
+                    result = leader.generate(request, item.name)
+                    write_output(result, f"{path}/" if args.ext == "frames" else path, item.request.fps)
                 item.status, item.message = "ok", str(path)
             except (JobFailed, WriteError, UsageError) as exc:
+                if video is not None:
+                    video.abort()
                 item.status = "failed"
                 item.message = f"generation failed: {exc}" if isinstance(exc, JobFailed) else str(exc)
                 log.warning("line %d (%s): failed: %s", item.line, item.name, item.message)
+            except BaseException:
+                if video is not None:
+                    video.abort()  # nothing half-written is left under the output's hidden name
+                raise
             item.seconds = time.perf_counter() - started
     except BaseException:
         for item in items:

@@ -62,6 +62,7 @@ from server.cli_common import (
     runtime_config_from_args,
 )
 from server.launch import group_size, in_torchrun, relaunch_under_torchrun
+from server.piece_video import FileVideo, PieceVideo, StdoutVideo
 
 __all__ = ["main", "build_parser", "add_runtime_arguments", "runtime_config_from_args"]
 
@@ -141,114 +142,6 @@ def _claim_stdout() -> BinaryIO:
     video = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     return video
-
-
-class _PieceVideo:
-    """An MP4 encoded piece by piece as the decode delivers them (rank 0's ``on_frames``), its soundtrack (audio-video
-    models) given first. Never raises into the sampler (the other ranks are inside the decode): the first failure is
-    kept, the rest of the video dropped, and ``close`` raises ``WriteError``. Subclasses say where the bytes go."""
-
-    def __init__(self, request: GenerationRequest):
-        self.request, self.audio, self.writer, self.error = request, None, None, None
-
-    def _make_writer(self, waveform, sample_rate):
-        raise NotImplementedError
-
-    def set_audio(self, waveform, sample_rate: int) -> None:
-        """The soundtrack (audio-video models), before the first frames: muxed along with them."""
-        self.audio = (waveform, sample_rate)
-
-    def _open(self):
-        if self.writer is None:
-            self.writer = self._make_writer(*(self.audio or (None, None)))
-        return self.writer
-
-    def write(self, frames, _first: int, _total: int) -> None:
-        if self.error is None:
-            try:
-                self._open().write(frames)
-            except Exception as exc:  # noqa: BLE001 -- kept for close(): PyAV raises more than OSError/ValueError
-                self.error = exc
-
-    def _finish(self) -> None:
-        if self.error is None:
-            try:
-                self._open().close()
-                self._commit()
-            except Exception as exc:  # noqa: BLE001 -- reported as a WriteError, like the ones kept by write()
-                self.error = exc
-
-    def _commit(self) -> None:
-        """After the MP4 is complete."""
-
-    def abort(self) -> None:
-        """The job failed: nothing of it is left behind (where something was written)."""
-
-
-class _StdoutVideo(_PieceVideo):
-    """A fragmented MP4 to stdout; a reader that closed the pipe is the kept failure."""
-
-    def __init__(self, out: BinaryIO, request: GenerationRequest):
-        super().__init__(request)
-        self.out = out
-
-    def _make_writer(self, waveform, sample_rate):
-        from cp_infer.stream import FragmentedMP4Writer
-
-        r = self.request
-        return FragmentedMP4Writer(self._emit, width=r.width, height=r.height, fps=r.fps, audio=waveform,
-                                   sample_rate=sample_rate)
-
-    def _emit(self, data: bytes) -> None:
-        self.out.write(data)
-        self.out.flush()  # progressively: a reader gets each fragment as it is made
-
-    def close(self) -> int:
-        """Finish the MP4; returns the number of frames written."""
-        self._finish()
-        with contextlib.suppress(OSError):
-            self.out.close()
-        if self.error is not None:
-            raise WriteError(f"could not write the video to stdout: {type(self.error).__name__}: {self.error}")
-        return self.writer.frames_written
-
-
-class _FileVideo(_PieceVideo):
-    """An ``.mp4`` file (the file ``write_output`` makes of the whole video, with the encode overlapped with the
-    decode), written under a hidden temporary name and renamed into place once complete; failures name ``out`` as
-    ``result_writer`` does."""
-
-    def __init__(self, out: str, request: GenerationRequest):
-        from cp_infer.video_io import temporary_sibling
-
-        super().__init__(request)
-        self.out, self.final = out, Path(out).expanduser()
-        self.tmp = temporary_sibling(self.final)
-
-    def _make_writer(self, waveform, sample_rate):
-        from cp_infer.video_io import MP4FileWriter
-
-        r = self.request
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        return MP4FileWriter(self.tmp, width=r.width, height=r.height, fps=r.fps, audio=waveform,
-                             sample_rate=sample_rate)
-
-    def _commit(self) -> None:
-        os.replace(self.tmp, self.final)
-
-    def close(self) -> tuple[Path, int]:
-        """Finish the MP4 and rename it into place; returns its path and the number of frames written."""
-        self._finish()
-        if self.error is not None:
-            self.abort()
-            raise WriteError(f"could not write {self.out}: {type(self.error).__name__}: {self.error}")
-        return self.final, self.writer.frames_written
-
-    def abort(self) -> None:
-        """The job failed or the file could not be written: nothing is left behind."""
-        if self.writer is not None:
-            self.writer.abort()
-        self.tmp.unlink(missing_ok=True)
 
 
 def _media_refs(args: argparse.Namespace) -> tuple[MediaRef | None, tuple[MediaRef, ...]]:
@@ -331,7 +224,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
               f"{time.perf_counter() - args.t0:.1f} s)", flush=True)
         return 0
 
-    def generate_into(leader: Leader, video: _PieceVideo) -> bool:
+    def generate_into(leader: Leader, video: PieceVideo) -> bool:
         """Run the job with ``video`` encoding each decoded piece; False (reported) when it failed on the group."""
         from cp_infer.sampler import JobFailed
 
@@ -350,7 +243,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
     def lead_to_file(leader: Leader) -> int:
         t_loaded = time.perf_counter()
-        video = _FileVideo(args.out, request)
+        video = FileVideo(args.out, request)
         if not generate_into(leader, video):
             return 1
         t_generated = time.perf_counter()
@@ -368,7 +261,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
     def lead_to_stdout(leader: Leader) -> int:
         t_loaded = time.perf_counter()
-        video = _StdoutVideo(video_out, request)
+        video = StdoutVideo(video_out, request)
         if not generate_into(leader, video):
             return 1
         try:
