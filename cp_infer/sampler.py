@@ -12,8 +12,8 @@ Invariants:
   whole plan (``on_step``, ``poll``).
 - The loop runs on every rank of the mesh: a pass's sequences are sharded over the Ulysses group (``cp_*``), a
   step's guidance passes over the guidance group (the model's ``predict`` exchanges them), the status agreement
-  spans the whole world. Every guidance rank ends with the same latents, so only the Ulysses group of guidance
-  index 0 decodes (``ParallelState.decodes``) and only the mesh's first rank delivers (``ParallelState.delivers``).
+  spans the whole world. Every guidance rank ends with the same latents, so the decode runs over the whole mesh
+  (``ParallelState.decoding``) and only the mesh's first rank delivers (``ParallelState.delivers``).
 - A long video's plan makes the latents final a part (a window) at a time: after each such pass the frames they
   allow are decoded and delivered (``Decoder.feed``, ``cp_infer.decode.ProgressiveDecode``), so the video streams
   while later windows are made and no rank holds every frame; the state after each is a checkpoint to go on from.
@@ -337,7 +337,7 @@ class _Delivery:
                 self.control.on_audio(waveform, sample_rate)
         self.decoder = decoder
         self.stream = ProgressiveDecode(decoder.split, decoder.decode_range, frame_shape=decoder.frame_shape,
-                                        state=self.state, reads=decoder.reads)
+                                        state=self.state.decoding, reads=decoder.reads)
 
     def progress(self, full: dict[str, torch.Tensor], prepared: Prepared, final: int) -> None:
         """Decode and deliver what the latent frames ``[0, final)`` allow (every rank, agreed on)."""
@@ -363,7 +363,7 @@ class _Delivery:
             self.decoder.feed(prepared.state, self.decoder.split.latent_frames)
 
     def decode(self, final: int | None) -> None:
-        # NOTE(decode): collectives of the Ulysses group only; the other guidance ranks skip them (same latents).
+        # NOTE(decode): collectives of the decode's group (``ParallelState.decoding``: the whole mesh).
         if self.stream is None:
             return
         skip = self.decoder.skip

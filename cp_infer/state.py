@@ -6,7 +6,8 @@ Invariants:
 - The world is a mesh (``cp_infer.mesh``): replicas (1 for now) x guidance x Ulysses. The ``cp_*`` fields are the
   Ulysses axis (the group a pass's sequences are sharded over: attention, gathers, the decode); the ``guidance_*``
   fields the guidance axis (the ranks that share a step's guidance passes and exchange their predictions once per
-  step). Status agreement and control messages span the whole world.
+  step). Status agreement and control messages span the whole world. The decode runs over the whole mesh
+  (:meth:`ParallelState.decoding`): every guidance rank holds the same latents, so none need idle through it.
 - Tensors travel over ``cp_group`` and ``guidance_group`` (NCCL with CUDA, gloo otherwise); request metadata and
   control messages travel over ``cpu_group`` (always gloo), so a control message never waits behind device work.
 - An axis of degree 1 has the group ``None`` and every collective over it returns its input.
@@ -15,8 +16,9 @@ Invariants:
 from __future__ import annotations
 
 import datetime
+import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -83,6 +85,10 @@ class ParallelState:
     relay_groups: tuple[tuple[int, int, dist.ProcessGroup], ...] = ()
     """``(src, dst, group)``: device groups that carry messages from group rank ``src`` to ``dst`` only, for the
     decode's ring of ranks (``r -> r + 1`` and ``r -> 0``); this rank's edges only. See :meth:`relay_group`."""
+    mesh_group: dist.ProcessGroup | None = None
+    """With a guidance axis: a device group over the whole mesh, which the decode runs on (:meth:`decoding`)."""
+    mesh_relay_groups: tuple[tuple[int, int, dist.ProcessGroup], ...] = ()
+    """The decode's ring over the whole mesh (as ``relay_groups`` over the Ulysses group)."""
 
     def relay_group(self, src: int, dst: int) -> dist.ProcessGroup:
         """The group for messages from group rank ``src`` to ``dst`` (one of this rank's ring edges).
@@ -102,9 +108,21 @@ class ParallelState:
 
     @property
     def decodes(self) -> bool:
-        """True on the ranks that decode: the Ulysses group of guidance index 0 (every guidance rank holds the same
-        latents, so the others skip the decode)."""
-        return self.guidance_rank == 0
+        """True on the ranks that decode: every rank. Every guidance rank holds the same latents after the gather, so
+        with a guidance axis the decode runs over the whole mesh (:meth:`decoding`)."""
+        return True
+
+    @functools.cached_property
+    def decoding(self) -> ParallelState:
+        """The state the decode runs on: this one without a guidance axis; with one, the whole mesh as its
+        "Ulysses" group (``cp_*`` over every rank in global order, its own ring of relay groups), so that no rank
+        idles through the decode. Its first rank is the mesh's, the one that delivers."""
+        if self.guidance_size == 1:
+            return self
+        ranks = tuple(range(self.world_size))
+        return replace(self, cp_size=self.world_size, cp_rank=self.rank, cp_ranks=ranks, cp_group=self.mesh_group,
+                       relay_groups=self.mesh_relay_groups, guidance_size=1, guidance_rank=0,
+                       guidance_ranks=(self.rank,), guidance_group=None)
 
     @property
     def delivers(self) -> bool:
@@ -193,12 +211,19 @@ def init_parallel(
         group = dist.new_group(list(ranks), backend=backend, timeout=timeout) if layout.guidance > 1 else None
         if rank in ranks:
             guidance_group, guidance_ranks = group, ranks
+    mesh_group, mesh_relays = None, []
+    if layout.guidance > 1:  # the decode's group and ring over the whole mesh (ParallelState.decoding)
+        mesh_group = dist.new_group(list(range(world_size)), backend=backend, timeout=timeout)
+        for src, dst in _ring_edges(world_size):
+            edge = dist.new_group([src, dst], backend=backend, timeout=timeout)
+            if rank in (src, dst):
+                mesh_relays.append((src, dst, edge))
     return ParallelState(
         world_size=world_size, rank=rank, local_rank=local_rank, cp_size=cp_size,
         cp_rank=cp_ranks.index(rank), cp_ranks=cp_ranks, cp_group=cp_group, cpu_group=cpu_group,
         device=device, backend=backend, timeout_s=config.timeout_s, guidance_size=layout.guidance,
         guidance_rank=guidance_ranks.index(rank), guidance_ranks=guidance_ranks, guidance_group=guidance_group,
-        relay_groups=tuple(relay_groups),
+        relay_groups=tuple(relay_groups), mesh_group=mesh_group, mesh_relay_groups=tuple(mesh_relays),
     )
 
 

@@ -265,7 +265,7 @@ class LTX2Model:
         )
         self._ctx = _ShardContext(state=state)
         parallelize_ltx2_transformer(components.transformer, self._ctx)
-        self._decode_ctx = DecodeContext(state=state)
+        self._decode_ctx = DecodeContext(state=state.decoding)
         parallelize_ltx2_decoder(components.vae, self._decode_ctx)
         # Two-stage generation's upsampler (None: the folder has none, and ``stages`` is refused above 1).
         upsampler = getattr(components, "latent_upsampler", None)
@@ -645,7 +645,7 @@ class LTX2Model:
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         video = video.to(vae.dtype)
         # Time-parallel and streamed in rounds, exact (``cp_infer.decode``), as for LTX-Video.
-        split = decode_split(vae, video.shape[2], world=self.state.cp_size,
+        split = decode_split(vae, video.shape[2], world=self.state.decoding.cp_size,
                              temporal_compression=self.geometry.temporal_compression,
                              frames_per_rank=self.decode_frames_per_rank, request=request)
 

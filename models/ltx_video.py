@@ -211,7 +211,7 @@ class LTXVideoModel:
         components.vae.enable_tiling()
         self._ctx = _ShardContext(state=state)
         parallelize_ltx_transformer(components.transformer, self._ctx)
-        self._decode_ctx = DecodeContext(state=state)
+        self._decode_ctx = DecodeContext(state=state.decoding)
         parallelize_ltx_decoder(components.vae, self._decode_ctx)
         # Two-stage generation's upsampler (None: the folder has none, and ``stages`` is refused above 1).
         upsampler = getattr(components, "latent_upsampler", None)
@@ -468,7 +468,7 @@ class LTXVideoModel:
         latents = latents.to(x.embeds.dtype)
         latents, timestep = noise_for_decode(latents, vae=vae, generator=x.generator, request=request)
         latents = latents.to(vae.dtype)
-        split = decode_split(vae, latents.shape[2], world=self.state.cp_size,
+        split = decode_split(vae, latents.shape[2], world=self.state.decoding.cp_size,
                              temporal_compression=self.geometry.temporal_compression,
                              frames_per_rank=self.decode_frames_per_rank, request=request)
 
@@ -497,7 +497,7 @@ class LTXVideoModel:
             buffer[:, :, a:final] = noise.apply(part.to(self.transformer.dtype), a).to(vae.dtype)
             filled[0] = max(a, final)
 
-        split = decode_split(vae, total, world=self.state.cp_size,
+        split = decode_split(vae, total, world=self.state.decoding.cp_size,
                              temporal_compression=self.geometry.temporal_compression,
                              frames_per_rank=self.decode_frames_per_rank, request=request)
 

@@ -176,8 +176,12 @@ def _layout_of(state) -> tuple:
     local = {"a": torch.tensor([[float(p)] * 4 for p in share]).reshape(len(share), 2, 2),
              "b": torch.tensor([[10.0 + p] * 3 for p in share]).reshape(len(share), 3)}
     every = gather_passes(local, passes=passes, state=state)
+    # The decode runs over the whole mesh: its group is every rank, and a message goes round its ring.
+    decoding = state.decoding
+    token = torch.tensor([float(state.rank)])
+    torch.distributed.all_reduce(token, group=decoding.cp_group)
     return (state.guidance_rank, state.guidance_ranks, state.cp_rank, state.cp_ranks,
-            every["a"].tolist(), every["b"].tolist())
+            every["a"].tolist(), every["b"].tolist(), decoding.cp_rank, decoding.cp_ranks, token.item())
 
 
 def test_groups_follow_the_mesh_and_the_exchange_orders_passes(layouts):
@@ -186,5 +190,6 @@ def test_groups_follow_the_mesh_and_the_exchange_orders_passes(layouts):
     got = layouts(4, 2).run(_layout_of)
     a = torch.arange(3.0)[:, None, None].expand(3, 2, 2).tolist()
     b = (10 + torch.arange(3.0))[:, None].expand(3, 3).tolist()
-    assert got == [(0, (0, 2), 0, (0, 1), a, b), (0, (1, 3), 1, (0, 1), a, b),
-                   (1, (0, 2), 0, (2, 3), a, b), (1, (1, 3), 1, (2, 3), a, b)]
+    mesh = ((0, 1, 2, 3), 6.0)
+    assert got == [(0, (0, 2), 0, (0, 1), a, b, 0, *mesh), (0, (1, 3), 1, (0, 1), a, b, 1, *mesh),
+                   (1, (0, 2), 0, (2, 3), a, b, 2, *mesh), (1, (1, 3), 1, (2, 3), a, b, 3, *mesh)]
