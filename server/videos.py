@@ -349,9 +349,13 @@ async def create_video(request: Request, engine: EngineDep, config: ConfigDep, s
     return job.public()
 
 
-async def _source_video(ref, body: _Body, engine, config: AppConfig) -> tuple[np.ndarray, Job | None]:
-    """The ``video`` an edit or an extension starts from: its frames, and the completed job it names (``None`` for
-    an upload or a data URL)."""
+async def _source_video(data: dict, body: _Body, engine, config: AppConfig) -> tuple[np.ndarray, Job | None]:
+    """The ``video`` an edit or an extension starts from (taken out of ``data``): its frames, and the completed job
+    it names (``None`` for an upload or a data URL)."""
+    if "video" not in data:
+        raise ApiError(400, "missing_required_parameter", "video is required: an uploaded file, a data URL or "
+                       "{\"id\": video id} of a completed job", "video")
+    ref = data.pop("video")
     store, limits = engine.store, media_limits(config.max_upload_bytes, engine.limits)
     if isinstance(ref, dict) and set(ref) == {"id"} and isinstance(ref["id"], str):
         source = completed_job(store, ref["id"], field="video")  # one lookup: its frames and its settings
@@ -372,11 +376,8 @@ async def edit_video(request: Request, engine: EngineDep, config: ConfigDep) -> 
     _require_ready(engine)
     body = await _read_media_body(request, **_body_caps(config))
     data = dict(body.data)
-    if "video" not in data:
-        raise ApiError(400, "missing_required_parameter", "video is required: an uploaded file, a data URL or "
-                       "{\"id\": video id}", "video")
-    ref, strength = data.pop("video"), data.pop("strength", 0.6)
-    frames, source = await _source_video(ref, body, engine, config)
+    frames, source = await _source_video(data, body, engine, config)
+    strength = data.pop("strength", 0.6)
     if body.form:
         try:
             strength = float(strength)
@@ -408,10 +409,7 @@ async def extend_video(request: Request, engine: EngineDep, config: ConfigDep) -
     _require_ready(engine)
     body = await _read_media_body(request, **_body_caps(config))
     data = dict(body.data)
-    if "video" not in data:
-        raise ApiError(400, "missing_required_parameter", "video is required: an uploaded file, a data URL or "
-                       "{\"id\": video id} of a completed job", "video")
-    frames, source = await _source_video(data.pop("video"), body, engine, config)
+    frames, source = await _source_video(data, body, engine, config)
     if len(frames) < EXTEND_TAIL:
         raise ApiError(400, "invalid_value", f"video has {len(frames)} frames; an extension continues from the "
                        f"last {EXTEND_TAIL}: extend a longer video", "video")
