@@ -30,6 +30,9 @@ _RESOLVED = {
     # 0.0 for the upsampler (LTXLatentUpsamplePipeline), 0.25 across windows (LTXI2VLongMultiPromptPipeline): unset
     # picks the one of the pipeline the request follows.
     ("ltx-video", "adain_factor"): None,
+    # LTX-2 has no long-video pipeline: the window options are LTXI2VLongMultiPromptPipeline's, its tile 16 latent
+    # frames so that LTX2Pipeline's own 121 frames are one window.
+    ("ltx2", "temporal_tile_size"): 128,
 }
 # Options that LTXPipeline / LTX2Pipeline lack, and the pipeline whose argument they are.
 _FROM = {("ltx-video", "image_cond_noise_scale"): LTXConditionPipeline,
@@ -37,7 +40,9 @@ _FROM = {("ltx-video", "image_cond_noise_scale"): LTXConditionPipeline,
          ("ltx-video", "tone_map_compression_ratio"): LTXLatentUpsamplePipeline,
          **{("ltx-video", name): LTXI2VLongMultiPromptPipeline for name in (
              "temporal_tile_size", "temporal_overlap", "temporal_overlap_cond_strength", "cond_strength",
-             "prompt_segments")}}
+             "prompt_segments")},
+         **{("ltx2", name): LTXI2VLongMultiPromptPipeline for name in (
+             "temporal_tile_size", "temporal_overlap", "temporal_overlap_cond_strength", "prompt_segments")}}
 # Options of a recipe over several pipelines, an argument of none (stages: models.ltx2_stages,
 # models.ltx_video_stages).
 _RECIPE = {("ltx2", "stages"), ("ltx-video", "stages")}
