@@ -407,7 +407,19 @@ class LTX2Model:
         noise_scale = REFINE_SIGMAS[0]
         generator = before.generator
         conditioning: VideoConditioning | None = None
-        if request.image is not None:
+        keyframe_coords = None
+        if request.conditions:
+            # As LTX2ConditionPipeline given the latents: the conditions applied to them again at full size, the
+            # rest renoised to the first sigma; the audio drawn in its packed layout, as that pipeline draws it.
+            video, conditioning, keyframe_coords = prepare_conditions(
+                self.cond_pipe, request, shape, channels=self.transformer.config.in_channels, fps=float(request.fps),
+                device=cpu, generator=generator, latents=upsampled, noise_scale=noise_scale)
+            conditioning = VideoConditioning(mask=conditioning.mask.to(self.device),
+                                             clean=conditioning.clean.to(self.device),
+                                             video_tokens=conditioning.video_tokens)
+            audio = self.cond_pipe.prepare_audio_latents(latents=audio, noise_scale=noise_scale, dtype=torch.float32,
+                                                         device=cpu, generator=generator)
+        elif request.image is not None:
             video, mask = self.i2v_pipe.prepare_latents(None, 1, upsampled.shape[1], request.height, request.width,
                                                         request.num_frames, noise_scale, torch.float32, cpu,
                                                         generator, upsampled)
@@ -415,12 +427,13 @@ class LTX2Model:
         else:
             video = self.pipe.prepare_latents(latents=upsampled, noise_scale=noise_scale, dtype=torch.float32,
                                               device=cpu, generator=generator)
-        audio = self.pipe.prepare_audio_latents(latents=audio, noise_scale=noise_scale, dtype=torch.float32,
-                                                device=cpu, generator=generator)
+        if not request.conditions:
+            audio = self.pipe.prepare_audio_latents(latents=audio, noise_scale=noise_scale, dtype=torch.float32,
+                                                    device=cpu, generator=generator)
         scheduler = refine_scheduler(self.pipe.scheduler)
         return self.prepared_pass(request, shape, settings, contexts, video, audio, scheduler=scheduler,
                                   sigmas=REFINE_SIGMAS, generator=generator, conditioning=conditioning,
-                                  audio_frames=before.audio_frames)
+                                  keyframe_coords=keyframe_coords, audio_frames=before.audio_frames)
 
     def prepared_pass(self, request: GenerationRequest, shape: LatentShape, settings: LTX2Settings, contexts,
                       video: torch.Tensor, audio: torch.Tensor, *, sigmas, generator: torch.Generator,

@@ -108,11 +108,13 @@ def prepare_image(pipe: LTX2ImageToVideoPipeline, request: GenerationRequest, *,
 
 
 def prepare_conditions(pipe: LTX2ConditionPipeline, request: GenerationRequest, shape: LatentShape, *,
-                       channels: int, fps: float, device: torch.device, generator: torch.Generator
+                       channels: int, fps: float, device: torch.device, generator: torch.Generator,
+                       latents: torch.Tensor | None = None, noise_scale: float = CONDITION_NOISE_SCALE
                        ) -> tuple[torch.Tensor, VideoConditioning, torch.Tensor | None]:
     """LTX2ConditionPipeline's preparation of ``request.conditions``: packed latents ``[1, S, C]`` (the video's
     tokens, then any keyframe tokens), their conditioning, and the keyframe tokens' coordinates ``[1, 3, K, 2]``
-    (``None`` without keyframes) to append to the video's."""
+    (``None`` without keyframes) to append to the video's. ``latents`` and ``noise_scale``: the pipeline given
+    ``latents`` (``[1, C, F, H, W]``, denormalised) renoised to ``noise_scale`` (stage 2 of two)."""
     t_ratio = pipe.vae_temporal_compression_ratio
     conditions = [LTX2VideoCondition(frames=cond.frames, index=latent_index(cond.frame_index, request.num_frames,
                                                                             t_ratio),
@@ -120,7 +122,7 @@ def prepare_conditions(pipe: LTX2ConditionPipeline, request: GenerationRequest, 
                   for cond in request.conditions]
     latents, mask, clean, keyframe_coords = pipe.prepare_latents(
         conditions=conditions, batch_size=1, num_channels_latents=channels, height=request.height,
-        width=request.width, num_frames=request.num_frames, frame_rate=fps, noise_scale=CONDITION_NOISE_SCALE,
-        dtype=torch.float32, device=device, generator=generator)
+        width=request.width, num_frames=request.num_frames, frame_rate=fps, noise_scale=noise_scale,
+        dtype=torch.float32, device=device, generator=generator, latents=latents)
     conditioning = VideoConditioning(mask=mask.squeeze(-1), clean=clean, video_tokens=shape.tokens)
     return latents, conditioning, keyframe_coords

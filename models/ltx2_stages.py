@@ -12,7 +12,8 @@ Invariants:
   is not part of a diffusers folder, so stage 2 runs the folder's transformer as it is).
 - An image (``request.image``) conditions both stages: stage 1 as LTX2ImageToVideoPipeline at half size, stage 2
   as that pipeline does given latents (the first latent frame, the upsampled image, kept clean and conditioned).
-  ``conditions`` condition stage 1 only (LTX2ConditionPipeline at half size); stage 2 refines the whole video.
+  ``conditions`` condition both stages: stage 1 as LTX2ConditionPipeline at half size, stage 2 as that pipeline does
+  given latents (the conditions applied again at full size, the rest renoised to the first sigma).
 """
 
 from __future__ import annotations

@@ -46,7 +46,12 @@ def _requests(seed: int) -> list[GenerationRequest]:
     rng = np.random.default_rng(seed)
     return [GenerationRequest.of(**BASE, num_frames=9, height=128, width=320, seed=seed),
             GenerationRequest.of(**BASE, num_frames=9, height=128, width=192, seed=seed + 1,
-                                 image=Condition(_media(rng, 1, 100, 140)))]
+                                 image=Condition(_media(rng, 1, 100, 140))),
+            # conditions: an image at frame 0 (strength 0.8) and one at the last frame (a keyframe token per
+            # latent pixel), in both stages as LTX2ConditionPipeline takes them
+            GenerationRequest.of(**BASE, num_frames=17, height=128, width=192, seed=seed + 2,
+                                 conditions=(Condition(_media(rng, 1, 90, 120), 0, 0.8),
+                                             Condition(_media(rng, 1, 128, 192), -1, 1.0)))]
 
 
 def _sample_all(state, folder: str, seed: int, frames_per_rank=1):
@@ -78,6 +83,16 @@ def _reference(folder: str, request: GenerationRequest, output_type: str):
                  tokenizer=c.tokenizer, connectors=c.connectors, transformer=c.transformer, vocoder=c.vocoder)
     cls = LTX2Pipeline if request.image is None else LTX2ImageToVideoPipeline
     media = {} if request.image is None else {"image": Image.fromarray(request.image.frames[0])}
+    if request.conditions:
+        from diffusers import LTX2ConditionPipeline
+        from diffusers.pipelines.ltx2 import LTX2VideoCondition
+
+        from models.ltx2_conditions import latent_index
+
+        cls = LTX2ConditionPipeline
+        media = {"conditions": [LTX2VideoCondition(frames=Image.fromarray(c.frames[0]),
+                                                   index=latent_index(c.frame_index, request.num_frames, 8),
+                                                   strength=c.strength) for c in request.conditions]}
     o = request.options
     generator = torch.Generator("cpu").manual_seed(request.seed)
     common = dict(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.num_frames,
