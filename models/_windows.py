@@ -159,15 +159,17 @@ def window_prompts(request: GenerationRequest, windows: Windows) -> list[str]:
     return [texts[min(w, len(texts) - 1)] or request.prompt for w in range(len(windows))]
 
 
-def two_stage_window_plan(request: GenerationRequest, windows: Windows, *, steps: int, refine_steps: int) -> Plan:
+def two_stage_window_plan(request: GenerationRequest, windows: Windows, *, steps: int, refine_steps: int,
+                          refine_options: Mapping[str, Any] | None = None, **refine_fields: Any) -> Plan:
     """Two stages over the windows: every window at half the size (``stage1_window`` passes of ``steps``), then every
-    window again at full size (``refine_window`` passes of ``refine_steps``), the second from the first's latents
-    upsampled as a whole. Stage 2 goes over the windows (rather than each window two-staged) because the upsampler
-    and the refine then see the fused video: one upsample of the whole, and each refine window is conditioned on the
-    refined tail before it, so the seams are refined too."""
+    window again at full size (``refine_window`` passes of ``refine_steps``, their request changed by
+    ``refine_fields`` and ``refine_options``), the second from the first's latents upsampled as a whole. Stage 2
+    goes over the windows (rather than each window two-staged) because the upsampler and the refine then see the
+    fused video: one upsample of the whole, and each refine window is conditioned on the refined tail before it, so
+    the seams are refined too."""
     one_stage = {**request.options, "stages": 1}
     first = replace(request, height=request.height // 2, width=request.width // 2, options=one_stage)
-    second = replace(request, options=one_stage)
+    second = replace(request, **refine_fields, options={**one_stage, **(refine_options or {})})
     prompts = window_prompts(request, windows)
     return Plan(tuple(DenoisePass(replace(first, prompt=prompts[w]), steps=steps, kind="stage1_window", window=w)
                       for w in range(len(windows)))

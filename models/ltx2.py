@@ -45,12 +45,13 @@ from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
 from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
-from ._windows import window_plan, windows_of
+from ._windows import two_stage_window_plan, window_plan, windows_of
 from .loading import recommended_stages
 from .ltx2_conditions import VideoConditioning, prepare_conditions, prepare_image
 from .ltx2_options import ltx2_options
-from .ltx2_stages import REFINE_SIGMAS, refine_scheduler, two_stage_plan
+from .ltx2_stages import REFINE_SETTINGS, REFINE_SIGMAS, refine_scheduler, two_stage_plan
 from .ltx2_windows import WindowState, finish_window, prepare_window, restore_state
+from .ltx2_windows import checkpoint as window_checkpoint
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
 from .ltx_video import _scoped
 from .registry import min_latent_side
@@ -306,6 +307,10 @@ class LTX2Model:
         ``stages=2`` the two-stage plan (``models.ltx2_stages``)."""
         windows = windows_of(request)
         if windows is not None:
+            if request.options.get("stages", 1) == 2:
+                return two_stage_window_plan(request, windows, steps=request.num_inference_steps,
+                                             refine_steps=len(REFINE_SIGMAS), refine_options=REFINE_SETTINGS,
+                                             num_inference_steps=len(REFINE_SIGMAS), guidance_scale=1.0)
             return window_plan(request, windows, steps=request.num_inference_steps)  # models.ltx2_windows
         if request.options.get("stages", 1) == 2:
             return two_stage_plan(request)
@@ -328,8 +333,8 @@ class LTX2Model:
         ``request.conditions`` LTX2ConditionPipeline's (the media encoded on every rank alike: an image or a short
         clip is one small encode, not worth a time-parallel split). ``kind="refine"``: stage 2 of two, from the
         gathered latents of stage 1 (``models.ltx2_stages``)."""
-        if kind == "window":
-            return prepare_window(self, request, previous_state)
+        if kind in ("window", "stage1_window", "refine_window"):
+            return prepare_window(self, request, previous_state, kind=kind)
         if kind == "refine":
             assert previous is not None and previous_state is not None, "a refine pass follows a pass"
             return self._prepare_refine(request, shape, previous, previous_state)
@@ -610,7 +615,18 @@ class LTX2Model:
 
     def checkpoint(self, state) -> dict[str, np.ndarray] | None:
         """A long video's windows made so far; ``None`` for any other pass."""
-        return state.made.checkpoint() if isinstance(state, WindowState) else None
+        return window_checkpoint(state) if isinstance(state, WindowState) else None
+
+    def upsample_made(self, video: torch.Tensor) -> torch.Tensor:
+        """Stage 1's whole video ``[1, C, F, H, W]`` (normalised, as the stream holds it) upsampled 2x by
+        LTX2LatentUpsamplePipeline, normalised again (the refine windows' stream latents)."""
+        pipe, vae = self.pipe, self.components.vae
+        denormalised = pipe._denormalize_latents(video.to(self.device), vae.latents_mean, vae.latents_std,
+                                                 vae.config.scaling_factor)
+        # NOTE(upsampler): replicated, as for one-sequence two stages (LTX2Model._prepare_refine).
+        upsampled = self.upsample_pipe(latents=denormalised, output_type="latent", return_dict=False)[0]
+        return pipe._normalize_latents(upsampled.float().cpu(), vae.latents_mean.cpu(), vae.latents_std.cpu(),
+                                       vae.config.scaling_factor)
 
     def restore(self, request: GenerationRequest, arrays: dict[str, np.ndarray]):
         return restore_state(request, arrays)

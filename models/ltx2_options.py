@@ -7,7 +7,7 @@ from cp_infer.options import ModelOptions, Option
 
 from ._stages import STAGE_SIZE_STEP, check_two_stage_size, stages_option
 from ._standard_options import decode_options, standard_options
-from ._windows import check_windows, window_frames, window_options, windows_of
+from ._windows import check_windows, window_frames, window_options
 
 __all__ = ["STAGE_SIZE_STEP", "ltx2_options"]
 
@@ -52,6 +52,3 @@ def ltx2_options(*, layers: int = 48, latent_upsampler: bool = True, stages: int
 def _check(values) -> None:
     check_two_stage_size(values)
     check_windows(values)
-    if values.get("stages", 1) == 2 and windows_of(values) is not None:
-        raise ValueError("stages=2 with a video longer than one window (temporal_tile_size) is not supported for "
-                         "LTX-2: use stages=1, or at most temporal_tile_size frames")

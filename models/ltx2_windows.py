@@ -30,8 +30,9 @@ from cp_infer.sampler import Prepared
 
 from ._windows import Windows, windows_of
 from .ltx2_conditions import VideoConditioning
+from .ltx2_stages import REFINE_SIGMAS, refine_scheduler
 
-__all__ = ["Made", "WindowState", "finish_window", "prepare_window", "restore_state"]
+__all__ = ["Made", "WindowState", "checkpoint", "finish_window", "prepare_window", "restore_state"]
 
 
 @dataclass
@@ -59,6 +60,10 @@ class WindowState:
     before: Made | None
     audio_start: int
     """The window's first audio latent frame in the whole soundtrack."""
+    stage: int = 0
+    """0: a one-stage window; 1: stage 1 of two (half the size); 2: stage 2 (full size, refining)."""
+    base: Made | None = None
+    """Stage 2: stage 1's whole video upsampled and its soundtrack, which its windows refine."""
     made: Made | None = None
 
 
@@ -67,6 +72,15 @@ class Restored:
     request: GenerationRequest
     windows: Windows
     made: Made
+    stage: int = 0
+    base: Made | None = None
+
+
+def checkpoint(state: WindowState) -> dict[str, np.ndarray]:
+    arrays = dict(state.made.checkpoint(), stage=np.array(state.stage, dtype=np.int64))
+    if state.base is not None:
+        arrays.update(base_video=state.base.video.numpy(), base_audio=state.base.audio.numpy())
+    return arrays
 
 
 def _frames(latent_frames: int, t: int) -> int:
@@ -82,12 +96,22 @@ def audio_start(model, request: GenerationRequest, start: int) -> int:
     return model.audio_latent_frames(replace(request, num_frames=start * t)) if start else 0
 
 
-def prepare_window(model, request: GenerationRequest, previous_state) -> Prepared:
+def prepare_window(model, request: GenerationRequest, previous_state, *, kind: str = "window") -> Prepared:
     """The window after ``previous_state``'s (``None``: the first) as an LTX2Pipeline pass of its own frames, its
-    first latents of both streams conditioned on the tails made so far."""
+    first latents of both streams conditioned on the tails made so far. ``kind``: ``window``, ``stage1_window``
+    (stage 1 of two: ``request`` is at half the size) or ``refine_window`` (stage 2: the window of stage 1's video
+    upsampled and of its soundtrack, renoised to the first distilled sigma and refined without guidance, as
+    ``models.ltx2_stages``'s stage 2)."""
     pipe, cpu = model.pipe, torch.device("cpu")
     windows = windows_of(request)
-    before: Made | None = None if previous_state is None else previous_state.made
+    stage = {"window": 0, "stage1_window": 1, "refine_window": 2}[kind]
+    base = getattr(previous_state, "base", None)
+    if stage == 2 and getattr(previous_state, "stage", 0) == 1:
+        # Stage 1 is done: its whole video upsampled once (and its soundtrack); stage 2's windows start over.
+        stage1 = previous_state.made
+        base, before = Made(model.upsample_made(stage1.video), stage1.audio, -1), None
+    else:
+        before = None if previous_state is None else previous_state.made
     w = 0 if before is None else before.window + 1
     start, end = windows.spans[w]
     t = model.geometry.temporal_compression
@@ -103,6 +127,16 @@ def prepare_window(model, request: GenerationRequest, previous_state) -> Prepare
                                        audio_latent_length=audio_frames, num_mel_bins=pipe.audio_vae.config.mel_bins,
                                        noise_scale=0.0, dtype=torch.float32, device=cpu, generator=generator)
     a0 = audio_start(model, request, start)
+    scheduler = None
+    if stage == 2:
+        # The window's part of the upsampled video and of stage 1's soundtrack, renoised to the first sigma with the
+        # noise just drawn (LTX2Pipeline's _create_noised_state).
+        sigma = float(REFINE_SIGMAS[0])
+        part = pipe._pack_latents(base.video[:, :, start:end], pipe.transformer_spatial_patch_size,
+                                  pipe.transformer_temporal_patch_size)
+        video = sigma * video + (1 - sigma) * part
+        audio = sigma * audio + (1 - sigma) * base.audio[:, a0:a0 + audio.shape[1]]
+        scheduler = refine_scheduler(pipe.scheduler)
     video_cond = audio_cond = None
     if before is not None:
         strength = float(request.options["temporal_overlap_cond_strength"])
@@ -112,11 +146,13 @@ def prepare_window(model, request: GenerationRequest, previous_state) -> Prepare
         shared = max(0, min(before.audio.shape[1] - a0, audio.shape[1]))
         if shared:
             audio, audio_cond = _conditioned(audio, before.audio[:, a0:a0 + shared], strength)
-    sigmas = np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps)
+    sigmas = (REFINE_SIGMAS if stage == 2
+              else np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps))
     prepared = model.prepared_pass(wreq, shape, settings, contexts, video, audio, sigmas=sigmas, generator=generator,
-                                   conditioning=video_cond, audio_conditioning=audio_cond, audio_frames=audio_frames)
+                                   scheduler=scheduler, conditioning=video_cond, audio_conditioning=audio_cond,
+                                   audio_frames=audio_frames)
     prepared.state = WindowState(state=prepared.state, request=request, windows=windows, window=w, before=before,
-                                 audio_start=a0)
+                                 audio_start=a0, stage=stage, base=base)
     return prepared
 
 
@@ -169,12 +205,18 @@ def finish_window(model, full: dict[str, torch.Tensor], prepared: Prepared) -> i
 
 def restore_state(request: GenerationRequest, arrays: dict[str, np.ndarray]) -> tuple[Restored, None]:
     windows = windows_of(request)
+
+    def tensor(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.array(arrays[name], dtype=np.float32))
+
     try:
-        made = Made(torch.from_numpy(np.array(arrays["video"], dtype=np.float32)),
-                    torch.from_numpy(np.array(arrays["audio"], dtype=np.float32)), int(arrays["window"]))
+        made = Made(tensor("video"), tensor("audio"), int(arrays["window"]))
+        stage = int(arrays.get("stage", 0))
+        base = Made(tensor("base_video"), tensor("base_audio"), -1) if "base_video" in arrays else None
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a checkpoint of a long video: {exc}") from None
-    if windows is None or not 0 <= made.window < len(windows) - 1 \
-            or made.video.shape[2] != windows.made(made.window):
+    last = len(windows) - 1 if windows is not None else -1
+    if windows is None or not 0 <= made.window <= last or (made.window == last and stage != 1) \
+            or made.video.shape[2] != windows.made(made.window) or (stage == 2) != (base is not None):
         raise ValueError("the checkpoint is not one of this request's windows")
-    return Restored(request, windows, made), None
+    return Restored(request, windows, made, stage, base), None

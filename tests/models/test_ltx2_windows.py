@@ -125,3 +125,42 @@ def test_resume_from_a_checkpoint_equals_the_whole_run(folder, one_rank):
     assert resumed["passes"] == [3, 4]
     np.testing.assert_array_equal(resumed["frames"], expected["frames"])
     np.testing.assert_array_equal(resumed["audio"], expected["audio"])
+
+
+def _two_stage(state, folder: str, seed: int, resume=None):
+    from models.loading import load_ltx2
+    from models.ltx2 import LTX2Model
+
+    model = LTX2Model(load_ltx2(folder), state=state)
+    model.decode_frames_per_rank = 2
+    request = GenerationRequest.of(prompt="waves on a beach | a storm comes", negative_prompt="silence",
+                                   num_frames=73, height=128, width=128, num_inference_steps=3, seed=seed, fps=24,
+                                   temporal_tile_size=48, temporal_overlap=24, stages=2, **GUIDANCE)
+    out: dict = {"passes": [], "checkpoints": {}}
+    control = SampleControl(on_latents=out.update, on_audio=lambda w, sr: out.update(audio=w),
+                            on_pass=lambda i, plan: out["passes"].append((plan.passes[i].kind, plan.passes[i].steps)),
+                            on_checkpoint=lambda i, arrays: out["checkpoints"].update({i: arrays}), resume=resume)
+    out["frames"] = sample(model, request, state=state, control=control)
+    return out
+
+
+def test_two_stages_over_the_windows(folder, groups):
+    """stages=2 longer than a window: stage 1 window by window at half the size, one upsample of its whole video,
+    stage 2 over the windows at full size with the distilled sigmas and no guidance; N=2 equals 1 rank, and a job
+    resumed in either stage equals the whole run."""
+    from cp_infer import single_process_state
+    from models.ltx2_stages import REFINE_SIGMAS
+
+    seed = random.randrange(2**31)
+    one = one_thread(_two_stage, single_process_state(), folder, seed)
+    assert one["passes"] == [("stage1_window", 3)] * 3 + [("refine_window", len(REFINE_SIGMAS))] * 3
+    assert one["frames"].shape == (73, 128, 128, 3) and one["frames"].std() > 5
+    assert one["latents"].shape[2:] == (10, 4, 4) and one["checkpoints"][3]["video"].shape[3:] == (2, 2)
+    two = groups(2).run(_two_stage, folder, seed, timeout=600)[0]
+    diff = np.abs(two["frames"].astype(np.int16) - one["frames"].astype(np.int16))
+    assert diff.max() <= 1 and diff.mean() < 0.02
+    np.testing.assert_allclose(two["audio"], one["audio"], rtol=0, atol=1e-4)
+    for done in (2, 3, 4):
+        resumed = one_thread(_two_stage, single_process_state(), folder, seed, resume=(done, one["checkpoints"][done]))
+        np.testing.assert_array_equal(resumed["frames"], one["frames"], err_msg=f"resumed after pass {done}")
+        np.testing.assert_array_equal(resumed["audio"], one["audio"])
