@@ -305,7 +305,7 @@ def sample(
     if control.on_phase:
         control.on_phase("decode")
     status, message = _poll(control, total)
-    if status == StepStatus.OK and state.decodes:
+    if status == StepStatus.OK:
         # Everything before the video decode's relayed frames is local: run it before the agreement, so that a
         # failure on one rank (the soundtrack is decoded on the delivering rank alone) ends the job on every rank.
         status, message = _run_hook(lambda: video.prepare_last(full, prepared))
@@ -341,17 +341,14 @@ class _Delivery:
 
     def progress(self, full: dict[str, torch.Tensor], prepared: Prepared, final: int) -> None:
         """Decode and deliver what the latent frames ``[0, final)`` allow (every rank, agreed on)."""
-        status, message = StepStatus.OK, ""
-        if self.state.decodes:
-            def feed() -> None:
-                if self.decoder is None:
-                    self._start(full, prepared)
-                if self.decoder.feed is None:
-                    raise RuntimeError("a plan that makes its latents final a part at a time needs Decoder.feed")
-                self.decoder.feed(prepared.state, final)
+        def feed() -> None:
+            if self.decoder is None:
+                self._start(full, prepared)
+            if self.decoder.feed is None:
+                raise RuntimeError("a plan that makes its latents final a part at a time needs Decoder.feed")
+            self.decoder.feed(prepared.state, final)
 
-            status, message = _run_hook(feed)
-        _agree(status, message, state=self.state)
+        _agree(*_run_hook(feed), state=self.state)
         self.decode(final)
 
     def prepare_last(self, full: dict[str, torch.Tensor], prepared: Prepared) -> None:

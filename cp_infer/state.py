@@ -106,12 +106,6 @@ class ParallelState:
         """True on global rank 0, the rank that talks to clients."""
         return self.rank == 0
 
-    @property
-    def decodes(self) -> bool:
-        """True on the ranks that decode: every rank. Every guidance rank holds the same latents after the gather, so
-        with a guidance axis the decode runs over the whole mesh (:meth:`decoding`)."""
-        return True
-
     @functools.cached_property
     def decoding(self) -> ParallelState:
         """The state the decode runs on: this one without a guidance axis; with one, the whole mesh as its
