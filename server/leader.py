@@ -303,9 +303,10 @@ class GroupLeader:
                 # Streamed, or long enough to be made window by window: encoded as the frames come, so that rank 0
                 # never holds the whole video.
                 try:
-                    made = job.request.num_frames - (0 if lead is None else 1)  # an extension's: after the lead
+                    # An extension's video: the lead, then the num_frames - 1 frames made after its last.
+                    frames = None if lead is None else len(lead) + job.request.num_frames - 1
                     outputs = StreamedOutputs(self.store, job.id, job.request, keep_frames=self.config.keep_frames,
-                                              stream=stream, frames=made + (0 if lead is None else len(lead)))
+                                              stream=stream, frames=frames)
                 except (OSError, ValueError) as exc:
                     self._finish(job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
                     return
@@ -371,7 +372,7 @@ class GroupLeader:
         offset = 0 if lead is None else len(lead)
 
         def on_frames(frames: np.ndarray, first: int, total: int) -> None:
-            if offset and first == 0:
+            if offset and first == 0:  # an extension: ``outputs`` is always made for one
                 for a in range(0, offset, 16):  # the video extended, a few frames at a time (memory-mapped)
                     outputs.write(np.asarray(lead[a:a + 16]), a)
             first += offset
