@@ -132,10 +132,12 @@ def gather_passes(local: Mapping[str, torch.Tensor], *, passes: int, state: Para
     return out
 
 
-def broadcast_object(obj: Any, *, state: ParallelState, src: int = 0) -> Any:
-    """Send a picklable object from global rank ``src`` to every rank over the gloo CPU group."""
+def broadcast_object(obj: Any, *, state: ParallelState, src: int | None = None) -> Any:
+    """Send a picklable object from global rank ``src`` (default: the replica group's leader) to every rank of the
+    replica group over its gloo CPU group."""
     if state.cpu_group is None:
         return obj
+    src = state.replica_ranks[0] if src is None else src
     box = [obj if state.rank == src else None]
     dist.broadcast_object_list(box, src=src, group=state.cpu_group)
     return box[0]
@@ -151,7 +153,7 @@ def all_reduce_sum(x: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch
 
 
 def all_reduce_max_int(value: int, *, state: ParallelState) -> int:
-    """The maximum of an integer over all ranks (CPU group): how ranks agree on a status code."""
+    """The maximum of an integer over the replica group's ranks (CPU group): how ranks agree on a status code."""
     if state.cpu_group is None:
         return value
     t = torch.tensor([value], dtype=torch.int64)

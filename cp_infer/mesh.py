@@ -2,7 +2,8 @@
 shared out. Pure integers; no process group.
 
 Invariants:
-- ``world = replicas x guidance x ulysses``, replicas fixed at 1 for now, so ``guidance x ulysses == world``.
+- ``world = replicas x guidance x ulysses``: a replica group is ``guidance x ulysses`` consecutive ranks that runs
+  its own jobs (its first rank leads it); the replicas share nothing but the front end that dispatches to them.
 - Ulysses is the innermost axis: ``rank = (replica * guidance + g) * ulysses + u``. A Ulysses group (two all-to-alls
   per attention layer) is a run of consecutive ranks, which on a GPU node are the ones nearest each other; a
   guidance group (one exchange per step) strides over them.
@@ -19,12 +20,18 @@ __all__ = ["MeshLayout", "pass_shares", "valid_layouts"]
 
 
 def valid_layouts(world: int) -> list[tuple[int, int]]:
-    """Every ``(guidance, ulysses)`` with ``guidance * ulysses == world``, by guidance degree."""
-    return [(g, world // g) for g in range(1, world + 1) if world % g == 0]
+    """Every ``(guidance, ulysses)`` whose groups divide ``world`` (``world / (guidance * ulysses)`` replicas), one
+    replica first, then by guidance degree."""
+    layouts = [(g, u) for g in range(1, world + 1) for u in range(1, world + 1) if world % (g * u) == 0]
+    return sorted(layouts, key=lambda gu: (world // (gu[0] * gu[1]), gu[0]))
 
 
 def _layouts_text(world: int) -> str:
-    return ", ".join(f"--guidance-degree {g} --ulysses-degree {u}" for g, u in valid_layouts(world))
+    def one(g: int, u: int) -> str:
+        replicas = world // (g * u)
+        return f"--guidance-degree {g} --ulysses-degree {u}" + (f" ({replicas} replicas)" if replicas > 1 else "")
+
+    return ", ".join(one(g, u) for g, u in valid_layouts(world))
 
 
 @dataclass(frozen=True)
@@ -40,14 +47,16 @@ class MeshLayout:
     def __post_init__(self) -> None:
         if self.world < 1:
             raise ValueError(f"world={self.world} must be >= 1")
-        if self.guidance < 1 or self.ulysses < 1 or self.guidance * self.ulysses != self.world:
-            raise ValueError(f"guidance_degree={self.guidance} x ulysses_degree={self.ulysses} does not make a world "
-                             f"of {self.world} ranks; valid layouts: {_layouts_text(self.world)}")
+        if self.guidance < 1 or self.ulysses < 1 or self.world % (self.guidance * self.ulysses):
+            raise ValueError(f"guidance_degree={self.guidance} x ulysses_degree={self.ulysses} does not divide a "
+                             f"world of {self.world} ranks into replica groups; valid layouts: "
+                             f"{_layouts_text(self.world)}")
 
     @classmethod
     def resolve(cls, world: int, *, guidance_degree: int | None = None,
                 ulysses_degree: int | None = None) -> MeshLayout:
-        """The layout for the given degrees, the unset ones filled in: guidance 1, Ulysses the rest of the world."""
+        """The layout for the given degrees, the unset ones filled in: guidance 1, Ulysses the rest of the world (so
+        one replica unless both degrees are set and leave ranks over)."""
         guidance = 1 if guidance_degree is None else guidance_degree
         if ulysses_degree is None:
             if guidance < 1 or world % guidance:
@@ -70,6 +79,18 @@ class MeshLayout:
 
     def rank(self, replica: int, g: int, u: int) -> int:
         return (replica * self.guidance + g) * self.ulysses + u
+
+    @property
+    def replica_size(self) -> int:
+        return self.guidance * self.ulysses
+
+    def replica_ranks(self, replica: int) -> tuple[int, ...]:
+        """A replica group's global ranks, in order; the first leads it."""
+        return tuple(range(replica * self.replica_size, (replica + 1) * self.replica_size))
+
+    def leaders(self) -> tuple[int, ...]:
+        """Each replica's first rank, by replica."""
+        return tuple(r * self.replica_size for r in range(self.replicas))
 
     def ulysses_groups(self) -> list[tuple[int, ...]]:
         """Every Ulysses group's global ranks (in group-rank order), in the order every rank creates them."""

@@ -3,11 +3,13 @@
 Invariants:
 - Built once per process by :func:`init_parallel` and passed explicitly (keyword-only) to everything that
   communicates. There is no module-level mutable state.
-- The world is a mesh (``cp_infer.mesh``): replicas (1 for now) x guidance x Ulysses. The ``cp_*`` fields are the
-  Ulysses axis (the group a pass's sequences are sharded over: attention, gathers, the decode); the ``guidance_*``
-  fields the guidance axis (the ranks that share a step's guidance passes and exchange their predictions once per
-  step). Status agreement and control messages span the whole world. The decode runs over the whole mesh
-  (:meth:`ParallelState.decoding`): every guidance rank holds the same latents, so none need idle through it.
+- The world is a mesh (``cp_infer.mesh``): replicas x guidance x Ulysses. The ``cp_*`` fields are the Ulysses axis
+  (the group a pass's sequences are sharded over: attention, gathers, the decode); the ``guidance_*`` fields the
+  guidance axis (the ranks that share a step's guidance passes and exchange their predictions once per step).
+  Status agreement and control messages span the rank's replica group (``cpu_group``, led by its first rank), which
+  runs its own jobs; no collective spans two replicas after start-up but the front end's links (``links``). The
+  decode runs over the replica's whole mesh (:meth:`ParallelState.decoding`): every guidance rank holds the same
+  latents, so none need idle through it.
 - Tensors travel over ``cp_group`` and ``guidance_group`` (NCCL with CUDA, gloo otherwise); request metadata and
   control messages travel over ``cpu_group`` (always gloo), so a control message never waits behind device work.
 - An axis of degree 1 has the group ``None`` and every collective over it returns its input.
@@ -71,7 +73,7 @@ class ParallelState:
     cp_group: dist.ProcessGroup | None
     """Ulysses device group for tensor collectives; ``None`` when ``cp_size == 1``."""
     cpu_group: dist.ProcessGroup | None
-    """Gloo group over the whole world for control messages; ``None`` when ``world_size == 1``."""
+    """Gloo group over the replica group's ranks for control messages; ``None`` when it is one rank."""
     device: torch.device
     backend: str
     timeout_s: float
@@ -89,6 +91,22 @@ class ParallelState:
     """With a guidance axis: a device group over the whole mesh, which the decode runs on (:meth:`decoding`)."""
     mesh_relay_groups: tuple[tuple[int, int, dist.ProcessGroup], ...] = ()
     """The decode's ring over the whole mesh (as ``relay_groups`` over the Ulysses group)."""
+    replica: int = 0
+    """This rank's replica group."""
+    replicas: int = 1
+    replica_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's replica group, in order; the first leads it."""
+    world_group: dist.ProcessGroup | None = None
+    """Gloo group over the whole world, for start-up only (every rank's pid); ``None`` when ``world_size == 1``."""
+    links: tuple[tuple[int, dist.ProcessGroup], ...] = ()
+    """``(replica, group)``: a gloo group of global rank 0 and that replica's leader, for each replica but the first,
+    over which the front end drives it; rank 0 holds every link, a replica's leader its own, other ranks none."""
+
+    def link(self, replica: int) -> dist.ProcessGroup:
+        for r, group in self.links:
+            if r == replica:
+                return group
+        raise ValueError(f"rank {self.rank} holds no link to replica {replica}")
 
     def relay_group(self, src: int, dst: int) -> dist.ProcessGroup:
         """The group for messages from group rank ``src`` to ``dst`` (one of this rank's ring edges).
@@ -103,8 +121,13 @@ class ParallelState:
 
     @property
     def is_leader(self) -> bool:
-        """True on global rank 0, the rank that talks to clients."""
+        """True on global rank 0, the rank that talks to clients (and leads the first replica)."""
         return self.rank == 0
+
+    @property
+    def leads_replica(self) -> bool:
+        """True on the first rank of a replica group, the one that broadcasts its commands."""
+        return self.rank == self.replica_ranks[0]
 
     @functools.cached_property
     def decoding(self) -> ParallelState:
@@ -113,8 +136,9 @@ class ParallelState:
         idles through the decode. Its first rank is the mesh's, the one that delivers."""
         if self.guidance_size == 1:
             return self
-        ranks = tuple(range(self.world_size))
-        return replace(self, cp_size=self.world_size, cp_rank=self.rank, cp_ranks=ranks, cp_group=self.mesh_group,
+        ranks = self.replica_ranks
+        return replace(self, cp_size=len(ranks), cp_rank=ranks.index(self.rank), cp_ranks=ranks,
+                       cp_group=self.mesh_group,
                        relay_groups=self.mesh_relay_groups, guidance_size=1, guidance_rank=0,
                        guidance_ranks=(self.rank,), guidance_group=None)
 
@@ -187,7 +211,16 @@ def init_parallel(
             timeout=timeout, device_id=device if backend == "nccl" else None,
         )
     # Every rank must create every group, in the same order, even the ones it does not belong to.
-    cpu_group = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
+    world_group = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
+    replica = layout.coords(rank)[0]
+    replica_ranks = layout.replica_ranks(replica)
+    cpu_group = world_group if layout.replicas == 1 else None
+    if layout.replicas > 1:
+        for r in range(layout.replicas):
+            ranks = layout.replica_ranks(r)
+            group = dist.new_group(list(ranks), backend="gloo", timeout=timeout) if len(ranks) > 1 else None
+            if r == replica:
+                cpu_group = group
     cp_group = None
     cp_ranks: tuple[int, ...] = (rank,)
     relay_groups = []
@@ -206,18 +239,29 @@ def init_parallel(
         if rank in ranks:
             guidance_group, guidance_ranks = group, ranks
     mesh_group, mesh_relays = None, []
-    if layout.guidance > 1:  # the decode's group and ring over the whole mesh (ParallelState.decoding)
-        mesh_group = dist.new_group(list(range(world_size)), backend=backend, timeout=timeout)
-        for src, dst in _ring_edges(world_size):
-            edge = dist.new_group([src, dst], backend=backend, timeout=timeout)
-            if rank in (src, dst):
-                mesh_relays.append((src, dst, edge))
+    if layout.guidance > 1:  # the decode's group and ring over each replica's mesh (ParallelState.decoding)
+        for r in range(layout.replicas):
+            ranks = layout.replica_ranks(r)
+            group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+            if r == replica:
+                mesh_group = group
+            for src, dst in _ring_edges(len(ranks)):
+                edge = dist.new_group([ranks[src], ranks[dst]], backend=backend, timeout=timeout)
+                if rank in (ranks[src], ranks[dst]):
+                    mesh_relays.append((src, dst, edge))
+    links = []
+    for r, lead in enumerate(layout.leaders()[1:], start=1):  # the front end's link to each other replica
+        group = dist.new_group([0, lead], backend="gloo", timeout=timeout)
+        if rank in (0, lead):
+            links.append((r, group))
     return ParallelState(
         world_size=world_size, rank=rank, local_rank=local_rank, cp_size=cp_size,
         cp_rank=cp_ranks.index(rank), cp_ranks=cp_ranks, cp_group=cp_group, cpu_group=cpu_group,
         device=device, backend=backend, timeout_s=config.timeout_s, guidance_size=layout.guidance,
         guidance_rank=guidance_ranks.index(rank), guidance_ranks=guidance_ranks, guidance_group=guidance_group,
         relay_groups=tuple(relay_groups), mesh_group=mesh_group, mesh_relay_groups=tuple(mesh_relays),
+        replica=replica, replicas=layout.replicas, replica_ranks=replica_ranks, world_group=world_group,
+        links=tuple(links),
     )
 
 

@@ -101,14 +101,20 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "attention layer); G x U must be the number of ranks (default: ranks / G)")
 
 
-def check_layout(args: argparse.Namespace) -> None:
+def check_layout(args: argparse.Namespace, *, replicas: bool = False) -> None:
     """Refuse a mesh layout that does not make the group (``--guidance-degree`` x ``--ulysses-degree`` against the
-    ranks), before anything starts; the message lists the valid ones."""
+    ranks), before anything starts; the message lists the valid ones. ``replicas``: whether the command dispatches
+    jobs to replica groups (``serve``); elsewhere a layout that leaves more than one is refused too."""
     from cp_infer.mesh import MeshLayout
     from server.launch import group_size
 
-    MeshLayout.resolve(group_size(args.nproc), guidance_degree=args.guidance_degree,
-                       ulysses_degree=args.ulysses_degree)
+    layout = MeshLayout.resolve(group_size(args.nproc), guidance_degree=args.guidance_degree,
+                                ulysses_degree=args.ulysses_degree)
+    if layout.replicas > 1 and not replicas:
+        raise ValueError(f"--guidance-degree {layout.guidance} x --ulysses-degree {layout.ulysses} on {layout.world} "
+                         f"ranks makes {layout.replicas} replica groups, which only `cp-infer serve` runs jobs on; "
+                         f"here use a layout of the whole group (guidance x Ulysses = {layout.world}), e.g. "
+                         f"--ulysses-degree {layout.world // layout.guidance}")
 
 
 def runtime_config_from_args(args: argparse.Namespace):

@@ -80,6 +80,11 @@ class Engine(Protocol):
     def world_size(self) -> int | None:
         """Ranks in the group; ``None`` until it has formed."""
 
+    def replica_status(self) -> list[dict]:
+        """Each replica group (``server.leader.GroupLeader.replica_status``): ``replica``, ``ranks``, ``ready``,
+        ``reason``, ``job`` (running, or ``None``), ``heartbeat_rtt_ms``, ``jobs_finished`` by state; empty until the
+        group has formed."""
+
     @property
     def last_ping_rtt_s(self) -> float | None:
         """Round trip of the last heartbeat over the whole group, in seconds; ``None`` before the first."""

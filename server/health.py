@@ -30,7 +30,8 @@ async def ready(engine: EngineDep) -> JSONResponse:
     """The worker group is up and answered the last heartbeat collective (or is running a job)."""
     ok, reason = engine.ready()
     body = {"status": "ready" if ok else "not_ready", "reason": reason, "world_size": engine.world_size,
-            "heartbeat_rtt_ms": None if engine.last_ping_rtt_s is None else round(engine.last_ping_rtt_s * 1e3, 3)}
+            "heartbeat_rtt_ms": None if engine.last_ping_rtt_s is None else round(engine.last_ping_rtt_s * 1e3, 3),
+            "replicas": engine.replica_status()}
     if ok:
         return JSONResponse(body)
     return JSONResponse({**ApiError(503, "not_ready", reason).body(), **body}, status_code=503,
@@ -72,4 +73,19 @@ def _metrics_text(engine: Engine, rejected: dict[int, int]) -> str:
     rtt = engine.last_ping_rtt_s
     metric("cp_infer_heartbeat_rtt_seconds", "gauge", "Round trip of the last heartbeat collective.",
            [f"cp_infer_heartbeat_rtt_seconds {rtt if rtt is not None else 'NaN'}"])
+    replicas = engine.replica_status()
+    metric("cp_infer_replicas", "gauge", "Replica groups the front end dispatches jobs to.",
+           [f"cp_infer_replicas {len(replicas)}"])
+    metric("cp_infer_replica_ready", "gauge", "1 when the replica group answers.",
+           [f'cp_infer_replica_ready{{replica="{r["replica"]}"}} {int(r["ready"])}' for r in replicas])
+    metric("cp_infer_replica_busy", "gauge", "1 while the replica group runs a job.",
+           [f'cp_infer_replica_busy{{replica="{r["replica"]}"}} {int(r["job"] is not None)}' for r in replicas])
+    metric("cp_infer_replica_ranks", "gauge", "Ranks in the replica group.",
+           [f'cp_infer_replica_ranks{{replica="{r["replica"]}"}} {len(r["ranks"])}' for r in replicas])
+    metric("cp_infer_replica_jobs_finished_total", "counter", "Jobs each replica group ended, by final state.",
+           [f'cp_infer_replica_jobs_finished_total{{replica="{r["replica"]}",state="{s}"}} {n}'
+            for r in replicas for s, n in r["jobs_finished"].items()])
+    metric("cp_infer_replica_heartbeat_rtt_seconds", "gauge", "Round trip of the replica's last heartbeat.",
+           [f'cp_infer_replica_heartbeat_rtt_seconds{{replica="{r["replica"]}"}} '
+            f'{"NaN" if r["heartbeat_rtt_ms"] is None else r["heartbeat_rtt_ms"] / 1e3}' for r in replicas])
     return "\n".join(lines) + "\n"

@@ -1,10 +1,13 @@
-"""The group leader: rank 0's one thread that issues every collective, running queued jobs on the whole group.
+"""The group leader: rank 0's threads that run queued jobs on the worker group, one lane per replica group.
 
 Invariants:
-- Every collective of rank 0 (the model load's, heartbeats, each job's) is issued from the leader thread; the
-  HTTP thread only reads and writes the job store, never the process group. Encoding the MP4 (rank 0's alone)
-  runs on one encoder thread, so the leader is back to heartbeats and the next job while it runs. A streamed job
-  (``submit_streamed``) is the exception: the leader thread encodes each decoded piece as it lands, with
+- Every collective of rank 0's own replica (the model load's, heartbeats, each job's) is issued from the leader
+  thread; with more replicas (``server.replicas``), each other replica has a lane thread of its own that drives it
+  over its link and issues nothing else. Idle lanes wait on the queue together, so a job goes to the first idle
+  replica; each lane keeps its own running job, heartbeat and counts (``/ready``, ``/metrics``). The HTTP thread
+  only reads and writes the job store, never the process group. Encoding the MP4 (rank 0's alone) runs on encoder
+  threads (one per replica), so a lane is back to heartbeats and the next job while it runs. A streamed job
+  (``submit_streamed``) is the exception: its lane thread encodes each decoded piece as it lands, with
   ``collect=False``, so that its bytes reach the client during the decode and rank 0 never holds the whole video
   (see ``server.streaming``).
 - Every command goes to the group through ``server.runtime.GroupDriver``, the leader side of the command
@@ -34,7 +37,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -125,14 +128,36 @@ class Histogram:
 
 
 def group_pids(state) -> list[int]:
-    """Every rank's pid, in rank order (one all-gather over the CPU group; every rank must call it)."""
+    """Every rank's pid, in rank order (one all-gather over the whole world; every rank must call it, at start-up)."""
     import torch.distributed as dist
 
-    if state.cpu_group is None:
+    if state.world_group is None:
         return [os.getpid()]
     pids: list[Any] = [None] * state.world_size
-    dist.all_gather_object(pids, os.getpid(), group=state.cpu_group)
+    dist.all_gather_object(pids, os.getpid(), group=state.world_group)
     return pids
+
+
+_DONE_STATES = ("completed", "failed", "cancelled")
+
+
+@dataclass
+class Lane:
+    """One replica group as the leader drives it: its driver (``GroupDriver`` for rank 0's own, else
+    ``server.replicas.RemoteDriver``) and what ``/ready`` and ``/metrics`` report of it."""
+
+    replica: int
+    ranks: tuple[int, ...]
+    driver: Any
+    current_job: str | None = None
+    last_ping_rtt_s: float | None = None
+    last_contact_at: float | None = None
+    """When a collective over the whole replica last completed (a heartbeat, a step, a job's end)."""
+    jobs_done: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_DONE_STATES, 0))
+
+    @property
+    def local(self) -> bool:
+        return getattr(self.driver, "local", True)
 
 
 class GroupLeader:
@@ -146,9 +171,11 @@ class GroupLeader:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._faults: tuple = ()
-        self._group: GroupDriver | None = None
+        self.lanes: list[Lane] = []
+        """One per replica group, the first rank 0's own (set once the group has formed)."""
+        self._lane_threads: list[threading.Thread] = []
         self._counts_lock = threading.Lock()
-        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cp-infer-encode")
+        self._encoder: ThreadPoolExecutor | None = None
         self._streams: dict[str, VideoStream] = {}  # streamed jobs not yet claimed, by id
         self._streams_lock = threading.Lock()
         # Read by the HTTP thread.
@@ -158,12 +185,7 @@ class GroupLeader:
         self.pids: list[int] = []
         self.loaded = False
         self.fatal: str | None = None
-        self.current_job: str | None = None
-        self.last_ping_at: float | None = None
-        self.last_ping_rtt_s: float | None = None
-        self.last_contact_at: float | None = None
-        """When a collective over the whole group last completed (a heartbeat, a step, a job's end)."""
-        self.jobs_done: dict[str, int] = {"completed": 0, "failed": 0, "cancelled": 0}
+        self.jobs_done: dict[str, int] = dict.fromkeys(_DONE_STATES, 0)
         self.step_seconds = Histogram((0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.generation_seconds = Histogram((0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
         self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -192,8 +214,19 @@ class GroupLeader:
 
     @property
     def broadcasts(self) -> int:
-        """Jobs broadcast to the group so far."""
-        return self._group.jobs_sent if self._group is not None else 0
+        """Jobs broadcast to the replica groups so far."""
+        return sum(lane.driver.jobs_sent for lane in self.lanes)
+
+    @property
+    def last_ping_rtt_s(self) -> float | None:
+        """The slowest replica's last heartbeat round trip."""
+        rtts = [lane.last_ping_rtt_s for lane in self.lanes if lane.last_ping_rtt_s is not None]
+        return max(rtts) if rtts else None
+
+    @property
+    def current_job(self) -> str | None:
+        """A running job (the first replica's that has one)."""
+        return next((lane.current_job for lane in self.lanes if lane.current_job), None)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._main, name="cp-infer-leader", daemon=True)
@@ -204,21 +237,43 @@ class GroupLeader:
         self.store.wake()
         if self._thread is not None:
             self._thread.join(timeout)
-        # An encode in flight finishes (its job completes); a restarted leader would otherwise fail it.
-        self._encoder.shutdown(wait=True, cancel_futures=False)
+        if self._encoder is not None:
+            # An encode in flight finishes (its job completes); a restarted leader would otherwise fail it.
+            self._encoder.shutdown(wait=True, cancel_futures=False)
 
     def ready(self) -> tuple[bool, str]:
-        """Whether the group is up and answering; with the reason when it is not."""
+        """Whether every replica group is up and answering; with the reason when one is not."""
         if self.fatal:
             return False, f"the worker group failed: {self.fatal}"
         if not self.loaded or self._thread is None or not self._thread.is_alive():
             return False, "the worker group is starting (loading the model)"
-        now, window = time.monotonic(), 3 * self.config.heartbeat_s + 1.0
-        if self.current_job is not None:
-            return True, f"running {self.current_job}"
-        if self.last_contact_at is None or now - self.last_contact_at > window:
+        states = [self._lane_state(lane) for lane in self.lanes]
+        if len(states) == 1:
+            return states[0]
+        for lane, (ok, reason) in zip(self.lanes, states, strict=True):
+            if not ok:
+                return False, f"replica {lane.replica}: {reason}"
+        return True, "; ".join(f"replica {lane.replica}: {reason}" for lane, (_, reason) in zip(self.lanes, states,
+                                                                                                    strict=True))
+
+    def _lane_state(self, lane: Lane) -> tuple[bool, str]:
+        if lane.current_job is not None:
+            return True, f"running {lane.current_job}"
+        window = 3 * self.config.heartbeat_s + 1.0
+        if lane.last_contact_at is None or time.monotonic() - lane.last_contact_at > window:
             return False, f"no heartbeat round trip in the last {window:.0f} s"
         return True, "idle"
+
+    def replica_status(self) -> list[dict[str, Any]]:
+        """Each replica group: its ranks, whether it answers, the job it runs, its heartbeat and jobs ended."""
+        out = []
+        for lane in self.lanes:
+            ok, reason = self._lane_state(lane)
+            rtt = lane.last_ping_rtt_s
+            out.append({"replica": lane.replica, "ranks": list(lane.ranks), "ready": ok, "reason": reason,
+                        "job": lane.current_job, "heartbeat_rtt_ms": None if rtt is None else round(rtt * 1e3, 3),
+                        "jobs_finished": dict(lane.jobs_done)})
+        return out
 
     def submit_streamed(self, request, *, model: str) -> tuple[Job, VideoStream]:
         """Queue ``request`` as a streamed job: the returned handle reads its MP4 while it is made. Raises
@@ -248,25 +303,51 @@ class GroupLeader:
 
             self._faults = parse_faults(os.environ.get(FAULT_ENV))
             runtime = (self._runtime_factory or start_runtime)(self.config.runtime)
-            group = self._group = GroupDriver(runtime)
-            self.pids = group_pids(runtime.state)
-            self.world_size = runtime.state.world_size
-            self._write_group_file()
+            state = runtime.state
+            self.pids = group_pids(state)
+            self.world_size = state.world_size
             self._options = runtime.model.options
             self.geometry = runtime.model.geometry
-            self._ping(group)
+            self.lanes = [Lane(0, state.replica_ranks, GroupDriver(runtime))]
+            if state.replicas > 1:
+                from server.replicas import RemoteDriver
+
+                size = len(state.replica_ranks)
+                self.lanes += [Lane(r, tuple(range(r * size, (r + 1) * size)), RemoteDriver(runtime, r))
+                               for r in range(1, state.replicas)]
+            self._write_group_file()
+            self._encoder = ThreadPoolExecutor(max_workers=len(self.lanes), thread_name_prefix="cp-infer-encode")
+            for lane in self.lanes:
+                self._ping(lane)
             self.loaded = True
-            log.info("group of %d rank(s) ready (pids %s, restart %d)", self.world_size, self.pids,
-                     self.restart_count)
-            while not self._stopping.is_set():
-                job = self.store.claim_next(timeout=self.config.heartbeat_s)
-                if job is None:
-                    self._ping(group)
-                else:
-                    self._run_job(group, job)
-            group.stop()
+            log.info("group of %d rank(s) in %d replica(s) ready (pids %s, restart %d)", self.world_size,
+                     len(self.lanes), self.pids, self.restart_count)
+            for lane in self.lanes[1:]:
+                thread = threading.Thread(target=self._serve_remote, args=(lane,), daemon=True,
+                                          name=f"cp-infer-replica-{lane.replica}")
+                thread.start()
+                self._lane_threads.append(thread)
+            self._serve(self.lanes[0])
+            for thread in self._lane_threads:
+                thread.join()
         except BaseException as exc:  # noqa: BLE001 -- the group's state is unknown: restart it
             self._die(f"{type(exc).__name__}: {exc}")
+
+    def _serve(self, lane: Lane) -> None:
+        """Run queued jobs on one replica until the leader stops, then stop that replica's ranks."""
+        while not self._stopping.is_set():
+            job = self.store.claim_next(timeout=self.config.heartbeat_s)
+            if job is None:
+                self._ping(lane)
+            else:
+                self._run_job(lane, job)
+        lane.driver.stop()
+
+    def _serve_remote(self, lane: Lane) -> None:
+        try:
+            self._serve(lane)
+        except BaseException as exc:  # noqa: BLE001 -- as the leader thread's own: the world restarts
+            self._die(f"replica {lane.replica}: {type(exc).__name__}: {exc}")
 
     def _die(self, reason: str) -> None:
         self.fatal = reason
@@ -281,25 +362,25 @@ class GroupLeader:
 
     def _write_group_file(self) -> None:
         info = {"pids": self.pids, "restart_count": self.restart_count, "world_size": self.world_size,
-                "started_at": time.time()}
+                "replicas": [list(lane.ranks) for lane in self.lanes], "started_at": time.time()}
         tmp = self.config.data_dir / "group.json.tmp"
         tmp.write_text(json.dumps(info) + "\n")
         os.replace(tmp, self.config.data_dir / "group.json")
 
-    def _ping(self, group: GroupDriver) -> None:
+    def _ping(self, lane: Lane) -> None:
         started = time.monotonic()
-        group.ping()
-        self.last_ping_at = self.last_contact_at = time.monotonic()
-        self.last_ping_rtt_s = self.last_ping_at - started
+        lane.driver.ping()
+        lane.last_contact_at = time.monotonic()
+        lane.last_ping_rtt_s = lane.last_contact_at - started
 
-    def _run_job(self, group: GroupDriver, job: Job) -> None:
-        self.current_job = job.id
+    def _run_job(self, lane: Lane, job: Job) -> None:
+        lane.current_job = job.id
         with self._streams_lock:
             stream = self._streams.pop(job.id, None)
         outputs = None
         lead = self.store.lead_frames(job.id)
         try:
-            if stream is not None or lead is not None or self._made_in_windows(group, job):
+            if stream is not None or lead is not None or self._made_in_windows(lane.driver, job):
                 # Streamed, or long enough to be made window by window: encoded as the frames come, so that rank 0
                 # never holds the whole video.
                 try:
@@ -308,13 +389,13 @@ class GroupLeader:
                     outputs = StreamedOutputs(self.store, job.id, job.request, keep_frames=self.config.keep_frames,
                                               stream=stream, frames=frames)
                 except (OSError, ValueError) as exc:
-                    self._finish(job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
+                    self._finish(lane, job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
                     return
-            self._generate_and_write(group, job, outputs, lead)
+            self._generate_and_write(lane, job, outputs, lead)
         finally:
             if outputs is not None:
                 outputs.discard()  # a no-op once committed
-            self.current_job = None
+            lane.current_job = None
             if stream is not None:
                 final = self.store.snapshot_any(job.id)  # None: deleted
                 stream.end(final.status if final is not None and final.terminal else "cancelled",
@@ -329,19 +410,20 @@ class GroupLeader:
         except ValueError:
             return False  # refused in _generate_and_write, with the reason
 
-    def _generate_and_write(self, group: GroupDriver, job: Job, outputs: StreamedOutputs | None = None,
+    def _generate_and_write(self, lane: Lane, job: Job, outputs: StreamedOutputs | None = None,
                             lead: np.ndarray | None = None) -> None:
         """``lead``: frames the video starts with, written before the ones the group makes (an extension's)."""
         from cp_infer.sampler import JobCancelled, JobFailed, SampleControl, StepStatus
         from server.runtime import with_faults
 
+        group = lane.driver
         runtime, request = group.runtime, job.request
         try:
             request = resolve_request(request, runtime.model.options, limits=self.config.limits)
             check_request(request, geometry=runtime.model.geometry, limits=self.config.limits,
                           options=runtime.model.options)
         except ValueError as exc:
-            self._finish(job, "failed", "invalid_request", f"no longer valid under this server's limits: {exc}")
+            self._finish(lane, job, "failed", "invalid_request", f"no longer valid under this server's limits: {exc}")
             return
         phase = {"name": "start"}
         hook_errors: list[tuple[str, str]] = []  # (phase, error) of rank 0's hooks
@@ -352,7 +434,7 @@ class GroupLeader:
             return StepStatus.CANCEL if self.store.cancel_requested(job.id) else StepStatus.OK
 
         def on_step(done: int, total: int, seconds: float) -> None:
-            self.last_contact_at = time.monotonic()
+            lane.last_contact_at = time.monotonic()
             self.step_seconds.observe(seconds)
             self.store.set_progress(job.id, _DENOISE_SHARE * done // total)
 
@@ -414,21 +496,23 @@ class GroupLeader:
         control = SampleControl(poll=poll, on_step=on_step, on_phase=on_phase, on_frames=on_frames,
                                 on_audio=on_audio, on_pass=on_pass, on_checkpoint=on_checkpoint, resume=resume,
                                 collect=outputs is None)
-        control = with_faults(control, request, rank=runtime.state.rank, rules=self._faults)
+        if lane.local:
+            control = with_faults(control, request, rank=runtime.state.rank, rules=self._faults)
         control = replace(control, on_step=deferred(control.on_step), on_phase=deferred(control.on_phase),
                           on_frames=deferred(control.on_frames), on_pass=deferred(control.on_pass))
-        log.info("job %s: %d frames %dx%d, %d steps%s", job.id, request.num_frames, request.width, request.height,
-                 request.num_inference_steps, ", streamed" if outputs is not None else "")
+        log.info("job %s on replica %d: %d frames %dx%d, %d steps%s", job.id, lane.replica, request.num_frames,
+                 request.width, request.height, request.num_inference_steps,
+                 ", streamed" if outputs is not None else "")
         try:
             frames = group.generate(request, job.id, control)
-            self.last_contact_at = time.monotonic()
+            lane.last_contact_at = time.monotonic()
         except JobCancelled:
-            self.last_contact_at = time.monotonic()
-            self._finish(job, "cancelled", "cancelled", "cancelled while running")
+            lane.last_contact_at = time.monotonic()
+            self._finish(lane, job, "cancelled", "cancelled", "cancelled while running")
             return
         except JobFailed as exc:
-            self.last_contact_at = time.monotonic()
-            self._finish(job, "failed", "generation_failed", str(exc))
+            lane.last_contact_at = time.monotonic()
+            self._finish(lane, job, "failed", "generation_failed", str(exc))
             return
         except Exception as exc:
             if phase["name"] != "done":
@@ -440,43 +524,43 @@ class GroupLeader:
                           job.id, type(exc).__name__, exc)
                 raise
             log.exception("job %s failed on rank 0 after the decode", job.id)
-            self._finish(job, "failed", "decode_failed", f"rank 0: {type(exc).__name__}: {exc}")
+            self._finish(lane, job, "failed", "decode_failed", f"rank 0: {type(exc).__name__}: {exc}")
             return
         if hook_errors:
             where, error = hook_errors[0]
-            self._finish(job, "failed", "decode_failed" if where == "decode" else "internal_error",
+            self._finish(lane, job, "failed", "decode_failed" if where == "decode" else "internal_error",
                          f"rank 0 ({where}): {error}")
             return
         if outputs is not None:
-            self._commit_stream(job, outputs, started)
+            self._commit_stream(lane, job, outputs, started)
             return
-        # NOTE(encode): rank 0's alone, so it runs beside the group: the leader goes back to heartbeats and the
+        # NOTE(encode): rank 0's alone, so it runs beside the group: the lane goes back to heartbeats and the
         # next job at once, and no worker waits in a broadcast for as long as an encode takes.
-        self._encoder.submit(self._encode, job, frames, started, soundtrack)
+        self._encoder.submit(self._encode, lane, job, frames, started, soundtrack)
 
-    def _commit_stream(self, job: Job, outputs: StreamedOutputs, started: float) -> None:
+    def _commit_stream(self, lane: Lane, job: Job, outputs: StreamedOutputs, started: float) -> None:
         if self.store.cancel_requested(job.id):
             # Asked to stop during the decode, which could not be interrupted: the job still ends cancelled.
-            self._finish(job, "cancelled", "cancelled", "cancelled during the decode")
+            self._finish(lane, job, "cancelled", "cancelled", "cancelled during the decode")
             return
         try:
             outputs.commit()
         except Exception as exc:  # noqa: BLE001 -- the group is done with this job: fail it only
             log.exception("job %s: writing the streamed video failed", job.id)
-            self._finish(job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
+            self._finish(lane, job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
             return
         self.generation_seconds.observe(time.monotonic() - started)
-        self._finish(job, "completed")
+        self._finish(lane, job, "completed")
 
-    def _encode(self, job: Job, frames: np.ndarray, started: float, soundtrack: dict) -> None:
+    def _encode(self, lane: Lane, job: Job, frames: np.ndarray, started: float, soundtrack: dict) -> None:
         try:
             self._write_outputs(job, frames, **soundtrack)
         except Exception as exc:  # noqa: BLE001 -- the group is not involved: fail this job only
             log.exception("job %s: writing the video failed", job.id)
-            self._finish(job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
+            self._finish(lane, job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
             return
         self.generation_seconds.observe(time.monotonic() - started)
-        self._finish(job, "completed")
+        self._finish(lane, job, "completed")
 
     def _write_outputs(self, job: Job, frames: np.ndarray, audio: np.ndarray | None = None,
                        sample_rate: int | None = None) -> None:
@@ -503,9 +587,10 @@ class GroupLeader:
         for tmp, final in outputs:
             os.replace(tmp, final)
 
-    def _finish(self, job: Job, status: str, code: str | None = None, message: str | None = None) -> None:
+    def _finish(self, lane: Lane, job: Job, status: str, code: str | None = None, message: str | None = None) -> None:
         if status != "completed":
             log.warning("job %s %s: %s", job.id, status, message)
-        with self._counts_lock:  # the leader and the encoder thread both end jobs
+        with self._counts_lock:  # the lanes and the encoder threads all end jobs
             self.jobs_done[status] += 1
+            lane.jobs_done[status] += 1
         self.store.finish(job.id, status, code, message)

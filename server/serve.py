@@ -8,9 +8,10 @@ Invariants:
 - Every rank of a restarted group sees the restarts so far as ``TORCHELASTIC_RESTART_COUNT`` (what the leader
   reports in ``group.json`` and ``/metrics``), whichever of the two made them.
 - Rank 0: the main thread runs uvicorn (so SIGTERM/SIGINT shut the server down cleanly) and the leader thread
-  (``server.leader``) issues every collective. Other ranks: the main thread loads the model and follows the
-  leader's commands (``worker_loop``) until ``stop``; a broken group (rank 0 gone) makes their next collective
-  fail, and they exit non-zero.
+  (``server.leader``) issues every collective. The leader of each other replica group (``server.replicas``) runs
+  rank 0's commands on its replica (``replica_loop``). Other ranks: the main thread loads the model and follows
+  their replica leader's commands (``worker_loop``) until ``stop``; a broken group (its leader gone) makes their
+  next collective fail, and they exit non-zero.
 - Every rank builds the same configs from the same arguments, so limits and model agree across the group.
 """
 
@@ -92,7 +93,7 @@ def _configs(args: argparse.Namespace):
     from server.leader import LeaderConfig
     from server.runtime import RuntimeConfig
 
-    check_layout(args)
+    check_layout(args, replicas=True)
     limits = GenerationLimits(**{f.name: getattr(args, f.name) for f in fields(GenerationLimits)})
     runtime = RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device,
                             timeout_s=args.collective_timeout, limits=limits,
@@ -137,11 +138,15 @@ def run(args: argparse.Namespace) -> int:
 def _run_worker(runtime_config) -> int:
     from cp_infer import destroy_parallel
     from server.leader import group_pids
+    from server.replicas import replica_loop
     from server.runtime import start_runtime, worker_loop
 
     runtime = start_runtime(runtime_config)
     group_pids(runtime.state)
-    worker_loop(runtime)
+    if runtime.state.leads_replica:
+        replica_loop(runtime)
+    else:
+        worker_loop(runtime)
     destroy_parallel(runtime.state)
     return 0
 

@@ -8,12 +8,26 @@ from cp_infer import ParallelConfig
 from cp_infer.mesh import MeshLayout, pass_shares, valid_layouts
 
 
-def test_valid_layouts_make_the_world():
+def test_valid_layouts_divide_the_world_one_replica_first():
     assert valid_layouts(1) == [(1, 1)]
-    assert valid_layouts(4) == [(1, 4), (2, 2), (4, 1)]
-    assert valid_layouts(6) == [(1, 6), (2, 3), (3, 2), (6, 1)]
+    assert valid_layouts(2) == [(1, 2), (2, 1), (1, 1)]
+    assert valid_layouts(4) == [(1, 4), (2, 2), (4, 1), (1, 2), (2, 1), (1, 1)]
+    assert valid_layouts(6)[:4] == [(1, 6), (2, 3), (3, 2), (6, 1)]
     for world in range(1, 13):
-        assert all(g * u == world for g, u in valid_layouts(world))
+        assert all(world % (g * u) == 0 for g, u in valid_layouts(world))
+        assert len(set(valid_layouts(world))) == len(valid_layouts(world))
+
+
+def test_replicas_are_runs_of_consecutive_ranks_led_by_their_first():
+    layout = MeshLayout.resolve(4, guidance_degree=1, ulysses_degree=2)
+    assert layout.replicas == 2 and layout.replica_size == 2
+    assert layout.replica_ranks(0) == (0, 1) and layout.replica_ranks(1) == (2, 3)
+    assert layout.leaders() == (0, 2)
+    assert layout.coords(3) == (1, 0, 1)
+    assert layout.ulysses_groups() == [(0, 1), (2, 3)]
+    g2 = MeshLayout.resolve(4, guidance_degree=2, ulysses_degree=1)
+    assert g2.replicas == 2 and g2.guidance_groups() == [(0, 1), (2, 3)] and g2.leaders() == (0, 2)
+    assert MeshLayout.resolve(3, guidance_degree=1, ulysses_degree=1).leaders() == (0, 1, 2)
 
 
 def test_defaults_are_ulysses_over_the_world():
@@ -23,7 +37,7 @@ def test_defaults_are_ulysses_over_the_world():
     assert MeshLayout.resolve(4, guidance_degree=2, ulysses_degree=2).replicas == 1
 
 
-@pytest.mark.parametrize(("world", "guidance", "ulysses"), [(4, 3, None), (4, 2, 1), (4, None, 2), (2, 4, None),
+@pytest.mark.parametrize(("world", "guidance", "ulysses"), [(4, 3, None), (4, 3, 1), (4, None, 3), (2, 4, None),
                                                              (6, 4, 2)])
 def test_layouts_that_do_not_make_the_world_are_refused_listing_the_valid_ones(world, guidance, ulysses):
     with pytest.raises(ValueError) as info:
@@ -31,6 +45,7 @@ def test_layouts_that_do_not_make_the_world_are_refused_listing_the_valid_ones(w
     message = str(info.value)
     for g, u in valid_layouts(world):
         assert f"--guidance-degree {g} --ulysses-degree {u}" in message
+    assert "replicas" in message
     assert str(world) in message
 
 

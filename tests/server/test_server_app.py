@@ -41,6 +41,10 @@ class StubEngine:
     def ready(self):
         return True, "idle"
 
+    def replica_status(self):
+        return [{"replica": 0, "ranks": [0, 1], "ready": True, "reason": "idle", "job": None,
+                 "heartbeat_rtt_ms": 1.0, "jobs_finished": dict(self.jobs_done)}]
+
     def retry_after_s(self) -> int:
         return 1
 
