@@ -14,6 +14,13 @@ Workloads (ours, fp32, CPU/gloo, 2 ranks x 1 thread):
   default guidance (CFG's pair, STG, modality isolation: 4 passes, 3 transformer calls a step); at G=2 rank 0 runs
   CFG's pair (one batch of 2), rank 1 the STG and the modality pass.
 
+- requests per minute (``--only throughput``, or in a full run): a queue of short jobs on a real
+  ``cp-infer serve --nproc 2`` with the embedded default model, 2 replica groups of 1 rank
+  (``--ulysses-degree 1``) against 1 group of 2 ranks (U=2). Both servers start before the first round and idle
+  (heartbeats) while the other runs; each round submits ``--jobs`` jobs at once over HTTP and times from the first
+  submit to the last job's completion (polling the job records); requests/min = 60 x jobs / that time; rounds
+  alternate as below; medians.
+
 Procedure: both layouts load in their own processes (idle while the other runs), one 2-step warm-up each, then
 ``--rounds`` timed generations per layout, alternating (round r starts with layout r mod 2), so that load from
 other processes falls on both alike. step: one denoising step, slowest rank, median over every timed step; e2e:
@@ -38,7 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+_REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO))  # run as a script from anywhere
 
 from bench._procs import RankGroup, free_port  # noqa: E402 -- path set-up
 
@@ -130,7 +138,112 @@ def _measure(workload: str, quick: bool, steps: int, rounds: int) -> dict[str, d
             group.close()
 
 
+_REPLICAS, _ONE_GROUP = "2 replicas x 1 rank", "1 group x 2 ranks (U=2)"
+_SERVER_LAYOUTS = {_REPLICAS: ["--ulysses-degree", "1"], _ONE_GROUP: []}
+
+
+class _Server:
+    """``cp-infer serve --nproc 2`` on the embedded default model, in a session of its own."""
+
+    def __init__(self, flags: list[str], workdir: Path, jobs: int):
+        import subprocess
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "CP_INFER_CACHE": str(workdir.parent / "cache"), "PYTHONPATH": str(_REPO)}
+        self._log = open(workdir.with_suffix(".log"), "wb")  # noqa: SIM115 -- closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve", "--nproc", "2", "--port", str(port), "--data-dir",
+             str(workdir), "--max-queue", str(jobs + 1), *flags], cwd=_REPO, env=env, stdout=self._log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, client) -> None:
+        import httpx
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}; see {self._log.name}")
+            try:
+                if client.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"the server was not ready in 300 s; see {self._log.name}")
+
+    def close(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except Exception:  # noqa: BLE001 -- killed below
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+def _queue_round(client, url: str, bodies: list[dict]) -> float:
+    """Submit every body at once; seconds from the first submit to the last completion."""
+    started = time.perf_counter()
+    ids = [client.post(f"{url}/v1/videos", json=body).raise_for_status().json()["id"] for body in bodies]
+    pending = set(ids)
+    while pending:
+        for job_id in list(pending):
+            status = client.get(f"{url}/v1/videos/{job_id}").raise_for_status().json()["status"]
+            if status in ("failed", "cancelled"):
+                raise RuntimeError(f"job {job_id} ended {status}")
+            if status == "completed":
+                pending.discard(job_id)
+        time.sleep(0.05)
+    return time.perf_counter() - started
+
+
+def _throughput(args: argparse.Namespace) -> list[str]:
+    import tempfile
+
+    import httpx
+
+    frames, size, steps = (9, "96x64", 4) if args.quick else (25, "192x128", 8)
+    bodies = [{"prompt": f"a paper boat on a stream, take {i}", "num_frames": frames, "size": size,
+               "num_inference_steps": steps, "seed": 10 + i} for i in range(args.jobs)]
+    root = Path(tempfile.mkdtemp(prefix="cp-infer-layout-"))
+    servers = {label: _Server(flags, root / label.split()[0], args.jobs) for label, flags in _SERVER_LAYOUTS.items()}
+    rows: dict[str, dict[str, list[float]]] = {label: {"wall": [], "load": []} for label in servers}
+    try:
+        with httpx.Client(timeout=120) as client:
+            for server in servers.values():
+                server.wait_ready(client)
+            for server in servers.values():  # warm-up: one job each
+                _queue_round(client, server.url, bodies[:1])
+            labels = list(servers)
+            for r in range(args.rounds):
+                for label in labels[r % 2:] + labels[:r % 2]:
+                    rows[label]["load"].append(os.getloadavg()[0])
+                    rows[label]["wall"].append(_queue_round(client, servers[label].url, bodies))
+                    print(f"throughput round {r} {label}: {rows[label]['wall'][-1]:.2f} s", file=sys.stderr)
+    finally:
+        for server in servers.values():
+            server.close()
+    rpm = {label: 60 * args.jobs / statistics.median(row["wall"]) for label, row in rows.items()}
+    ratio = rpm[_REPLICAS] / rpm[_ONE_GROUP]
+    lines = ["", f"Requests per minute: a queue of {args.jobs} jobs ({frames} frames at {size}, {steps} steps, "
+             f"embedded default model) on `cp-infer serve --nproc 2`, median of {args.rounds} alternating rounds", "",
+             "| layout | load at start | queue wall median (s) | requests/min | replicas / one group |",
+             "|---|---:|---:|---:|---:|"]
+    for label, row in rows.items():
+        cells = [label, f"{statistics.mean(row['load']):.1f}", f"{statistics.median(row['wall']):.2f}",
+                 f"{rpm[label]:.1f}", f"{ratio:.2f}" if label == _REPLICAS else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(f"\nrequests/min 2 replicas / 1 group: {ratio:.2f}x (target >= 1.3x: "
+                 f"{'PASS' if ratio >= 1.3 else 'not met'})")
+    return lines
+
+
 def run(args: argparse.Namespace) -> list[str]:
+    if args.only == "throughput":
+        return _throughput(args)
     lines = ["| workload | layout | load at start | step median (s) | e2e median (s) | step G=2 / U=2 | e2e G=2 / U=2 "
              "| frames G=2 vs U=2 (max levels) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     failed = False
@@ -151,6 +264,8 @@ def run(args: argparse.Namespace) -> list[str]:
             lines.append("| " + " | ".join(cells) + " |")
     if failed:
         lines.append("CHECK FAILED: G=2 and U=2 frames differ by more than 2 levels, or the video is degenerate")
+    if args.only is None:
+        lines += _throughput(args)
     return lines
 
 
@@ -159,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller models and videos")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--jobs", type=int, default=6, help="jobs in each round's queue (requests per minute)")
+    parser.add_argument("--only", choices=("steps", "throughput"), default=None,
+                        help="only the step/e2e comparison, or only requests per minute (default: both)")
     parser.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = parser.parse_args(argv)
     command = shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv])

@@ -1,0 +1,147 @@
+"""A model, not a measurement: which mesh layout to pick on 8 GPUs, per model and resolution.
+
+    python bench/layout_model.py [--gpus 8] [--out FILE.md]
+
+Pure arithmetic from the costs a step is made of (no GPU was lent to this project's sessions; the constants below
+are an H200 node's published figures with stated efficiencies, and the shape of the model is the one
+``bench/layout.py`` measures on 2 CPU ranks: passes per guidance rank x per-pass compute over the Ulysses shard +
+two all-to-alls per self-attention layer + one exchange of predictions per step):
+
+- per pass (one transformer forward over ``S`` video tokens, width ``D``, ``L`` blocks, ``T`` text tokens):
+  ``L x (24 S D^2 + 4 S^2 D + 4 S T D)`` FLOPs (the self-attention's four projections and its scores and values,
+  the cross-attention's query and output projections and its scores, a 4x feed-forward); over ``U`` Ulysses ranks
+  each rank does ``1/U`` of it, the attention by ``ceil(H / U)`` heads (padded heads cost as real ones);
+- Ulysses exchange: per self-attention layer, the fused query/key/value all-to-all and the output's, ``4 S D / U``
+  bf16 values per rank of which ``(U - 1) / U`` leave it, at the all-to-all bandwidth, plus a latency per
+  all-to-all; the cross-attention needs none (its keys are the text's, on every rank);
+- guidance: a step's ``P`` passes shared over ``G`` ranks, ``ceil(P / G)`` on the busiest; one all-gather of the
+  predictions (``P x S x 128`` fp32 latent values) per step when ``G > 1``;
+- replicas ``R = gpus / (G x U)`` run separate jobs: latency is the step time x steps, throughput ``R`` / latency.
+
+Every rank holds the whole transformer (bf16) and text encoder, which fit an H200's 141 GB for every model listed,
+so memory does not restrict the layouts here. The decode, text encode and start-up are per job and left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Hardware", "ModelShape", "step_seconds", "main"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str = "H200 SXM, NVLink 4"
+    flops: float = 989e12
+    """Dense bf16 peak, FLOP/s."""
+    mfu: float = 0.5
+    """Fraction of the peak a transformer block reaches (large matmuls and flash attention)."""
+    a2a_bytes_per_s: float = 300e9
+    """All-to-all bandwidth per GPU within the node (about 2/3 of NVLink 4's 450 GB/s one way)."""
+    a2a_latency_s: float = 25e-6
+    """Fixed cost of one all-to-all (launch and synchronisation)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    heads: int
+    head_dim: int
+    passes: int
+    """Transformer passes per step with the reference pipeline's default guidance."""
+    text_tokens: int
+    steps: int
+    """The reference pipeline's default steps."""
+
+    @property
+    def width(self) -> int:
+        return self.heads * self.head_dim
+
+
+MODELS = (
+    # LTXPipeline: CFG (2 passes), 50 steps, 128 T5 tokens.
+    ModelShape("LTX-Video 2B (0.9.x)", layers=28, heads=32, head_dim=64, passes=2, text_tokens=128, steps=50),
+    ModelShape("LTX-Video 13B (0.9.7)", layers=48, heads=32, head_dim=128, passes=2, text_tokens=128, steps=50),
+    # LTX2Pipeline's defaults: CFG's pair, STG and modality isolation; 40 steps; 1024 Gemma tokens. The audio stream
+    # (a narrower transformer over ~25 tokens a second) is small beside the video's and left out.
+    ModelShape("LTX-2 19B (video stream)", layers=48, heads=32, head_dim=128, passes=4, text_tokens=1024, steps=40),
+)
+RESOLUTIONS = ((704, 480, 161), (768, 512, 121), (1216, 704, 257), (1920, 1088, 121))
+
+
+def tokens(width: int, height: int, frames: int) -> int:
+    """Latent tokens of the video: the VAE's 32 x 32 spatial and 8x temporal compression (first frame alone)."""
+    return ((frames - 1) // 8 + 1) * (height // 32) * (width // 32)
+
+
+def step_seconds(model: ModelShape, s: int, guidance: int, ulysses: int, hw: Hardware) -> float:
+    d, layers, t = model.width, model.layers, model.text_tokens
+    head_pad = math.ceil(model.heads / ulysses) * ulysses / model.heads
+    linear = 24 * s * d * d + 4 * s * t * d
+    attention = 4 * s * s * d * head_pad
+    compute = layers * (linear + attention) / ulysses / (hw.flops * hw.mfu)
+    exchange = 0.0
+    if ulysses > 1:
+        values = 4 * s * d / ulysses * (ulysses - 1) / ulysses
+        exchange = layers * (2 * values / hw.a2a_bytes_per_s + 2 * hw.a2a_latency_s)
+    per_pass = compute + exchange
+    gather = 0.0
+    if guidance > 1:
+        gather = model.passes * s * 128 * 4 / hw.a2a_bytes_per_s + hw.a2a_latency_s
+    return math.ceil(model.passes / guidance) * per_pass + gather
+
+
+def layouts(gpus: int) -> list[tuple[int, int, int]]:
+    """``(replicas, guidance, ulysses)`` over ``gpus``."""
+    return [(gpus // (g * u), g, u) for g in range(1, gpus + 1) for u in range(1, gpus + 1) if gpus % (g * u) == 0]
+
+
+def table(gpus: int, hw: Hardware) -> list[str]:
+    lines = ["| model | video | tokens | fastest job: layout | its latency (s) | vs U=8 alone | most jobs/hour: layout "
+             "| jobs/hour | vs fastest layout's |", "|---|---|---:|---|---:|---:|---|---:|---:|"]
+    for model in MODELS:
+        for width, height, frames in RESOLUTIONS:
+            s = tokens(width, height, frames)
+            scored = []
+            for r, g, u in layouts(gpus):
+                latency = model.steps * step_seconds(model, s, g, u, hw)
+                scored.append((latency, 3600 * r / latency, r, g, u))
+            fastest = min(scored)
+            busiest = max(scored, key=lambda x: (x[1], -x[0]))
+            ulysses_only = next(x for x in scored if (x[2], x[3], x[4]) == (1, 1, gpus))
+
+            def name(x) -> str:
+                return f"{x[2]} x G={x[3]} x U={x[4]}" if x[2] > 1 else f"G={x[3]} x U={x[4]}"
+
+            lines.append(f"| {model.name} | {width}x{height}x{frames} | {s} | {name(fastest)} | {fastest[0]:.1f} | "
+                         f"{fastest[0] / ulysses_only[0]:.2f}x | {name(busiest)} | {busiest[1]:.0f} | "
+                         f"{busiest[1] / fastest[1]:.2f}x |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--out", default=None, help="also write the report to this markdown file")
+    args = parser.parse_args(argv)
+    hw = Hardware()
+    command = shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv])
+    lines = [f"command: `{command}`; a model of {args.gpus} x {hw.name}: {hw.flops / 1e12:.0f} TFLOP/s bf16 at "
+             f"{hw.mfu:.0%} of peak, all-to-all {hw.a2a_bytes_per_s / 1e9:.0f} GB/s per GPU + "
+             f"{hw.a2a_latency_s * 1e6:.0f} us each; the reference pipelines' default steps and guidance passes",
+             "", *table(args.gpus, hw)]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
