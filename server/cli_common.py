@@ -98,23 +98,25 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "spread over, exchanging their predictions once per step (default 1)")
     group.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
                        help="ranks each pass's token sequence is sharded over (Ulysses: two all-to-alls per "
-                            "attention layer); G x U must be the number of ranks (default: ranks / G)")
+                            "attention layer); G x U must divide the ranks, and `serve` runs ranks / (G x U) "
+                            "replica groups, each its own jobs (default: ranks / G)")
 
 
 def check_layout(args: argparse.Namespace, *, replicas: bool = False) -> None:
     """Refuse a mesh layout that does not make the group (``--guidance-degree`` x ``--ulysses-degree`` against the
     ranks), before anything starts; the message lists the valid ones. ``replicas``: whether the command dispatches
     jobs to replica groups (``serve``); elsewhere a layout that leaves more than one is refused too."""
-    from cp_infer.mesh import MeshLayout
+    from cp_infer.mesh import MeshLayout, valid_layouts
     from server.launch import group_size
 
     layout = MeshLayout.resolve(group_size(args.nproc), guidance_degree=args.guidance_degree,
                                 ulysses_degree=args.ulysses_degree)
     if layout.replicas > 1 and not replicas:
-        raise ValueError(f"--guidance-degree {layout.guidance} x --ulysses-degree {layout.ulysses} on {layout.world} "
-                         f"ranks makes {layout.replicas} replica groups, which only `cp-infer serve` runs jobs on; "
-                         f"here use a layout of the whole group (guidance x Ulysses = {layout.world}), e.g. "
-                         f"--ulysses-degree {layout.world // layout.guidance}")
+        whole = ", ".join(f"--guidance-degree {g} --ulysses-degree {u}" for g, u in valid_layouts(layout.world)
+                          if g * u == layout.world)
+        raise ValueError(f"guidance_degree={layout.guidance} x ulysses_degree={layout.ulysses} on {layout.world} "
+                         f"ranks makes {layout.replicas} replica groups, and this command does not run jobs on "
+                         f"replicas (`cp-infer serve` does); valid layouts here: {whole}")
 
 
 def runtime_config_from_args(args: argparse.Namespace):
