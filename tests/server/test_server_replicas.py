@@ -4,6 +4,7 @@ The front end dispatches each queued job to an idle replica; a job runs on rank 
 (progress, cancel, streaming, the same frames for the same seed), and one replica's failed or cancelled job leaves
 the other's running. Which replica takes a job is decided by which is idle: with one busy on a ``[slow]`` job
 (0.2 s per step on every rank, from ``$CP_INFER_TEST_FAULT``), the next job goes to the other. Order, not timing.
+A rank that dies takes the world down (torchrun restarts every rank): the jobs of both replicas run again.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import pytest
 from .conftest import API_ARGS, ServerProcess, lossless_frames, tiny
 from .test_server_faults import _wait_running
 
-FAULTS = ";".join(["kind=sleep,seconds=0.2,prompt=[slow]", "step=1,kind=raise,prompt=[boom]"])
-
 
 @pytest.fixture(scope="module")
 def replicas_server(tmp_path_factory, cache_dir):
-    server = ServerProcess(tmp_path_factory.mktemp("replicas"), cache_dir, faults=FAULTS,
-                           extra_args=[*API_ARGS, "--ulysses-degree", "1"])
+    workdir = tmp_path_factory.mktemp("replicas")
+    faults = ";".join(["kind=sleep,seconds=0.2,prompt=[slow]", "step=1,kind=raise,prompt=[boom]",
+                       f"step=2,kind=kill,prompt=[kill],once={workdir}/killed"])  # last test: restarts the world
+    server = ServerProcess(workdir, cache_dir, faults=faults, extra_args=[*API_ARGS, "--ulysses-degree", "1"])
     try:
         server.wait_ready()
         yield server
@@ -129,3 +130,16 @@ def test_a_streamed_job_on_the_other_replica_streams_and_matches_its_stored_vide
     assert raw.shape == (33, 64, 96, 3)
     assert s.metric(done_there) == before + 1  # made by the other replica while this one was busy
     assert s.wait_job(slow)["status"] == "completed"
+
+
+def test_a_rank_killed_on_one_replica_restarts_the_world_and_both_jobs_complete(replicas_server):
+    s = replicas_server
+    before = s.group()
+    slow, replica = _busy_with_slow_job(s, "a hot air balloon")
+    doomed = s.submit(tiny("[kill] a glass falls", num_inference_steps=4))  # on the other replica: its rank dies
+    s.wait_ready(timeout=180, restart_count=1)
+    assert set(s.group()["pids"]).isdisjoint(before["pids"]) and s.group()["replicas"] == [[0], [1]]
+    # Both were in flight: both go back to the queue and run to the end on the restarted replicas.
+    assert s.wait_job(doomed["id"])["status"] == "completed"
+    assert s.wait_job(slow)["status"] == "completed"
+    assert [r["ready"] for r in _replicas(s)] == [True, True]
