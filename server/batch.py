@@ -6,7 +6,9 @@ Invariants:
   ``invalid`` and the rest run.
 - A line's media (``image``, ``video``, ``conditions``; relative paths from the prompts file's folder) is decoded
   for that check and again just before the line runs, so that no more than one line's media is held at a time. A
-  file that can no longer be read, or now decodes to another frame count, fails that line only.
+  file that can no longer be read, or now decodes to another frame count, fails that line only. With replica
+  groups (``--ulysses-degree`` x ``--guidance-degree`` smaller than the ranks), each replica runs the next line as
+  soon as it is free, so as many lines run at once (and hold their media) as there are replicas.
 - Outputs appear under their final name only once complete (``write_output`` renames them into place), so an
   existing output means a finished one: a rerun skips it, and resumes where the last run stopped. Outside torchrun
   nothing is started when nothing is left to do.
@@ -288,45 +290,14 @@ def _summary(items: list[_Item]) -> int:
 
 
 def _lead_batch(leader: Leader, items: list[_Item], args: argparse.Namespace) -> int:
-    from cp_infer.sampler import JobFailed
-
-    write_output = result_writer()
     for item in items:
         if item.status == "invalid":
             log.warning("line %d: invalid: %s", item.line, item.message)
     try:
-        for item in items:
-            if item.status != "todo":
-                continue
-            started = time.perf_counter()
-            path = _batch_output(args.out_dir, item.name, args.ext)
-            # NOTE(group): JobFailed ends the job on every rank at the same step, a write error happens after
-            # the group is done with the job, and media that went bad (UsageError) before it is sent: either
-            # way the workers are back waiting for a command. Any other exception from the group leaves it in
-            # an unknown state and aborts the batch.
-            video = None
-            try:
-                request = _request_to_run(item)
-                if args.ext == "mp4":
-                    # Encoded piece by piece as the decode delivers them: overlapped with it, no whole video held.
-                    video = FileVideo(str(path), request)
-                    leader.generate(request, item.name, on_frames=video.write, on_audio=video.set_audio)
-                    video.close()
-                else:
-                    result = leader.generate(request, item.name)
-                    write_output(result, f"{path}/" if args.ext == "frames" else path, item.request.fps)
-                item.status, item.message = "ok", str(path)
-            except (JobFailed, WriteError, UsageError) as exc:
-                if video is not None:
-                    video.abort()
-                item.status = "failed"
-                item.message = f"generation failed: {exc}" if isinstance(exc, JobFailed) else str(exc)
-                log.warning("line %d (%s): failed: %s", item.line, item.name, item.message)
-            except BaseException:
-                if video is not None:
-                    video.abort()  # nothing half-written is left under the output's hidden name
-                raise
-            item.seconds = time.perf_counter() - started
+        if getattr(leader, "replicas", ()):
+            _run_on_replicas((leader, *leader.replicas), items, args)
+        else:
+            _run_items(leader, iter(items), args)
     except BaseException:
         for item in items:
             if item.status == "todo":
@@ -337,9 +308,82 @@ def _lead_batch(leader: Leader, items: list[_Item], args: argparse.Namespace) ->
     return _summary(items)
 
 
+def _run_on_replicas(leaders: tuple[Leader, ...], items: list[_Item], args: argparse.Namespace) -> None:
+    """Every replica group runs lines from one shared list, each taking the next as soon as it is free; the first
+    exception that aborts the batch stops every replica taking more and is raised once they have all stopped."""
+    import threading
+
+    lock, todo, errors = threading.Lock(), iter(items), []
+
+    def next_items():
+        while not errors:
+            with lock:
+                item = next(todo, None)
+            if item is None:
+                return
+            yield item
+
+    def run(leader: Leader, replica: int) -> None:
+        try:
+            _run_items(leader, next_items(), args, replica)
+        except BaseException as exc:  # noqa: BLE001 -- raised in the main thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(leader, i), name=f"cp-infer-replica-{i}", daemon=True)
+               for i, leader in enumerate(leaders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _run_items(leader: Leader, items, args: argparse.Namespace, replica: int | None = None) -> None:
+    """Run the ``todo`` lines of ``items`` (an iterator) one after another on ``leader``'s group (``replica``: its
+    index, logged with each line, when the batch runs on several)."""
+    from cp_infer.sampler import JobFailed
+
+    write_output = result_writer()
+    for item in items:
+        if item.status != "todo":
+            continue
+        if replica is not None:
+            log.info("line %d (%s) runs on replica %d", item.line, item.name, replica)
+        started = time.perf_counter()
+        path = _batch_output(args.out_dir, item.name, args.ext)
+        # NOTE(group): JobFailed ends the job on every rank at the same step, a write error happens after
+        # the group is done with the job, and media that went bad (UsageError) before it is sent: either
+        # way the workers are back waiting for a command. Any other exception from the group leaves it in
+        # an unknown state and aborts the batch.
+        video = None
+        try:
+            request = _request_to_run(item)
+            if args.ext == "mp4":
+                # Encoded piece by piece as the decode delivers them: overlapped with it, no whole video held.
+                video = FileVideo(str(path), request)
+                leader.generate(request, item.name, on_frames=video.write, on_audio=video.set_audio)
+                video.close()
+            else:
+                result = leader.generate(request, item.name)
+                write_output(result, f"{path}/" if args.ext == "frames" else path, item.request.fps)
+            item.status, item.message = "ok", str(path)
+        except (JobFailed, WriteError, UsageError) as exc:
+            if video is not None:
+                video.abort()
+            item.status = "failed"
+            item.message = f"generation failed: {exc}" if isinstance(exc, JobFailed) else str(exc)
+            log.warning("line %d (%s): failed: %s", item.line, item.name, item.message)
+        except BaseException:
+            if video is not None:
+                video.abort()  # nothing half-written is left under the output's hidden name
+            raise
+        item.seconds = time.perf_counter() - started
+
+
 def run_batch(args: argparse.Namespace, argv: list[str]) -> int:
     """Run ``cp-infer batch`` on this rank; returns the exit code (``UsageError`` for exit code 2)."""
-    config = runtime_config_from_args(args)
+    config = runtime_config_from_args(args, replicas=True)
     nproc = group_size(args.nproc)
     if args.out_dir.exists() and not args.out_dir.is_dir():
         raise UsageError(f"--out-dir {args.out_dir}: is a file, not a folder")
