@@ -15,6 +15,10 @@ Invariants:
   takes q, k and v for SDPA; the receive buffer is freed, and the output comes back into the send buffer: a
   call allocates the two exchange buffers (or takes them from a workspace), SDPA's output, the output's send
   copy and its result, and nothing else.
+- Under ``torch.compile`` the call traces into the caller's graph, its two all-to-alls included (dynamo turns them
+  into functional collectives), and a workspace is ignored: the compiled graph plans its own buffers, and a
+  buffer kept on a Python object would be a graph input mutated in place (and its inference-mode check a graph
+  break).
 """
 
 from __future__ import annotations
@@ -173,6 +177,8 @@ def ulysses_attention(
     self_attention = kv_plan == plan
     q_numel = s_local * batch * h_local * head_dim  # per rank's chunk
     chunk = 3 * q_numel if self_attention else q_numel + kv_local * batch * 2 * h_local * head_dim
+    if torch.compiler.is_compiling():
+        workspace = None  # see the module docstring: the compiled graph plans its own buffers
     if recording:
         send, recv = like.new_empty(n * chunk), None
     elif workspace is not None:

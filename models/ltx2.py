@@ -74,7 +74,9 @@ class _ShardContext:
     state: ParallelState
     plans: dict[str, ShardPlan] | None = None
     workspaces: dict[tuple[str, str], ExchangeWorkspace] = field(default_factory=dict)
-    """Exchange buffers per (query, key) stream pair, reused across layers and steps."""
+    """Exchange buffers per (query, key) stream pair, reused across layers and steps. NOTE(compile-workspace): not
+    used in compiled blocks (``ulysses_attention`` ignores a workspace there), and not created from them: a dict
+    filled in from compiled code is a guard that fails once it is filled, a recompile of every block."""
 
     def workspace(self, pair: tuple[str, str]) -> ExchangeWorkspace:
         return self.workspaces.setdefault(pair, ExchangeWorkspace())
@@ -122,7 +124,8 @@ class _UlyssesAVProcessor:
             kv_plan = None if self.kv_stream == self.q_stream else plans[self.kv_stream]
             out = ulysses_attention(q, k, v, plan=plans[self.q_stream], kv_plan=kv_plan,
                                     group=self.ctx.state.cp_group,
-                                    workspace=self.ctx.workspace((self.q_stream, self.kv_stream)))
+                                    workspace=None if torch.compiler.is_compiling()  # NOTE(compile-workspace)
+                                    else self.ctx.workspace((self.q_stream, self.kv_stream)))
             out = out.flatten(2, 3).to(query.dtype)
             if perturbation_mask is not None:
                 out = torch.lerp(value, out, perturbation_mask)

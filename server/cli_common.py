@@ -100,6 +100,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                        help="ranks each pass's token sequence is sharded over (Ulysses: two all-to-alls per "
                             "attention layer); G x U must divide the ranks, and `serve` runs ranks / (G x U) "
                             "replica groups, each its own jobs (default: ranks / G)")
+    group.add_argument("--compile", dest="compile_blocks", action="store_true",
+                       help="torch.compile each transformer block (regional compilation; the Ulysses all-to-alls "
+                            "compile inside the blocks): the first request of a shape pays the compile, later "
+                            "steps run faster (default off)")
 
 
 def check_layout(args: argparse.Namespace, *, replicas: bool = False) -> None:
@@ -125,7 +129,7 @@ def runtime_config_from_args(args: argparse.Namespace):
     check_layout(args)
     return RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device,
                          decode_frames_per_rank=args.decode_frames_per_rank, guidance_degree=args.guidance_degree,
-                         ulysses_degree=args.ulysses_degree)
+                         ulysses_degree=args.ulysses_degree, compile_blocks=args.compile_blocks)
 
 
 def _frames_per_rank(text: str) -> int | str | None:

@@ -73,6 +73,9 @@ class RuntimeConfig:
     """Ranks a step's guidance passes are spread over (``cp_infer.mesh``); ``None``: 1."""
     ulysses_degree: int | None = None
     """Ranks each pass's sequences are sharded over; ``None``: the world divided by the guidance degree."""
+    compile_blocks: bool = False
+    """``torch.compile`` each transformer block (``models.registry.compile_transformer_blocks``): the first request
+    of each shape pays the compile, later ones run the compiled block."""
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -140,7 +143,7 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
                                          guidance_degree=config.guidance_degree, ulysses_degree=config.ulysses_degree))
     phases.mark("rendezvous and groups")
     path = resolve_model(config.model)
-    model = open_model(path, dtype=config.dtype, state=state)
+    model = open_model(path, dtype=config.dtype, state=state, compile_blocks=config.compile_blocks)
     model.decode_frames_per_rank = config.decode_frames_per_rank
     phases.mark("load")
     warmup(state)
