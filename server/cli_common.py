@@ -108,8 +108,8 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_layout(args: argparse.Namespace, *, replicas: bool = False) -> None:
     """Refuse a mesh layout that does not make the group (``--guidance-degree`` x ``--ulysses-degree`` against the
-    ranks), before anything starts; the message lists the valid ones. ``replicas``: whether the command dispatches
-    jobs to replica groups (``serve``); elsewhere a layout that leaves more than one is refused too."""
+    ranks), before anything starts; the message lists the valid ones. ``replicas``: whether the command runs jobs on
+    replica groups (``serve``, ``batch``); elsewhere a layout that leaves more than one is refused too."""
     from cp_infer.mesh import MeshLayout, valid_layouts
     from server.launch import group_size
 
@@ -120,13 +120,14 @@ def check_layout(args: argparse.Namespace, *, replicas: bool = False) -> None:
                           if g * u == layout.world)
         raise ValueError(f"guidance_degree={layout.guidance} x ulysses_degree={layout.ulysses} on {layout.world} "
                          f"ranks makes {layout.replicas} replica groups, and this command does not run jobs on "
-                         f"replicas (`cp-infer serve` does); valid layouts here: {whole}")
+                         f"replicas (`cp-infer serve` and `batch` do); valid layouts here: {whole}")
 
 
-def runtime_config_from_args(args: argparse.Namespace):
+def runtime_config_from_args(args: argparse.Namespace, *, replicas: bool = False):
+    """``replicas``: whether the command runs jobs on replica groups (``check_layout``)."""
     from server.runtime import RuntimeConfig
 
-    check_layout(args)
+    check_layout(args, replicas=replicas)
     return RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device,
                          decode_frames_per_rank=args.decode_frames_per_rank, guidance_degree=args.guidance_degree,
                          ulysses_degree=args.ulysses_degree, compile_blocks=args.compile_blocks)
@@ -444,9 +445,14 @@ class Generated:
 @dataclass
 class Leader:
     """Rank 0's side of a CLI run: jobs with a progress bar and their results kept, over the command protocol's
-    leader side (``group``: every job is broadcast before it runs; ``stop`` ends the workers)."""
+    leader side (``group``: every job is broadcast before it runs; ``stop`` ends the workers).
+
+    With replica groups (``batch`` only), one ``Leader`` per replica: rank 0's own first, whose ``replicas`` are the
+    others' (``server.replicas.RemoteDriver``); each may run a job at the same time as the others, from its own
+    thread."""
 
     group: GroupDriver
+    replicas: tuple[Leader, ...] = ()
 
     @property
     def runtime(self) -> Runtime:
@@ -482,21 +488,31 @@ class Leader:
         return result
 
     def stop(self) -> None:
+        """End the workers of this replica and of every other."""
         self.group.stop()
+        for other in self.replicas:
+            other.stop()
 
 
 def run_group(config, lead: Callable[[Leader], int]) -> int:
-    """Form the group and load the model on every rank; the leader runs ``lead``, the others follow."""
+    """Form the group and load the model on every rank; the leader runs ``lead``, the others follow (another replica
+    group's leader takes rank 0's commands for its replica: ``server.replicas.replica_loop``)."""
     from cp_infer import destroy_parallel
+    from server.replicas import RemoteDriver, replica_loop
     from server.runtime import GroupDriver, start_runtime, worker_loop
 
     runtime = start_runtime(config)
     try:
-        if not runtime.state.is_leader:
+        state = runtime.state
+        if state.leads_replica and not state.is_leader:
+            replica_loop(runtime)
+            return 0
+        if not state.is_leader:
             worker_loop(runtime, control_for=(lambda _command: phases.timed_control(None)) if phases.enabled()
                         else None)
             return 0
-        return leader_exit_code(lead(Leader(GroupDriver(runtime))))
+        others = tuple(Leader(RemoteDriver(runtime, r)) for r in range(1, state.replicas))
+        return leader_exit_code(lead(Leader(GroupDriver(runtime), replicas=others)))
     finally:
         destroy_parallel(runtime.state)
         phases.mark("teardown")
