@@ -98,7 +98,8 @@ def _configs(args: argparse.Namespace):
     runtime = RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device,
                             timeout_s=args.collective_timeout, limits=limits,
                             decode_frames_per_rank=args.decode_frames_per_rank,
-                            guidance_degree=args.guidance_degree, ulysses_degree=args.ulysses_degree)
+                            guidance_degree=args.guidance_degree, ulysses_degree=args.ulysses_degree,
+                            compile_blocks=args.compile_blocks)
     leader = LeaderConfig(runtime=runtime, data_dir=args.data_dir, heartbeat_s=args.heartbeat_s,
                           max_queue=args.max_queue, keep_frames=args.keep_frames, model_name=args.served_model_name)
     app = AppConfig(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
