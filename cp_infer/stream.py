@@ -7,9 +7,11 @@ audio track in the same container later. ``empty_moov`` puts the header first wi
 no B-frames) each frame's bytes leave the encoder when the frame goes in. Players and ffmpeg read the result
 as an ordinary MP4.
 
-Audio (optional) is known before the first frame (an audio-video model decodes its waveform before the video). Each
-:meth:`FragmentedMP4Writer.write` muxes the AAC frames that cover the time span of the frames just written, so
-fragments carry both streams as they go; :meth:`~FragmentedMP4Writer.close` muxes whatever audio is left.
+Audio (optional) is given whole before the first frame, or piece by piece as it is made
+(:meth:`FragmentedMP4Writer.write_audio`, e.g. a long video's soundtrack window by window). The AAC frames that cover
+the time span of a run of frames are muxed just before those frames, so fragments carry both streams in time order
+as they go; frames whose audio has not come yet wait (unencoded) for it, or for :meth:`~FragmentedMP4Writer.close`,
+which muxes whatever is left.
 With audio, fragments are cut every frame's duration rather than at every packet (see ``NOTE(fmp4-audio)``),
 and the header waits for the first fragment; the audio stream's reported duration then also counts the 1024
 priming samples that the edit list hides from playback.
@@ -24,7 +26,7 @@ from collections.abc import Callable
 import av
 import numpy as np
 
-from .video_io import AudioTrack, add_h264_stream, check_audio, check_fps, encode_frames
+from .video_io import add_h264_stream, check_fps, check_track, encode_frames, open_track
 
 __all__ = ["FragmentedMP4Writer"]
 
@@ -48,15 +50,16 @@ class FragmentedMP4Writer:
     """Encode uint8 RGB frames ``[F, H, W, 3]`` (h264, yuv420p) and hand the bytes to ``emit`` as they come.
 
     ``audio`` (float ``[channels, samples]`` or ``[samples]`` at ``sample_rate`` Hz, sample 0 with frame 0) adds
-    an AAC track, muxed alongside the frames.
+    an AAC track, muxed alongside the frames; ``audio_channels`` instead adds one whose samples come piece by piece
+    (:meth:`write_audio`).
     """
 
     def __init__(self, emit: Callable[[bytes], None], *, width: int, height: int, fps: int,
-                 audio: np.ndarray | None = None, sample_rate: int | None = None):
+                 audio: np.ndarray | None = None, sample_rate: int | None = None, audio_channels: int | None = None):
         rate = check_fps(fps)  # before any container exists
-        waveform = check_audio(audio, sample_rate)
+        waveform = check_track(audio, sample_rate, audio_channels)
         self._sink = _Sink(emit)
-        if waveform is None:
+        if waveform is None and audio_channels is None:
             options = {"movflags": "frag_every_frame+empty_moov+default_base_moof"}
         else:
             # NOTE(fmp4-audio): with two tracks, frag_every_frame cuts a fragment at every packet of either one
@@ -72,8 +75,10 @@ class FragmentedMP4Writer:
         self._container = av.open(self._sink, mode="w", format="mp4", options=options)
         # The same encoder settings and colour tags as whole-file MP4s, tuned for latency.
         self._stream = add_h264_stream(self._container, width=width, height=height, fps=fps, low_latency=True)
-        self._audio = None if waveform is None else AudioTrack(self._container, waveform, sample_rate)
+        self._audio = open_track(self._container, waveform, sample_rate, audio_channels)
         self._rate = rate
+        self._waiting: list[np.ndarray] = []
+        """Frames whose audio has not come yet, in order."""
         self.frames_written = 0
         self._closed = False
 
@@ -81,18 +86,49 @@ class FragmentedMP4Writer:
         if frames.ndim != 4 or frames.shape[1:] != (self._stream.height, self._stream.width, 3):
             raise ValueError(f"frames of shape {frames.shape} do not match "
                              f"[F, {self._stream.height}, {self._stream.width}, 3]")
+        self._waiting.append(np.asarray(frames, dtype=np.uint8))
+        self._pump()
+
+    def write_audio(self, samples: np.ndarray) -> None:
+        """The soundtrack's next samples ``[channels, s]`` (a writer opened with ``audio_channels``)."""
+        if self._audio is None or self._audio.ended:
+            raise RuntimeError("write_audio needs a writer opened with audio_channels (its soundtrack given piece by "
+                               "piece)")
+        self._audio.add(samples)
+        self._pump()
+
+    def _pump(self) -> None:
+        """Encode the waiting frames whose audio has come, each run after the audio under it."""
+        if not self._waiting:
+            return
+        frames = np.concatenate(self._waiting) if len(self._waiting) > 1 else self._waiting[0]
+        ready = frames.shape[0]
         if self._audio is not None:
             # The audio under these frames goes first, and a little beyond: the muxer releases a packet only once
             # every stream has one at least as late, and the AAC encoder holds back what it was last fed.
-            end = self.frames_written + frames.shape[0]
-            self._audio.encode_until(end / self._rate + self._audio.encoder_delay)
-        encode_frames(self._container, self._stream, np.asarray(frames, dtype=np.uint8), self.frames_written)
-        self.frames_written += frames.shape[0]
+            def until(n: int):
+                return (self.frames_written + n) / self._rate + self._audio.encoder_delay
+
+            if not self._audio.covers(until(ready)):  # the most frames it covers (monotonic in their number)
+                lo, hi = 0, ready
+                while lo + 1 < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if self._audio.covers(until(mid)) else (lo, mid)
+                ready = lo
+            if ready:
+                self._audio.encode_until(until(ready))
+        if ready:
+            encode_frames(self._container, self._stream, frames[:ready], self.frames_written)
+            self.frames_written += ready
+        self._waiting = [frames[ready:]] if ready < frames.shape[0] else []
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._audio is not None:
+            self._audio.end()
+        self._pump()
         self._container.mux(self._stream.encode(None))
         if self._audio is not None:
             self._audio.finish()

@@ -13,10 +13,12 @@ Invariants:
 - MP4 bytes are not promised identical run to run (x264's threads now and then decide differently); the decoded
   pictures agree to within compression noise. Frames folders are exact.
 - Audio is a float waveform ``[channels, samples]`` (or ``[samples]``: mono), 1 or 2 channels, clipped to [-1, 1],
-  whose sample 0 plays with frame 0. In an MP4 it is AAC-LC (fltp) with pts counted in samples; the encoder's
-  1024 priming samples are hidden by the MP4 edit list, so the audio lines up with the video sample for sample
-  and lasts as long as the waveform (:func:`read_audio` gives back exactly its length; the stream's duration
-  is rounded to the movie's millisecond clock). Audio and video are muxed interleaved.
+  whose sample 0 plays with frame 0, given whole or piece by piece (``audio_channels`` and ``write_audio``: frames
+  wait, unencoded, for the audio under them, so the AAC and the muxing are those of the whole waveform). In an MP4 it
+  is AAC-LC (fltp) with pts counted in samples; the encoder's 1024 priming samples are hidden by the MP4 edit list, so
+  the audio lines up with the video sample for sample and lasts as long as the waveform (:func:`read_audio` gives back
+  exactly its length; the stream's duration is rounded to the movie's millisecond clock). Audio and video are muxed
+  interleaved.
 - A frames folder holds ``frame_00000.png`` ... (bit-exact), ``audio.wav`` (16-bit PCM) when there is audio,
   ``NAME.npy`` for each latents array given (``latents.npy``; ``audio_latents.npy`` with audio), and ``video.json``,
   written last: a folder with ``video.json`` is complete. ``video.json`` lists the arrays it has, so a rewrite
@@ -51,8 +53,10 @@ __all__ = [
     "add_h264_stream",
     "check_audio",
     "check_fps",
+    "check_track",
     "encode_frames",
     "is_frames_dir_target",
+    "open_track",
     "read_audio",
     "read_frames_dir",
     "read_mp4",
@@ -168,47 +172,116 @@ def check_audio(audio: np.ndarray | None, sample_rate: int | None, *, aac: bool 
 
 
 class AudioTrack:
-    """An AAC stream in ``container`` fed from a waveform known up front, a stretch of video time at a time.
+    """An AAC stream in ``container`` fed a stretch of video time at a time, from a waveform known up front or one
+    that arrives piece by piece (:meth:`add`, then :meth:`end`).
 
-    ``waveform`` is what :func:`check_audio` returns. Call :meth:`encode_until` as video is muxed (so the two
-    streams interleave and fragments carry both), then :meth:`finish` once, before the container closes.
+    ``waveform`` is what :func:`check_audio` returns (``None``: pieces of ``channels`` channels will come). Call
+    :meth:`encode_until` as video is muxed (so the two streams interleave and fragments carry both; only samples
+    already given are encoded), then :meth:`finish` once, before the container closes. Only the samples not yet
+    encoded are held.
     """
 
-    def __init__(self, container, waveform: np.ndarray, sample_rate: int):
+    def __init__(self, container, waveform: np.ndarray | None, sample_rate: int, *, channels: int | None = None):
+        if (waveform is None) == (channels is None):
+            raise ValueError("give AudioTrack either the whole waveform or the channels of the pieces to come")
         self._container = container
-        self._waveform = waveform
         self._rate = int(sample_rate)
+        self.channels = waveform.shape[0] if waveform is not None else int(channels)
+        if self.channels not in (1, 2):
+            raise ValueError(f"audio has {self.channels} channels; 1 or 2 are supported")
+        self._held = [] if waveform is None else [waveform]
+        """The samples given and not yet encoded, from ``samples_encoded`` on."""
+        self.samples_given = 0 if waveform is None else waveform.shape[1]
+        self.ended = waveform is not None
+        """Every sample has been given (the track may end on a short frame)."""
         self.samples_encoded = 0
-        channels = waveform.shape[0]
         self.stream = container.add_stream(_AUDIO_CODEC, rate=self._rate)
         ctx = self.stream.codec_context
-        ctx.layout, ctx.format = ("mono" if channels == 1 else "stereo"), "fltp"
-        ctx.bit_rate = _AAC_BIT_RATE_PER_CHANNEL * channels
+        ctx.layout, ctx.format = ("mono" if self.channels == 1 else "stereo"), "fltp"
+        ctx.bit_rate = _AAC_BIT_RATE_PER_CHANNEL * self.channels
         self.encoder_delay = Fraction(2 * _AAC_FRAME, self._rate)
         """How far the packets out of the encoder lag the samples fed in (the 1024 priming and a frame in flight)."""
 
+    def add(self, samples: np.ndarray) -> None:
+        """The soundtrack's next samples, ``[channels, s]`` floats (clipped to [-1, 1] as :func:`check_audio`)."""
+        if self.ended:
+            raise RuntimeError("audio samples were given after the track's end")
+        if not isinstance(samples, np.ndarray) or samples.ndim != 2 or samples.shape[0] != self.channels \
+                or not np.issubdtype(samples.dtype, np.floating):
+            raise ValueError(f"audio piece of shape {getattr(samples, 'shape', None)}; expected float "
+                             f"[{self.channels}, samples]")
+        if not np.isfinite(samples).all():
+            raise ValueError("audio piece holds NaN or infinite samples")
+        if samples.shape[1]:
+            self._held.append(np.clip(samples.astype(np.float32), -1.0, 1.0))
+            self.samples_given += samples.shape[1]
+
+    def end(self) -> None:
+        """No more samples will come."""
+        self.ended = True
+
+    def _stop(self, seconds: Fraction | float) -> int:
+        """Where :meth:`encode_until` ``seconds`` stops, were every sample there."""
+        target = math.ceil(Fraction(seconds) * self._rate)
+        if self.ended:
+            target = min(target, self.samples_given)
+        # NOTE(aac-frames): only the last frame may be short, so stop on a frame boundary unless at the end.
+        stop = self.samples_encoded + -(-(target - self.samples_encoded) // _AAC_FRAME) * _AAC_FRAME
+        return max(self.samples_encoded, min(self.samples_given, stop) if self.ended else stop)
+
+    def covers(self, seconds: Fraction | float) -> bool:
+        """Whether :meth:`encode_until` ``seconds`` has every sample it needs (all of them after :meth:`end`)."""
+        return self.ended or self._stop(seconds) <= self.samples_given
+
     def encode_until(self, seconds: Fraction | float) -> None:
-        """Encode and mux the samples up to ``seconds`` (rounded up to whole AAC frames; capped at the end)."""
+        """Encode and mux the samples up to ``seconds`` (rounded up to whole AAC frames; capped at the end, and at
+        the whole frames of the samples given so far)."""
         # The encoder's frame size is known once it is open, and the container opens every codec at once.
         self._container.start_encoding()
         frame_size = self.stream.codec_context.frame_size
         assert frame_size == _AAC_FRAME, frame_size
-        total = self._waveform.shape[1]
-        target = min(total, math.ceil(Fraction(seconds) * self._rate))
-        # NOTE(aac-frames): only the last frame may be short, so stop on a frame boundary unless at the end.
-        stop = min(total, self.samples_encoded + -(-(target - self.samples_encoded) // frame_size) * frame_size)
+        stop = self._stop(seconds)
+        if stop > self.samples_given:
+            stop = self.samples_encoded + (self.samples_given - self.samples_encoded) // frame_size * frame_size
+        if stop <= self.samples_encoded:
+            return
+        held = np.concatenate(self._held, axis=1) if len(self._held) > 1 else self._held[0]
         layout = self.stream.codec_context.layout.name
         for start in range(self.samples_encoded, stop, frame_size):
-            chunk = np.ascontiguousarray(self._waveform[:, start:min(start + frame_size, stop)])
-            frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout=layout)
+            a, b = start - self.samples_encoded, min(start + frame_size, stop) - self.samples_encoded
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(held[:, a:b]), format="fltp", layout=layout)
             frame.sample_rate, frame.time_base, frame.pts = self._rate, Fraction(1, self._rate), start
             self._container.mux(self.stream.encode(frame))
-        self.samples_encoded = max(self.samples_encoded, stop)
+        rest = held[:, stop - self.samples_encoded:]
+        self._held = [rest] if rest.shape[1] else []
+        self.samples_encoded = stop
 
     def finish(self) -> None:
         """Encode what is left of the waveform and flush the encoder (it holds back a frame or two)."""
-        self.encode_until(Fraction(self._waveform.shape[1], self._rate))
+        self.end()
+        self.encode_until(Fraction(self.samples_given, self._rate))
         self._container.mux(self.stream.encode(None))
+
+
+def check_track(audio: np.ndarray | None, sample_rate: int | None, audio_channels: int | None) -> np.ndarray | None:
+    """A writer's audio arguments, checked before anything is opened: the whole waveform (:func:`check_audio`'s),
+    or ``audio_channels`` for one given piece by piece (``write_audio``) at ``sample_rate``; not both."""
+    if audio_channels is None:
+        return check_audio(audio, sample_rate)
+    if audio is not None:
+        raise ValueError("give the soundtrack whole (audio=...) or piece by piece (audio_channels=...), not both")
+    if isinstance(audio_channels, bool) or audio_channels not in (1, 2):
+        raise ValueError(f"audio_channels={audio_channels!r} must be 1 or 2")
+    check_audio(np.zeros((audio_channels, 1), dtype=np.float32), sample_rate)  # the rate's checks
+    return None
+
+
+def open_track(container, waveform: np.ndarray | None, sample_rate: int | None,
+               audio_channels: int | None) -> AudioTrack | None:
+    """The :class:`AudioTrack` of :func:`check_track`'s arguments (``None``: no audio)."""
+    if waveform is None and audio_channels is None:
+        return None
+    return AudioTrack(container, waveform, sample_rate, channels=None if waveform is not None else audio_channels)
 
 
 class MP4FileWriter:
@@ -216,19 +289,21 @@ class MP4FileWriter:
     :func:`write_mp4` makes of the whole video at once (which is this writer fed once).
 
     ``audio`` (float ``[channels, samples]`` or ``[samples]``, at ``sample_rate`` Hz) adds an AAC track that starts
-    with the first frame. Use as a context manager, or call :meth:`close` (the file is complete) or :meth:`abort`.
+    with the first frame; or ``audio_channels`` one whose samples come piece by piece (:meth:`write_audio`, in any
+    order with the frames: frames wait, unencoded, until the audio under them has come or the writer closes). Use as
+    a context manager, or call :meth:`close` (the file is complete) or :meth:`abort`.
     """
 
     def __init__(self, path: str | os.PathLike, *, width: int, height: int, fps: float,
-                 audio: np.ndarray | None = None, sample_rate: int | None = None):
+                 audio: np.ndarray | None = None, sample_rate: int | None = None, audio_channels: int | None = None):
         self._rate = check_fps(fps)
         _check_even(width, height)  # before any file exists
-        waveform = check_audio(audio, sample_rate)
+        waveform = check_track(audio, sample_rate, audio_channels)
         self._container = av.open(os.fspath(path), mode="w", format="mp4",
                                   container_options={"movflags": "+faststart"})
         try:
             self._stream = add_h264_stream(self._container, width=width, height=height, fps=fps)
-            self._track = None if waveform is None else AudioTrack(self._container, waveform, sample_rate)
+            self._track = open_track(self._container, waveform, sample_rate, audio_channels)
         except BaseException:
             self._container.close()
             raise
@@ -237,7 +312,7 @@ class MP4FileWriter:
         self._pending: list[np.ndarray] = []
         self._pending_frames = 0
         self.frames_written = 0
-        """Frames encoded so far (up to a second's worth more may wait for their second to fill)."""
+        """Frames encoded so far (up to a second's worth more may wait for their second to fill, or for its audio)."""
 
     def write(self, frames: np.ndarray) -> None:
         """Append uint8 RGB frames ``[F, H, W, 3]``."""
@@ -246,13 +321,28 @@ class MP4FileWriter:
                              f"[F, {self._stream.height}, {self._stream.width}, 3]")
         self._pending.append(frames)
         self._pending_frames += frames.shape[0]
-        if self._pending_frames >= self._step:
-            pending = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
-            full = pending.shape[0] - pending.shape[0] % self._step
-            for first in range(0, full, self._step):
-                self._encode(pending[first:first + self._step])
-            self._pending = [pending[full:]] if full < pending.shape[0] else []
-            self._pending_frames = pending.shape[0] - full
+        self._pump()
+
+    def write_audio(self, samples: np.ndarray) -> None:
+        """Append the soundtrack's next samples ``[channels, s]`` (a writer opened with ``audio_channels``)."""
+        if self._track is None or self._track.ended:
+            raise RuntimeError("write_audio needs a writer opened with audio_channels (its soundtrack given piece by "
+                               "piece)")
+        self._track.add(samples)
+        self._pump()
+
+    def _pump(self) -> None:
+        """Encode the whole seconds of the frames waiting whose audio has come (all of them once it has ended)."""
+        if self._pending_frames < self._step:
+            return
+        pending = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        first = 0
+        while pending.shape[0] - first >= self._step and (
+                self._track is None or self._track.covers((self.frames_written + self._step) / self._rate)):
+            self._encode(pending[first:first + self._step])
+            first += self._step
+        self._pending = [pending[first:]] if first < pending.shape[0] else []
+        self._pending_frames = pending.shape[0] - first
 
     def _encode(self, frames: np.ndarray) -> None:
         encode_frames(self._container, self._stream, frames, self.frames_written)
@@ -263,6 +353,9 @@ class MP4FileWriter:
     def close(self) -> None:
         """Encode what is left, flush the encoders and finish the file."""
         try:
+            if self._track is not None:
+                self._track.end()
+            self._pump()
             if self._pending_frames:
                 self._encode(np.concatenate(self._pending))
                 self._pending, self._pending_frames = [], 0

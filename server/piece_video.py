@@ -1,4 +1,5 @@
-"""MP4s encoded piece by piece as the decode delivers them (rank 0's ``on_frames``), so that the encode overlaps the
+"""MP4s encoded piece by piece as the decode delivers them (rank 0's ``on_frames``, and an audio-video model's
+soundtrack whole before them or piece by piece with them: ``on_audio_piece``), so that the encode overlaps the
 decode and no rank holds a whole video: to stdout (``generate --out -``) or to a file (``generate --out x.mp4``,
 ``batch``).
 
@@ -23,18 +24,37 @@ __all__ = ["FileVideo", "PieceVideo", "StdoutVideo"]
 
 class PieceVideo:
     """An MP4 encoded piece by piece as the decode delivers them (rank 0's ``on_frames``), its soundtrack (audio-video
-    models) given first. Never raises into the sampler (the other ranks are inside the decode): the first failure is
-    kept, the rest of the video dropped, and ``close`` raises ``WriteError``. Subclasses say where the bytes go."""
+    models) given first whole (``set_audio``) or piece by piece with the frames (``add_audio``). Never raises into the
+    sampler (the other ranks are inside the decode): the first failure is kept, the rest of the video dropped, and
+    ``close`` raises ``WriteError``. Subclasses say where the bytes go."""
 
     def __init__(self, request: GenerationRequest):
         self.request, self.audio, self.writer, self.error = request, None, None, None
+        self.samples_written = 0
 
-    def _make_writer(self, waveform, sample_rate):
+    def _make_writer(self, waveform, sample_rate, channels=None):
+        """The MP4 writer: with the whole soundtrack (``waveform``), or ``channels`` for one that comes piece by
+        piece, or no audio."""
         raise NotImplementedError
 
     def set_audio(self, waveform, sample_rate: int) -> None:
         """The soundtrack (audio-video models), before the first frames: muxed along with them."""
         self.audio = (waveform, sample_rate)
+
+    def add_audio(self, samples, first: int, sample_rate: int) -> None:
+        """The soundtrack's samples ``[first, first + s)`` (``[C, s]``), piece by piece as they are made
+        (``SampleControl.on_audio_piece``), the first piece before the first frames: muxed with the frames they play
+        under. Never raises, as :meth:`write`."""
+        if self.error is None:
+            try:
+                if first != self.samples_written:
+                    raise RuntimeError(f"audio samples {first}.. after {self.samples_written}: expected them in order")
+                if self.writer is None:
+                    self.writer = self._make_writer(None, sample_rate, samples.shape[0])
+                self.writer.write_audio(samples)
+                self.samples_written += samples.shape[1]
+            except Exception as exc:  # noqa: BLE001 -- kept for close(), as in write()
+                self.error = exc
 
     def _open(self):
         if self.writer is None:
@@ -70,12 +90,12 @@ class StdoutVideo(PieceVideo):
         super().__init__(request)
         self.out = out
 
-    def _make_writer(self, waveform, sample_rate):
+    def _make_writer(self, waveform, sample_rate, channels=None):
         from cp_infer.stream import FragmentedMP4Writer
 
         r = self.request
         return FragmentedMP4Writer(self._emit, width=r.width, height=r.height, fps=r.fps, audio=waveform,
-                                   sample_rate=sample_rate)
+                                   sample_rate=sample_rate, audio_channels=channels)
 
     def _emit(self, data: bytes) -> None:
         self.out.write(data)
@@ -103,13 +123,13 @@ class FileVideo(PieceVideo):
         self.out, self.final = out, Path(out).expanduser()
         self.tmp = temporary_sibling(self.final)
 
-    def _make_writer(self, waveform, sample_rate):
+    def _make_writer(self, waveform, sample_rate, channels=None):
         from cp_infer.video_io import MP4FileWriter
 
         r = self.request
         self.final.parent.mkdir(parents=True, exist_ok=True)
         return MP4FileWriter(self.tmp, width=r.width, height=r.height, fps=r.fps, audio=waveform,
-                             sample_rate=sample_rate)
+                             sample_rate=sample_rate, audio_channels=channels)
 
     def _commit(self) -> None:
         os.replace(self.tmp, self.final)

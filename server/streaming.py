@@ -8,8 +8,12 @@ Invariants:
 - Rank 0 never holds the whole video: the sampler runs with ``collect=False`` and a piece is encoded before the
   next one is received. The middle frame (the thumbnail) and, with ``keep_frames``, the raw frames (``.npy``,
   header first, then each piece appended in order) are written as their piece passes.
-- :meth:`StreamedOutputs.write` never raises (it runs inside the decode, where raising would leave rank 0 out of
-  step with the ranks still sending their pieces): its first error is kept and fails the job at :meth:`commit`.
+- An audio-video model's soundtrack comes whole before the first frames (:meth:`StreamedOutputs.set_audio`) or piece
+  by piece as it is made (:meth:`StreamedOutputs.add_audio`, a long video's window by window), its first piece before
+  the first frames; the MP4 muxes each stretch of audio with the frames it plays under.
+- :meth:`StreamedOutputs.write` and :meth:`~StreamedOutputs.add_audio` never raise (they run inside the decode, where
+  raising would leave rank 0 out of step with the ranks still sending their pieces): the first error is kept and fails
+  the job at :meth:`commit`.
 - ``VideoStream.outcome`` (the job's final status) is set once, after the last byte is in the file and the job's
   record is final: a reader that sees it set and then reads to the end has every byte, and a client that sees the
   body end finds the job completed.
@@ -91,11 +95,13 @@ class StreamedOutputs:
             mp4 = store.path(job_id, ".mp4")
             self._files.append((mp4.with_suffix(".mp4.tmp"), mp4))
             self._mp4 = open(mp4.with_suffix(".mp4.tmp"), "wb")  # noqa: SIM115 -- closed by _close()
-            # Opened at the first frames, so that an audio-video model's soundtrack (delivered before them) is in it.
-            self._open_writer = lambda audio, sample_rate: FragmentedMP4Writer(
+            # Opened at the first frames or the first piece of the soundtrack, so that an audio-video model's
+            # soundtrack (its whole waveform or its first piece, delivered before the frames) is in it.
+            self._open_writer = lambda audio, sample_rate, channels=None: FragmentedMP4Writer(
                 self._emit, width=request.width, height=request.height, fps=request.fps, audio=audio,
-                sample_rate=sample_rate)
+                sample_rate=sample_rate, audio_channels=channels)
             self._audio: tuple[np.ndarray | None, int | None] = (None, None)
+            self.samples_written = 0
             if keep_frames:
                 raw = store.path(job_id, ".npy")
                 self._files.append((raw.with_suffix(".npy.tmp"), raw))
@@ -115,6 +121,24 @@ class StreamedOutputs:
     def set_audio(self, waveform: np.ndarray, sample_rate: int) -> None:
         """The soundtrack of an audio-video model, before the first frames; muxed along with them."""
         self._audio = (waveform, sample_rate)
+
+    def add_audio(self, samples: np.ndarray, first: int, sample_rate: int) -> None:
+        """The soundtrack's samples ``[first, first + s)`` (``[C, s]``), piece by piece as they are made, each before
+        the frames it plays under (``SampleControl.on_audio_piece``); never raises, as :meth:`write`."""
+        if self.error is not None or self._stopped:
+            return
+        try:
+            if first != self.samples_written:
+                raise RuntimeError(f"got audio samples {first}.. after {self.samples_written}; expected them in order")
+            if self._writer is None:
+                if self.frames_written:
+                    raise RuntimeError("the soundtrack's first piece came after the first frames")
+                self._writer = self._open_writer(None, sample_rate, samples.shape[0])
+            self._writer.write_audio(samples)
+            self.samples_written += samples.shape[1]
+        except Exception as exc:  # noqa: BLE001 -- kept for commit(); see the module docstring
+            log.exception("job %s: encoding the stream's audio failed", self.job_id)
+            self.error = f"{type(exc).__name__}: {exc}"
 
     def _writer_now(self):
         if self._writer is None:

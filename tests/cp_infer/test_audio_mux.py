@@ -1,5 +1,6 @@
 """Audio in the outputs: an AAC track in whole-file and fragmented MP4s (in sync, as long as the waveform, at the
-right pitch), a WAV in frames folders, and clear errors for bad waveforms. PyAV reads everything back (no ffprobe).
+right pitch), whole or given piece by piece as it is made (the same AAC as the whole), a WAV in frames folders, and
+clear errors for bad waveforms. PyAV reads everything back (no ffprobe).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from cp_infer.stream import FragmentedMP4Writer
-from cp_infer.video_io import read_audio, read_frames_dir, read_mp4, write_mp4, write_output
+from cp_infer.video_io import MP4FileWriter, read_audio, read_frames_dir, read_mp4, write_mp4, write_output
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -214,3 +215,87 @@ def test_bad_audio_raises_value_error_and_leaves_nothing(tmp_path, audio, sample
     with pytest.raises(ValueError, match=match):
         FragmentedMP4Writer(emitted.append, width=32, height=32, fps=24, audio=audio, sample_rate=sample_rate)
     assert emitted == []
+
+
+def _packets(data: bytes) -> dict[str, list[tuple[int, bytes]]]:
+    """Every packet of an MP4 by kind: (pts, payload), in stream order."""
+    with av.open(io.BytesIO(data)) as container:
+        out: dict[str, list] = {"video": [], "audio": []}
+        for packet in container.demux():
+            if packet.size:
+                out[packet.stream.type].append((packet.pts, bytes(packet)))
+    return out
+
+
+def _cuts(rng: np.random.Generator, total: int, pieces: int) -> list[int]:
+    return [0, *sorted(int(c) for c in rng.choice(np.arange(1, total), size=pieces - 1, replace=False)), total]
+
+
+@pytest.mark.parametrize("order", ["audio first", "frames first", "mixed"])
+def test_audio_given_piece_by_piece_is_the_whole_waveforms_aac(tmp_path, order):
+    """A soundtrack given in pieces of random lengths, before, after or between the frames (which wait for the audio
+    under them), makes the AAC stream the whole waveform makes, packet for packet, in both writers; the fragmented
+    one streams both tracks as soon as the audio under the first frames has come."""
+    rng = np.random.default_rng()
+    fps, sample_rate, num_frames = 24, 24000, 61
+    frames = _frames(rng, num_frames)
+    wave, freqs = _tones(rng, 2, round(num_frames / fps * sample_rate) - 500, sample_rate)
+    audio_cuts, frame_cuts = _cuts(rng, wave.shape[1], 6), _cuts(rng, num_frames, 6)
+
+    def feed(writer) -> list[int]:
+        """Frames encoded after each step (the writer's count)."""
+        written = []
+        for i in range(6):
+            audio, video = wave[:, audio_cuts[i]:audio_cuts[i + 1]], frames[frame_cuts[i]:frame_cuts[i + 1]]
+            steps = {"audio first": [audio, video], "frames first": [video, audio]}.get(
+                order, [audio, video] if i % 2 else [video, audio])
+            for item in steps:
+                (writer.write if item.dtype == np.uint8 else writer.write_audio)(item)
+                written.append(writer.frames_written)
+        return written
+
+    chunks: list[bytes] = []
+    streamed = FragmentedMP4Writer(chunks.append, width=96, height=64, fps=fps, audio_channels=2,
+                                   sample_rate=sample_rate)
+    written = feed(streamed)
+    assert 0 < written[-1] < num_frames, "frames must be encoded as their audio comes, the rest at close()"
+    if order == "frames first":
+        assert written[0] == 0, "frames wait for the audio under them"
+    streamed.close()
+    whole: list[bytes] = []
+    reference = FragmentedMP4Writer(whole.append, width=96, height=64, fps=fps, audio=wave, sample_rate=sample_rate)
+    reference.write(frames)
+    reference.close()
+    got, expected = _packets(b"".join(chunks)), _packets(b"".join(whole))
+    assert got["audio"] == expected["audio"]
+    assert [pts for pts, _ in got["video"]] == [pts for pts, _ in expected["video"]]
+    (tmp_path / "s.mp4").write_bytes(b"".join(chunks))
+    _check_audio_matches(read_audio(tmp_path / "s.mp4")[0], wave.astype(np.float32), freqs, sample_rate)
+    assert np.abs(read_mp4(tmp_path / "s.mp4")[0].astype(int) - frames.astype(int)).mean() < 3
+
+    with MP4FileWriter(tmp_path / "p.mp4", width=96, height=64, fps=fps, audio_channels=2,
+                       sample_rate=sample_rate) as writer:
+        feed(writer)
+    write_mp4(frames, tmp_path / "w.mp4", fps, audio=wave, sample_rate=sample_rate)
+    assert _packets((tmp_path / "p.mp4").read_bytes())["audio"] == _packets((tmp_path / "w.mp4").read_bytes())["audio"]
+    with av.open(str(tmp_path / "p.mp4")) as container:
+        _check_streams(container, channels=2, sample_rate=sample_rate, num_samples=wave.shape[1],
+                       num_frames=num_frames, fps=fps)
+
+
+def test_audio_pieces_misused_are_refused(tmp_path):
+    emitted: list[bytes] = []
+    with pytest.raises(ValueError, match="not both"):
+        FragmentedMP4Writer(emitted.append, width=32, height=32, fps=24, audio=_WAVE, sample_rate=24000,
+                            audio_channels=2)
+    with pytest.raises(ValueError, match="audio_channels=3 must be 1 or 2"):
+        MP4FileWriter(tmp_path / "x.mp4", width=32, height=32, fps=24, audio_channels=3, sample_rate=24000)
+    with pytest.raises(ValueError, match="sample_rate=22000 cannot be carried by AAC"):
+        MP4FileWriter(tmp_path / "x.mp4", width=32, height=32, fps=24, audio_channels=2, sample_rate=22000)
+    assert emitted == [] and list(tmp_path.iterdir()) == []
+    writer = FragmentedMP4Writer(emitted.append, width=32, height=32, fps=24)
+    with pytest.raises(RuntimeError, match="audio_channels"):
+        writer.write_audio(_WAVE)
+    writer = FragmentedMP4Writer(emitted.append, width=32, height=32, fps=24, audio_channels=2, sample_rate=24000)
+    with pytest.raises(ValueError, match=r"expected float \[2, samples\]"):
+        writer.write_audio(_WAVE[:1])
