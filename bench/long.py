@@ -16,12 +16,15 @@ Before the timed rounds every row runs once with 2 steps (warm-up). Measured on 
 
 - total: wall time of ``sample()``; the table's is the delivering rank's (rank 0);
 - first byte: from the start of ``sample()`` to the first ``on_frames`` call on the delivering rank, over total;
-- peak memory: ``VmHWM`` minus ``VmRSS`` just before the job, the peak first reset to the current RSS with
-  ``/proc/self/clear_refs`` (``bench/_procs.py``): the most resident memory the job added above what the loaded
-  process held, its model weights excluded. glibc's mmap and trim thresholds are set to 1 MiB in every rank so that
-  freed blocks go back to the kernel and the RSS follows what is live (``bench/generate.py``'s measuring setting);
-  the ratio long / one window is per rank at the same N, the largest over ranks in the table; the peak RSS column
-  is ``VmHWM`` itself (weights, torch and the interpreter included), for scale;
+- peak memory: ``VmHWM`` minus ``VmRSS`` just before the job, the heap first trimmed (``malloc_trim(0)``) and the peak
+  reset to the current RSS with ``/proc/self/clear_refs`` (``bench/_procs.py``): the most resident memory the job
+  added above what the loaded process held, its model weights excluded. Without the trim the baseline was the previous
+  job's leftovers: after a long video rank 0 (N=2) kept ~15 MiB in glibc's free lists, which the one-window job after
+  it reused, so its peak read 5-7 MiB instead of ~24 MiB and the ratio 2.3x-5x. glibc's mmap and trim thresholds are
+  set to 1 MiB in every rank so that freed blocks go back to the kernel and the RSS follows what is live
+  (``bench/generate.py``'s measuring setting); the ratio long / one window is per rank at the same N, the largest over
+  ranks in the table; the peak RSS column is ``VmHWM`` itself (weights, torch and the interpreter included), for
+  scale;
 - windows per minute: the windows the plan ran (``on_pass`` calls) over the total time in minutes.
 
 Targets (issue #12): first byte over total <= 0.15 at N=2; peak memory per rank <= 1.2x a one-window video's.
@@ -94,6 +97,9 @@ def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
 
             if world > 1:
                 torch.distributed.barrier(group=state.cpu_group)
+            # NOTE(baseline): every job starts from a trimmed heap, so that what an earlier job left in glibc's free
+            # lists (rank 0 kept ~15 MiB after a long video) does not count as "loaded" for the job after it.
+            trimmed = _trim()
             reset = reset_peak_rss()
             rss_before = status_kib("VmRSS")
             started = time.perf_counter()
@@ -103,9 +109,19 @@ def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
             outbox.put((rank, "ok", dict(
                 total_s=total, first_s=first[0] - started if first else None, frames=frames[0], windows=windows[0],
                 peak_mib=(status_kib("VmHWM") - rss_before) / 1024, hwm_mib=status_kib("VmHWM") / 1024,
-                peak_reset=reset)))
+                peak_reset=reset, trimmed=trimmed)))
         except BaseException:  # noqa: BLE001
             outbox.put((rank, "error", traceback.format_exc()))
+
+
+def _trim() -> bool:
+    """glibc's ``malloc_trim(0)``: the free memory of every arena back to the kernel; False where not glibc."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
 
 
 def _fmt_load(load: tuple[float, float, float]) -> str:
@@ -159,12 +175,14 @@ def main() -> None:
         assert all(job[0]["frames"] == lengths[row[1]] for job in jobs), f"{row}: not every frame was delivered"
     malloc_ok = all(r["malloc_ok"] for rs in ready.values() for r in rs)
     reset_ok = all(r["peak_reset"] for jobs in results.values() for job in jobs for r in job)
+    trim_ok = all(r["trimmed"] is not None for jobs in results.values() for job in jobs for r in job)
     print(f"`python {' '.join(['bench/long.py', *sys.argv[1:]])}`: {_MODEL}, {args.width}x{args.height}, "
           f"{args.steps} steps, guidance 3.0, fp32, N ranks x 1 thread (gloo, {os.cpu_count()} CPU cores); "
           f"long {args.frames} frames ({args.frames / _FPS:.1f} s at {_FPS} fps), one window {_ONE_WINDOW_FRAMES} "
           f"frames; {args.rounds} rounds alternating, medians; {elapsed / 60:.1f} min in all; load average "
           f"{_fmt_load(load_start)} at the start, {_fmt_load(load_end)} at the end; frames discarded as they come; "
-          f"peak reset by clear_refs: {reset_ok}; malloc thresholds set: {malloc_ok}")
+          f"peak reset by clear_refs: {reset_ok}; malloc thresholds set: {malloc_ok}; heap trimmed before each job: "
+          f"{trim_ok}")
     print()
     print("| N | video | windows | total | first byte | first byte / total | windows / min | peak memory / rank "
           "(above loaded) | peak / one window's | peak RSS / rank | total vs N=1 |")
