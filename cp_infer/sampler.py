@@ -17,6 +17,9 @@ Invariants:
 - A long video's plan makes the latents final a part (a window) at a time: after each such pass the frames they
   allow are decoded and delivered (``Decoder.feed``, ``cp_infer.decode.ProgressiveDecode``), so the video streams
   while later windows are made and no rank holds every frame; the state after each is a checkpoint to go on from.
+  An audio-video model's soundtrack goes before the frames: piece by piece, each window's before that window's
+  frames (``SampleControl.on_audio_piece``, ``Decoder.audio_piece``), or whole (``on_audio``), in which case the
+  frames wait for the last window. Which of the two is the delivering rank's choice, agreed on by the whole mesh.
 - Models plug in through :class:`DenoiseModel`; this module knows no model and no HTTP.
 """
 
@@ -146,9 +149,14 @@ class Decoder:
     """Decoded video frames that are not delivered, at the start (an extension's: the frames of the video it
     extends, decoded again only as the decoder's context)."""
     audio: Callable[[], tuple[np.ndarray, int]] | None = None
-    """For audio-video models: decodes the soundtrack to a float waveform ``[C, S]`` in [-1, 1] and its sample
-    rate. Called on the delivering rank only (``ParallelState.delivers``; no collectives inside), before the video
-    decode."""
+    """For audio-video models: decodes the whole soundtrack to a float waveform ``[C, S]`` in [-1, 1] and its sample
+    rate (with ``feed``: once every latent frame was fed). Called on the delivering rank only
+    (``ParallelState.delivers``; no collectives inside), before the video decode."""
+    audio_piece: Callable[[], tuple[np.ndarray, int]] | None = None
+    """With ``feed``, for audio-video models whose soundtrack can be decoded a part at a time: the soundtrack's next
+    samples ``[C, s]`` (those the latents fed so far make final and no earlier call returned; after the last feed,
+    the rest), equal to ``audio()``'s within float rounding, and the sample rate. Called on the delivering rank only
+    (no collectives inside), after each ``feed``; ``None``: the soundtrack is decoded whole, at the end."""
 
 
 @dataclass
@@ -164,7 +172,14 @@ class SampleControl:
     """Phase changes: ``"denoise"``, ``"decode"``, ``"done"``."""
     on_audio: Callable[[np.ndarray, int], None] | None = None
     """``(waveform [C, S], sample_rate)`` on the delivering rank, once, before the first ``on_frames``; audio-video
-    models only."""
+    models only, and only where ``on_audio_piece`` is unset. A long video's frames then wait for its last window (the
+    whole soundtrack comes first)."""
+    on_audio_piece: Callable[[np.ndarray, int, int], None] | None = None
+    """``(samples [C, s], first_sample, sample_rate)`` on the delivering rank: the soundtrack piece by piece, in order
+    (audio-video models; instead of ``on_audio``). A long video's come as its windows make them final, each before the
+    frames that the same window allows, so that the video streams with its sound; any other video's soundtrack is one
+    piece, before the first ``on_frames``. Together the pieces are the ``on_audio`` waveform (within float rounding
+    where pieces are decoded a part at a time: ``Decoder.audio_piece``)."""
     on_latents: Callable[[dict[str, np.ndarray]], None] | None = None
     """The final latents (``DenoiseModel.output_latents``) on the delivering rank, once, before the decode."""
     on_frames: Callable[[np.ndarray, int, int], None] | None = None
@@ -190,7 +205,7 @@ def _agree(status: StepStatus, message: str, *, state: ParallelState) -> None:
         return
     if agreed == StepStatus.CANCEL:
         raise JobCancelled("cancelled")
-    messages: list[Any] = [None] * state.world_size
+    messages: list[Any] = [None] * len(state.replica_ranks)
     if state.cpu_group is None:
         messages = [message]
     else:
@@ -320,36 +335,58 @@ def sample(
 
 class _Delivery:
     """The video's decode and delivery: once at the end, or, for a plan whose passes make the latents final a part at
-    a time (a long video's windows: ``DenoiseModel.finish_pass``), streamed as they become final."""
+    a time (a long video's windows: ``DenoiseModel.finish_pass``), streamed as they become final. The soundtrack of
+    an audio-video model goes first: whole (``on_audio``; a long video's frames then wait for the end), or piece by
+    piece (``on_audio_piece``), each piece before the frames decoded after the same feed."""
 
     def __init__(self, model: DenoiseModel, control: SampleControl, state: ParallelState):
         self.model, self.control, self.state = model, control, state
         self.decoder: Decoder | None = None
         self.stream: ProgressiveDecode | None = None
         self.pieces: list[np.ndarray] = []
-        self.delivered = self.skipped = 0
+        self.delivered = self.skipped = self.samples = 0
+        self.hold = False
+        """The frames wait for the end: the soundtrack goes first, whole."""
 
     def _start(self, full: dict[str, torch.Tensor], prepared: Prepared) -> None:
         decoder = self.model.decoder(full, prepared)
-        if decoder.audio is not None and self.state.delivers:
-            waveform, sample_rate = decoder.audio()
-            if self.control.on_audio:
-                self.control.on_audio(waveform, sample_rate)
         self.decoder = decoder
         self.stream = ProgressiveDecode(decoder.split, decoder.decode_range, frame_shape=decoder.frame_shape,
                                         state=self.state.decoding, reads=decoder.reads)
 
+    def _audio_mode(self) -> int:
+        """What the delivering rank's caller takes: 0 no soundtrack, 1 pieces, 2 the whole waveform."""
+        if not self.state.delivers or self.decoder.audio is None:
+            return 0
+        return 1 if self.control.on_audio_piece else 2 if self.control.on_audio else 0
+
+    def _deliver_audio(self, piece: tuple[np.ndarray, int]) -> None:
+        samples, rate = piece
+        self.control.on_audio_piece(samples, self.samples, rate)
+        self.samples += samples.shape[1]
+
     def progress(self, full: dict[str, torch.Tensor], prepared: Prepared, final: int) -> None:
         """Decode and deliver what the latent frames ``[0, final)`` allow (every rank, agreed on)."""
+        started = self.decoder is not None
+
         def feed() -> None:
             if self.decoder is None:
                 self._start(full, prepared)
             if self.decoder.feed is None:
                 raise RuntimeError("a plan that makes its latents final a part at a time needs Decoder.feed")
             self.decoder.feed(prepared.state, final)
+            if self.state.delivers and self._audio_mode() == 1 and self.decoder.audio_piece is not None:
+                self._deliver_audio(self.decoder.audio_piece())
 
         _agree(*_run_hook(feed), state=self.state)
-        self.decode(final)
+        if not started:
+            # NOTE(hold): the hooks are the delivering rank's alone, and whether the frames wait decides the decode's
+            # collectives on every rank: the mesh takes that rank's answer.
+            mode = self._audio_mode()
+            hold = mode == 2 or (mode == 1 and self.decoder.audio_piece is None)
+            self.hold = bool(all_reduce_max_int(int(hold), state=self.state))
+        if not self.hold:
+            self.decode(final)
 
     def prepare_last(self, full: dict[str, torch.Tensor], prepared: Prepared) -> None:
         if self.control.on_latents and self.state.delivers:
@@ -358,6 +395,13 @@ class _Delivery:
             self._start(full, prepared)
         if self.decoder.feed is not None:
             self.decoder.feed(prepared.state, self.decoder.split.latent_frames)
+        mode = self._audio_mode()
+        if mode == 1 and self.decoder.audio_piece is not None and not self.hold:
+            self._deliver_audio(self.decoder.audio_piece())  # the rest
+        elif mode == 1:
+            self._deliver_audio(self.decoder.audio())
+        elif mode == 2:
+            self.control.on_audio(*self.decoder.audio())
 
     def decode(self, final: int | None) -> None:
         # NOTE(decode): collectives of the decode's group (``ParallelState.decoding``: the whole mesh).

@@ -50,7 +50,7 @@ from .loading import recommended_stages
 from .ltx2_conditions import VideoConditioning, prepare_conditions, prepare_image
 from .ltx2_options import ltx2_options
 from .ltx2_stages import REFINE_SETTINGS, REFINE_SIGMAS, refine_scheduler, two_stage_plan
-from .ltx2_windows import WindowState, finish_window, prepare_window, restore_state
+from .ltx2_windows import WindowState, finish_window, prepare_window, restore_state, window_decoder
 from .ltx2_windows import checkpoint as window_checkpoint
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
 from .ltx_video import _scoped
@@ -610,8 +610,8 @@ class LTX2Model:
         return stepped
 
     def finish_pass(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> int | None:
-        """A window's video and audio folded into those made so far (``models.ltx2_windows``); ``None`` always: a long
-        LTX-2 video is decoded after its last window."""
+        """A window's video and audio folded into those made so far (``models.ltx2_windows``): the latent frames now
+        final (``None``: a stage-1 window, or not a window)."""
         if isinstance(prepared.state, WindowState):
             return finish_window(self, latents, prepared)
         return None
@@ -670,6 +670,8 @@ class LTX2Model:
         """Video: unpack, (timestep-conditioned VAEs) noise, denormalise, decode this rank's range. Audio: the
         audio VAE's mel spectrogram through the vocoder, on group rank 0."""
         pipe, vae = self.pipe, self.components.vae
+        if isinstance(prepared.state, WindowState):  # a long video's windows, fed to the decode as they are made
+            return window_decoder(self, prepared.state)
         latents, x = self._made(latents, prepared.state)
         request: GenerationRequest = x.request
         video = self._video_latents(latents, x).to(x.video_ctx.dtype)
@@ -685,17 +687,19 @@ class LTX2Model:
             return decode_round_uint8(pipe, vae, self._decode_ctx, video, a, b, timestep, seed=request.seed,
                                       split_scope=_scoped(self._decode_ctx, "split", split))
 
-        def audio() -> tuple[np.ndarray, int]:
-            audio_vae = pipe.audio_vae
-            mel_bins = audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
-            packed = pipe._denormalize_audio_latents(latents["audio"], audio_vae.latents_mean, audio_vae.latents_std)
-            unpacked = pipe._unpack_audio_latents(packed, x.audio_frames, num_mel_bins=mel_bins)
-            mel = audio_vae.decode(unpacked.to(audio_vae.dtype), return_dict=False)[0]
-            waveform = self.components.vocoder(mel)[0].float().cpu().numpy()
-            return fit_duration(waveform, request.num_frames / request.fps, self.sample_rate), self.sample_rate
-
         return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
-                       audio=audio)
+                       audio=lambda: self.soundtrack(latents["audio"], x.audio_frames, request))
+
+    def soundtrack(self, audio: torch.Tensor, audio_frames: int, request: GenerationRequest) -> tuple[np.ndarray, int]:
+        """The whole soundtrack of the packed audio latents ``audio`` (``audio_frames`` of them) as LTX2Pipeline
+        decodes it (audio VAE, vocoder), fitted to the video's duration: ``[C, S]`` and the sample rate."""
+        pipe, audio_vae = self.pipe, self.pipe.audio_vae
+        mel_bins = audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
+        packed = pipe._denormalize_audio_latents(audio, audio_vae.latents_mean, audio_vae.latents_std)
+        unpacked = pipe._unpack_audio_latents(packed, audio_frames, num_mel_bins=mel_bins)
+        mel = audio_vae.decode(unpacked.to(audio_vae.dtype), return_dict=False)[0]
+        waveform = self.components.vocoder(mel)[0].float().cpu().numpy()
+        return fit_duration(waveform, request.num_frames / request.fps, self.sample_rate), self.sample_rate
 
 
 def _pass_state(state) -> _RequestState:

@@ -13,8 +13,11 @@ step's denoised sample):
   soundtrack runs on across the seam.
 - Each window draws its noise from ``seed + start``, so N ranks equal 1 rank and a resumed job equals an
   uninterrupted one; the made video and soundtrack (:class:`Made`) are the only state a window hands the next.
-- The soundtrack is decoded once the last window is done (an MP4's audio goes in before its frames), so a long
-  LTX-2 video is delivered after its last window, its frames still in decode rounds.
+- After each window (of a one-stage video, or of stage 2) every latent frame of both streams but those the next
+  window will crossfade is final: the video's decode (:func:`window_decoder`, into a whole-video buffer, as
+  ``models.ltx_video``'s) delivers the frames they allow, and the soundtrack's (``models.ltx2_audio``) the samples
+  they allow, so a long LTX-2 video streams with its sound while later windows are made. A caller that takes the
+  soundtrack whole (``SampleControl.on_audio``) gets it after the last window, as decoding it at once does.
 """
 
 from __future__ import annotations
@@ -26,13 +29,18 @@ import torch
 from diffusers.pipelines.ltx.pipeline_ltx_i2v_long_multi_prompt import linear_overlap_fuse
 
 from cp_infer.request import GenerationRequest
-from cp_infer.sampler import Prepared
+from cp_infer.sampler import Decoder, Prepared
 
+from ._adapter_common import DecodeNoise, decode_round_uint8, decode_split
 from ._windows import Windows, windows_of
+from .ltx2_audio import progressive_soundtrack
 from .ltx2_conditions import VideoConditioning
 from .ltx2_stages import REFINE_SIGMAS, refine_scheduler
+from .ltx_vae_parallel import decode_reads
+from .ltx_video import _scoped
 
-__all__ = ["Made", "WindowState", "checkpoint", "finish_window", "prepare_window", "restore_state"]
+__all__ = ["Made", "WindowState", "checkpoint", "finish_window", "prepare_window", "restore_state",
+           "window_decoder"]
 
 
 @dataclass
@@ -184,23 +192,73 @@ def _crossfade(before: torch.Tensor, new: torch.Tensor, overlap: int, dim: int) 
 
 
 def finish_window(model, full: dict[str, torch.Tensor], prepared: Prepared) -> int | None:
-    """Fold the window's gathered video and audio into those made so far. Returns ``None``: the soundtrack is decoded
-    after the last window, so nothing is decoded before (see the module docstring)."""
+    """Fold the window's gathered video and audio into those made so far. Returns the video's latent frames now final
+    (``None`` in stage 1 of two, whose video is not the one decoded)."""
     x: WindowState = prepared.state
     inner = x.state
     video = model.video_latents(full, inner).float().cpu().contiguous()
     audio = full["audio"].float().cpu()
     before = x.before
+    final = None if x.stage == 1 else x.windows.final(x.window)
     if before is None:
         x.made = Made(video, audio, x.window)
-        return None
+        return final
     new = video[:, :, 1:]
     fused = linear_overlap_fuse(before.video[:, :, -new.shape[2]:], new, x.windows.blend)
     video = torch.cat([before.video[:, :, :-new.shape[2]], fused], dim=2)
     shared = max(0, min(before.audio.shape[1] - x.audio_start, audio.shape[1]))
     audio = _crossfade(before.audio[:, :x.audio_start + shared], audio, shared, dim=1)
     x.made = Made(video, audio, x.window)
-    return None
+    return final
+
+
+def window_decoder(model, x: WindowState) -> Decoder:
+    """The decode of a long video made window by window (the first window's ``x``; later ones come by ``feed``): its
+    video latents are written into a whole-video buffer as they become final (noised for a timestep-conditioned VAE
+    with noise drawn for the whole video from the request's seed, then denormalised, as one pass's are), a piece
+    decoded once the latents it reads are there; the soundtrack decoded whole (``audio``) or as the windows make it
+    final (``audio_piece``)."""
+    pipe, vae, request, windows = model.pipe, model.components.vae, x.request, x.windows
+    dtype = x.state.video_ctx.dtype
+    shape = (*x.made.video.shape[:2], windows.latent_frames, *x.made.video.shape[3:])
+    buffer = torch.zeros(shape, dtype=vae.dtype, device=model.device)
+    noise = DecodeNoise(shape, vae=vae, generator=torch.Generator("cpu").manual_seed(request.seed), request=request,
+                        dtype=dtype)
+    fed: dict = {"video": 0, "state": x}
+
+    def feed(state: WindowState, final: int) -> None:
+        a = fed["video"]
+        part = noise.apply(state.made.video[:, :, a:final].to(model.device).to(dtype), a)
+        part = pipe._denormalize_latents(part, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        buffer[:, :, a:final] = part.to(vae.dtype)
+        fed.update(video=max(a, final), state=state)
+
+    split = decode_split(vae, windows.latent_frames, world=model.state.decoding.cp_size,
+                         temporal_compression=model.geometry.temporal_compression,
+                         frames_per_rank=model.decode_frames_per_rank, request=request)
+
+    def decode_range(a: int, b: int) -> np.ndarray:
+        return decode_round_uint8(pipe, vae, model._decode_ctx, buffer, a, b, noise.timestep, seed=request.seed,
+                                  split_scope=_scoped(model._decode_ctx, "split", split))
+
+    def audio() -> tuple[np.ndarray, int]:
+        made = fed["state"].made
+        return model.soundtrack(made.audio.to(model.device), made.audio.shape[1], request)
+
+    rate = model.sample_rate
+    soundtrack = progressive_soundtrack(pipe, model.components.vocoder,
+                                        total_samples=round(request.num_frames / request.fps * rate))
+
+    def audio_piece() -> tuple[np.ndarray, int]:
+        made = fed["state"].made
+        last = fed["video"] >= windows.latent_frames
+        # The next window conditions on and crossfades the audio from its own start on; what is before it is final.
+        final = made.audio.shape[1] if last else audio_start(model, request, windows.spans[made.window + 1][0])
+        return soundtrack.advance(made.audio.to(model.device), final, last=last), rate
+
+    return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
+                   reads=lambda a, b: decode_reads(vae, split, a, b), feed=feed, audio=audio,
+                   audio_piece=None if soundtrack is None else audio_piece)
 
 
 def restore_state(request: GenerationRequest, arrays: dict[str, np.ndarray]) -> tuple[Restored, None]:
