@@ -362,7 +362,8 @@ def _run_items(leader: Leader, items, args: argparse.Namespace, replica: int | N
             if args.ext == "mp4":
                 # Encoded piece by piece as the decode delivers them: overlapped with it, no whole video held.
                 video = FileVideo(str(path), request)
-                leader.generate(request, item.name, on_frames=video.write, on_audio=video.set_audio)
+                leader.generate(request, item.name, on_frames=video.write, on_audio=video.set_audio,
+                                on_audio_piece=video.add_audio)
                 video.close()
             else:
                 result = leader.generate(request, item.name)

@@ -229,7 +229,8 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         from cp_infer.sampler import JobFailed
 
         try:
-            leader.generate(request, "steps", on_frames=video.write, on_audio=video.set_audio)
+            leader.generate(request, "steps", on_frames=video.write, on_audio=video.set_audio,
+                            on_audio_piece=video.add_audio)
         except JobFailed as exc:
             video.abort()
             leader.stop()

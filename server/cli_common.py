@@ -459,10 +459,12 @@ class Leader:
         return self.group.runtime
 
     def generate(self, request: GenerationRequest, job_id: str, *, on_frames: Callable[..., None] | None = None,
-                 on_audio: Callable[..., None] | None = None) -> Generated:
+                 on_audio: Callable[..., None] | None = None,
+                 on_audio_piece: Callable[..., None] | None = None) -> Generated:
         """The frames (``None`` with ``on_frames``, called with each decoded piece in order: no rank then holds the
         whole video), the final latents and, for audio-video models, the soundtrack (also handed to ``on_audio``
-        before the frames)."""
+        before the frames; with ``on_audio_piece``, handed to it piece by piece instead, each piece before the frames
+        it plays under, and ``audio`` stays ``None``)."""
         progress = _Progress(job_id, request.num_inference_steps)
         result = Generated()
 
@@ -475,6 +477,8 @@ class Leader:
             result.latents = latents
 
         control = phases.timed_control(replace(progress.control(), on_audio=keep_audio, on_latents=keep_latents))
+        if on_audio_piece is not None:
+            control = replace(control, on_audio_piece=on_audio_piece)
         if on_frames is not None:
             def both(frames, first: int, total: int) -> None:
                 on_frames(frames, first, total)

@@ -493,8 +493,10 @@ class GroupLeader:
         resume = self.store.load_checkpoint(job.id)
         if resume is not None:
             log.info("job %s goes on from its checkpoint after pass %d", job.id, resume[0])
+        # Encoded as they come, a long LTX-2 video's soundtrack comes piece by piece too, each before its frames.
         control = SampleControl(poll=poll, on_step=on_step, on_phase=on_phase, on_frames=on_frames,
-                                on_audio=on_audio, on_pass=on_pass, on_checkpoint=on_checkpoint, resume=resume,
+                                on_audio=on_audio, on_audio_piece=None if outputs is None else outputs.add_audio,
+                                on_pass=on_pass, on_checkpoint=on_checkpoint, resume=resume,
                                 collect=outputs is None)
         if lane.local:
             control = with_faults(control, request, rank=runtime.state.rank, rules=self._faults)

@@ -282,6 +282,32 @@ def test_streamed_job_is_a_fragmented_mp4_with_both_streams(ltx2_server, stored_
 
 
 @pytest.mark.timeout(300)
+def test_a_long_video_streams_with_its_sound_before_its_last_window(ltx2_server, tmp_path):
+    """Windows of 72 frames (24 shared, so each makes 6 latent frames final): the MP4's first bytes, both tracks'
+    headers and the first frames with their sound, come while a window before the last is being made; the whole
+    stream holds the video and a soundtrack as long as it."""
+    s = ltx2_server
+    frames = 265
+    request = body("waves on a pebble beach", num_frames=frames, temporal_tile_size=72, temporal_overlap=24)
+    with s.client.stream("POST", "/v1/videos", params={"stream": "true"}, json=request, timeout=240) as r:
+        assert r.status_code == 200, r.read()
+        job_id = r.headers["x-video-id"]
+        chunks = r.iter_raw()
+        first = next(chunks)
+        at_first_byte = s.client.get(f"/v1/videos/{job_id}").json()
+        data = first + b"".join(chunks)
+    assert at_first_byte["status"] == "in_progress" and at_first_byte["windows"] >= 5, at_first_byte
+    assert at_first_byte["window"] < at_first_byte["windows"] - 1, {k: at_first_byte[k] for k in ("window", "windows")}
+    (tmp_path / "long.mp4").write_bytes(data)
+    video, fps = read_mp4(tmp_path / "long.mp4")
+    waveform, rate = read_audio(tmp_path / "long.mp4")
+    assert video.shape == (frames, HEIGHT, WIDTH, 3) and fps == FPS and rate == SAMPLE_RATE
+    assert abs(Fraction(waveform.shape[1], rate) - Fraction(frames, FPS)) <= Fraction(AAC_FRAME, rate)
+    assert np.sqrt(np.mean(waveform**2)) > 0.01
+    assert s.client.get(f"/v1/videos/{job_id}/content").content == data
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("overrides,param,words", [
     ({"size": None, "width": WIDTH, "height": 32}, "height", "at least 64"),
     ({"size": "32x32"}, "size", "at least 64"),
