@@ -204,8 +204,13 @@ class FrameRelay:
 
     def __init__(self, state: ParallelState):
         self.state = state
-        self._sending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._sending: list[tuple[object, dist.Work, torch.Tensor]] = []
         self._kept: dict[object, torch.Tensor] = {}
+
+    @property
+    def pending(self) -> int:
+        """Messages handed on and not yet known to have left."""
+        return len(self._sending)
 
     def hand_on(self, key: object, frames: torch.Tensor, *, to: int) -> None:
         """Give ``frames`` (op ``key``'s input frames that the next piece reads) to group rank ``to``'s next piece;
@@ -215,9 +220,9 @@ class FrameRelay:
         if to == self.state.cp_rank:
             self._kept[key] = frames
             return
-        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
+        self._sending = [(k, w, t) for k, w, t in self._sending if not w.is_completed()]
         group = self.state.relay_group(self.state.cp_rank, to)
-        self._sending.append((dist.isend(frames, self.state.cp_ranks[to], group=group), frames))
+        self._sending.append((key, dist.isend(frames, self.state.cp_ranks[to], group=group), frames))
 
     def take_over(self, key: object, like: torch.Tensor, count: int, *, src: int, dim: int = 2) -> torch.Tensor:
         """The ``count`` frames the previous piece (on group rank ``src``) handed on for op ``key``; shaped as
@@ -230,11 +235,28 @@ class FrameRelay:
             return frames
         buf = like.new_empty((*like.shape[:dim], count, *like.shape[dim + 1:]))
         dist.recv(buf, self.state.cp_ranks[src], group=self.state.relay_group(src, self.state.cp_rank))
+        self._settle(key)
         return buf
+
+    def _settle(self, key: object) -> None:
+        """Forget the earlier rounds' messages for op ``key``: they have been received.
+
+        NOTE(relay): gloo reports a send complete only once it is waited on, so pruning by ``is_completed`` alone
+        kept every message of a long video (and its frames) until the end. A message this rank handed on for op
+        ``key`` in an earlier round has certainly been received once this one arrives: the pieces go round the ring
+        in order, and the frames just received left the previous rank only after every rank between had taken
+        over op ``key`` of the round before, this rank's message included. So these waits return at once."""
+        keep = []
+        for k, work, frames in self._sending:
+            if k == key:
+                work.wait()
+            else:
+                keep.append((k, work, frames))
+        self._sending = keep
 
     def flush(self) -> None:
         """Wait until every frame this rank handed on has left (call after its last piece)."""
-        for work, _ in self._sending:
+        for _, work, _ in self._sending:
             work.wait()
         self._sending, self._kept = [], {}
 
