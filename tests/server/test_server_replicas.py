@@ -24,7 +24,8 @@ def replicas_server(tmp_path_factory, cache_dir):
     workdir = tmp_path_factory.mktemp("replicas")
     faults = ";".join(["kind=sleep,seconds=0.2,prompt=[slow]", "step=1,kind=raise,prompt=[boom]",
                        f"step=2,kind=kill,prompt=[kill],once={workdir}/killed"])  # last test: restarts the world
-    server = ServerProcess(workdir, cache_dir, faults=faults, extra_args=[*API_ARGS, "--ulysses-degree", "1"])
+    server = ServerProcess(workdir, cache_dir, faults=faults,
+                           extra_args=[*API_ARGS, "--max-frames", "161", "--ulysses-degree", "1"])
     try:
         server.wait_ready()
         yield server
@@ -81,6 +82,22 @@ def test_two_jobs_run_at_once_one_per_replica_and_give_the_same_frames(replicas_
     assert s.wait_job(a["id"])["status"] == "completed" and s.wait_job(b["id"])["status"] == "completed"
     fa, fb = lossless_frames(s, a["id"]), lossless_frames(s, b["id"])
     assert fa.std() > 5 and np.array_equal(fa, fb)  # one ran on rank 0's replica, the other on rank 1's
+
+
+def test_long_videos_on_both_replicas_at_once_are_the_same_video(replicas_server):
+    """Windows, their checkpoints and the frames encoded as they come, from rank 1's replica as from rank 0's."""
+    s = replicas_server
+    body = tiny("[slow] a river through a canyon", num_frames=161, num_inference_steps=2, seed=21)
+    jobs = [s.submit(body)["id"] for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while sorted(r["job"] or "" for r in _replicas(s)) != sorted(jobs):
+        assert time.monotonic() < deadline, f"the two long videos never ran at the same time: {_replicas(s)}"
+        time.sleep(0.05)
+    finals = [s.wait_job(job, timeout=180) for job in jobs]
+    assert all(f["status"] == "completed" and f["windows"] == 3 and f["window"] == 2 for f in finals), finals
+    a, b = (lossless_frames(s, job) for job in jobs)
+    assert a.shape == (161, 64, 96, 3) and a.std() > 5 and np.array_equal(a, b)
+    assert not list((s.data_dir / "videos").glob("*.resume.npz")), "an ended job keeps no checkpoint"
 
 
 def test_a_failure_on_one_replica_fails_only_its_job(replicas_server):
