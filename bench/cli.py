@@ -102,10 +102,21 @@ def _run(command: list[str], env: dict[str, str], timings: Path) -> dict:
     return {"wall": ended - started, "load": load, "phases": roles}
 
 
+def _merged(durations: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """A process's phases with repeated ones (a batch's jobs) summed, in order of first appearance, with their
+    count."""
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for name, seconds in durations:
+        totals[name] = totals.get(name, 0.0) + seconds
+        counts[name] = counts.get(name, 0) + 1
+    return [(name if counts[name] == 1 else f"{name} ({counts[name]}x)", t) for name, t in totals.items()]
+
+
 def _phase_table(runs: list[dict]) -> list[str]:
     lines = []
     for role in sorted({r for run in runs for r in run["phases"]}, key=lambda r: (r != "launcher", r)):
-        per_run = [run["phases"][role] for run in runs if role in run["phases"]]
+        per_run = [_merged(run["phases"][role]) for run in runs if role in run["phases"]]
         names = [name for name, _ in per_run[0]]
         medians = [statistics.median(dict(p).get(n, 0.0) for p in per_run) for n in names]
         lines.append(f"| {role} | " + ", ".join(f"{n} {m:.2f}" for n, m in zip(names, medians, strict=True))

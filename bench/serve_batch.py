@@ -1,0 +1,198 @@
+"""Benchmark: ``cp-infer serve --nproc 2`` to its first 200 on ``/ready``, and ``cp-infer batch --nproc 2`` over a
+10-prompt file, each against the ``torchrun --nproc_per_node 2`` diffusers script a user would write for the same
+job, timed from the shell as whole processes.
+
+    python bench/serve_batch.py [--quick] [--rounds N] [--out FILE.md]
+
+- Model: ``bench/cli.py``'s medium LTX-Video folder (4 layers x 16 heads x 64, the embedded default's tiny T5 and
+  VAE), written once with ``save_pretrained``.
+- serve: ours ``cp-infer serve --model DIR --nproc 2 --port P --data-dir D`` (a fresh data folder per run) against
+  ``bench/_peer_serve.py`` (``LTXPipeline.from_pretrained``, diffusers' own context parallelism, then rank 0
+  answers ``/ready`` from ``http.server``). The time is from ``Popen`` to the first 200 on ``GET /ready`` (polled
+  every 20 ms); each run is then stopped with SIGTERM and waited for before the next starts.
+- batch: ours ``cp-infer batch PROMPTS.jsonl --out-dir D --nproc 2`` (a fresh output folder per run, so nothing is
+  skipped) against ``bench/_peer_batch.py`` (``pipe(...)`` and ``export_to_video`` per line): 10 prompts, 9 frames at
+  128x128, 8 steps (``--quick``: 4 steps), CFG on (guidance 3.0), one seed per line. Wall time from ``Popen`` to
+  exit.
+- Procedure, as ``bench/cli.py``: one untimed run of each side, then ``--rounds`` rounds, round r running ours
+  first when r is even and the peer first when odd; medians; ratio = ours / peer; the 1-minute load average when
+  each run starts. The batch's phase table comes from ``CP_INFER_TIMINGS`` (``server.phases``), as in
+  ``bench/cli.py``, a batch's jobs summed per phase. serve has none: a process writes its marks when it exits, and
+  the ranks stopped by SIGTERM end without writing them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+from bench._procs import free_port  # noqa: E402
+from bench.cli import _phase_table, _run, _write_model  # noqa: E402
+
+__all__ = ["main"]
+
+_NPROC = 2
+_PROMPTS = ("a red fox runs through fresh snow at dawn", "waves break on a black sand beach", "a city street at night "
+            "in the rain, neon signs", "a hot air balloon over green hills", "a cat sleeps on a sunny windowsill",
+            "a paper boat drifts down a gutter stream", "fireworks over a harbour", "a hummingbird at a red flower",
+            "a steam train crosses a stone bridge", "autumn leaves fall in a quiet park")
+
+
+def _ours() -> list[str]:
+    cp_infer = shutil.which("cp-infer")
+    return [cp_infer] if cp_infer else [sys.executable, "-m", "server.cli"]
+
+
+def _torchrun() -> list[str]:
+    torchrun = shutil.which("torchrun")
+    return [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):  # not listening yet, or 503 while the group starts
+        return False
+
+
+def _serve_run(command: list[str], port: int, env: dict[str, str], timeout_s: float = 300) -> dict:
+    """Start ``command``, time it to the first 200 on ``/ready``, stop it with SIGTERM and wait for it."""
+    load = os.getloadavg()[0]
+    started = time.time()
+    proc = subprocess.Popen(command, env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while not _ready(port):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{shlex.join(command)} exited {proc.returncode}:\n{proc.stderr.read()[-4000:]}")
+            if time.time() - started > timeout_s:
+                raise RuntimeError(f"{shlex.join(command)}: no 200 on /ready within {timeout_s:.0f} s")
+            time.sleep(0.02)
+        ready = time.time()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the run's own session: its launcher and ranks only
+                proc.wait()
+        proc.stderr.close()
+    return {"wall": ready - started, "load": load}
+
+
+def _prompts_file(path: Path, steps: int) -> None:
+    lines = [dict(prompt=p, name=f"v{i:02d}", seed=i, num_frames=9, height=128, width=128, num_inference_steps=steps,
+                  frame_rate=25) for i, p in enumerate(_PROMPTS)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def _alternate(label: str, run_side, rounds: int) -> dict[str, list[dict]]:
+    for side in ("ours", "diffusers"):
+        run_side(side, "warm")
+    runs: dict[str, list[dict]] = {"ours": [], "diffusers": []}
+    for r in range(rounds):
+        for side in (("ours", "diffusers") if r % 2 == 0 else ("diffusers", "ours")):
+            run = run_side(side, r)
+            runs[side].append(run)
+            print(f"  {label} round {r} {side}: {run['wall']:.2f} s (load {run['load']:.2f})", file=sys.stderr,
+                  flush=True)
+    return runs
+
+
+def _row(label: str, runs: dict[str, list[dict]]) -> str:
+    ours, peer = (statistics.median(x["wall"] for x in runs[k]) for k in ("ours", "diffusers"))
+    loads = [x["load"] for k in runs for x in runs[k]]
+    return (f"| {label} | {ours:.2f} | {peer:.2f} | {ours / peer:.2f}x | {min(loads):.2f}-{max(loads):.2f} | "
+            + ", ".join(f"{x['wall']:.1f}" for x in runs["ours"]) + " | "
+            + ", ".join(f"{x['wall']:.1f}" for x in runs["diffusers"]) + " |")
+
+
+def _phases(label: str, runs: dict[str, list[dict]]) -> list[str]:
+    lines = ["", f"Phases, {label} (s, median over the rounds; a process's phases in order):", "",
+             "| process | phases | total |", "| --- | --- | --- |"]
+    lines += [line.replace("| ", "| ours ", 1) for line in _phase_table(runs["ours"])]
+    lines += [line.replace("| ", "| diffusers ", 1) for line in _phase_table(runs["diffusers"])]
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="batch of 4-step videos instead of 8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None, help="also write the tables to this markdown file")
+    args = ap.parse_args()
+    steps = 4 if args.quick else 8
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # both sides pick their own default
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    tmp = Path(tempfile.mkdtemp(prefix="cp-infer-bench-serve-batch-"))
+    try:
+        model = tmp / "ltx-video-medium"
+        _write_model(model)
+        prompts = tmp / "prompts.jsonl"
+        _prompts_file(prompts, steps)
+
+        def serve(side: str, r) -> dict:
+            port = free_port()
+            command = ([*_ours(), "serve", "--model", str(model), "--nproc", str(_NPROC), "--port", str(port),
+                        "--data-dir", str(tmp / f"data-{r}")] if side == "ours" else
+                       [*_torchrun(), f"--nproc_per_node={_NPROC}", str(REPO / "bench" / "_peer_serve.py"),
+                        "--model", str(model), "--port", str(port)])
+            if r == "warm":
+                print(f"serve: {side}: {shlex.join(command)}", file=sys.stderr, flush=True)
+            return _serve_run(command, port, env)
+
+        def batch(side: str, r) -> dict:
+            out = tmp / f"videos-{side}-{r}"
+            command = ([*_ours(), "batch", str(prompts), "--model", str(model), "--out-dir", str(out), "--nproc",
+                        str(_NPROC)] if side == "ours" else
+                       [*_torchrun(), f"--nproc_per_node={_NPROC}", str(REPO / "bench" / "_peer_batch.py"),
+                        "--model", str(model), str(prompts), "--out-dir", str(out)])
+            if r == "warm":
+                print(f"batch: {side}: {shlex.join(command)}", file=sys.stderr, flush=True)
+            run = _run(command, env, tmp / "timings" / f"batch-{side}-{r}")
+            made = sorted(out.glob("*.mp4"))
+            if len(made) != len(_PROMPTS):
+                raise RuntimeError(f"batch {side}: {len(made)} videos in {out}, expected {len(_PROMPTS)}")
+            shutil.rmtree(out)
+            return run
+
+        serve_label = "serve: start to the first 200 on /ready"
+        batch_label = f"batch: {len(_PROMPTS)} prompts, 9 frames 128x128, {steps} steps"
+        serve_runs = _alternate("serve", serve, args.rounds)
+        batch_runs = _alternate("batch", batch, args.rounds)
+        head = [f"`python bench/serve_batch.py {' '.join(sys.argv[1:])}`: {platform.node()}, {os.cpu_count()} CPU(s), "
+                f"torch {__import__('torch').__version__}, diffusers {__import__('diffusers').__version__}, "
+                f"{_NPROC} ranks, model: LTX-Video 4 layers x 16 heads x 64, tiny T5 and VAE; median of "
+                f"{args.rounds} alternating rounds (wall time of the whole command)", "",
+                "| command | ours s | diffusers s | ours / diffusers | load avg (1 min) | ours runs | diffusers runs |",
+                "| --- | --- | --- | --- | --- | --- | --- |"]
+        report = "\n".join([*head, _row(serve_label, serve_runs), _row(batch_label, batch_runs),
+                            *_phases(batch_label, batch_runs), ""])
+        print(report)
+        if args.out:
+            args.out.write_text(report)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
