@@ -1,9 +1,12 @@
 """``--compile``: the transformer blocks compiled (``models.registry.compile_transformer_blocks``) give the latents and
-frames of the eager engine, at 1 rank and at N=2 (the Ulysses all-to-alls compiled inside the blocks).
+frames of the eager engine, at 1 rank and at N=2 (the Ulysses all-to-alls compiled inside the blocks), for the
+tiny LTX-Video default and, at N=2, the tiny LTX-2 with every guidance it has (CFG, spatio-temporal guidance,
+modality isolation, CFG rescale: batch 2 and batch 1 blocks, cross-modal attention on and off, a perturbed block).
 
 Tolerance: inductor fuses the blocks' pointwise ops and norms into its own kernels, which sum fp32 in another order
 and may keep intermediates in registers instead of rounding them to memory: ~1e-7 relative per op. Over a few steps
-of the tiny model the final latents (unit scale) moved by at most 1.4e-6 here at 1 and 2 ranks, so 1e-4 leaves room
+of the tiny models the final latents (unit scale) moved by at most 1.4e-6 (LTX-Video) and 4e-6 (LTX-2's audio) here,
+so 1e-4 leaves room
 for other CPUs' vector widths while catching any real difference (a wrong shard, a skipped exchange, a dropped
 head: O(1)). Frames: within 1 level of 255 (a ~1e-6 change can flip a rounding).
 
@@ -19,11 +22,15 @@ import torch
 
 from ..harness import WorkerGroup
 
-# 3 x 1 x 3 = 9 latent tokens: uneven over 2 ranks (a padded token), CFG on (batch 2 through the blocks).
-_SHAPE = dict(num_frames=17, height=32, width=96)
+# LTX-Video: 3 x 1 x 3 = 9 latent tokens, uneven over 2 ranks (a padded token), CFG on (batch 2 through the blocks).
+# LTX-2 (64 px at least): 2 x 2 x 3 = 12 video tokens and its own audio stream.
+_SHAPES = {"ltx-video": dict(num_frames=17, height=32, width=96), "ltx2": dict(num_frames=9, height=64, width=96)}
+_LTX2_GUIDANCE = dict(guidance_scale=3.0, audio_guidance_scale=5.0, stg_scale=1.0, audio_stg_scale=0.5,
+                      modality_scale=2.0, audio_modality_scale=1.5, guidance_rescale=0.7,
+                      spatio_temporal_guidance_blocks=(0,))
 
 
-def _sample(state, seed: int, compiled: bool) -> dict:
+def _sample(state, seed: int, compiled: bool, model_name: str | None = None) -> dict:
     import torch._dynamo.utils
 
     from cp_infer.request import GenerationRequest
@@ -32,23 +39,24 @@ def _sample(state, seed: int, compiled: bool) -> dict:
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = open_model(None, dtype="fp32", state=state, compile_blocks=compiled)
-    request = GenerationRequest(prompt="a red fox runs through fresh snow", negative_prompt="blurry",
-                                num_inference_steps=2, guidance_scale=3.0, seed=seed, fps=24, **_SHAPE)
+    model = open_model(model_name, dtype="fp32", state=state, compile_blocks=compiled)
+    guidance = _LTX2_GUIDANCE if model.family == "ltx2" else dict(guidance_scale=3.0)
+    request = GenerationRequest.of(prompt="a red fox runs through fresh snow", negative_prompt="blurry",
+                                   num_inference_steps=2, seed=seed, fps=24, **_SHAPES[model.family], **guidance)
     latents = {}
     frames = sample(model, request, state=state, control=SampleControl(on_latents=latents.update))
     counters = torch._dynamo.utils.counters
-    return dict(frames=frames, latents=latents.get("latents"), graphs=counters["stats"]["unique_graphs"],
+    return dict(frames=frames, latents=latents or None, graphs=counters["stats"]["unique_graphs"],
                 breaks=sum(counters["graph_break"].values()))
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_compiled_blocks_equal_eager(world):
+@pytest.mark.parametrize(("model_name", "world"), [(None, 1), (None, 2), ("tiny-ltx2", 2)])
+def test_compiled_blocks_equal_eager(model_name, world):
     seed = random.randrange(2**31)
     group = WorkerGroup(world)
     try:
-        eager_ranks = group.run(_sample, seed, False, timeout=300)
-        compiled_ranks = group.run(_sample, seed, True, timeout=600)
+        eager_ranks = group.run(_sample, seed, False, model_name, timeout=300)
+        compiled_ranks = group.run(_sample, seed, True, model_name, timeout=600)
     finally:
         group.close()
     for rank, (e, c) in enumerate(zip(eager_ranks, compiled_ranks, strict=True)):
@@ -56,7 +64,9 @@ def test_compiled_blocks_equal_eager(world):
         assert c["breaks"] == 0, f"rank {rank}: {c['breaks']} graph break(s) in the compiled blocks"
     eager, compiled = eager_ranks[0], compiled_ranks[0]  # rank 0 holds the video and the latents
     assert eager["frames"].std() > 5, "degenerate video: the comparison would prove nothing"
-    torch.testing.assert_close(compiled["latents"], eager["latents"], rtol=1e-4, atol=1e-4,
-                               msg=lambda m: f"seed={seed} world={world}: {m}")
+    assert set(compiled["latents"]) == set(eager["latents"])
+    for name in eager["latents"]:  # latents, and LTX-2's audio_latents
+        torch.testing.assert_close(compiled["latents"][name], eager["latents"][name], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"seed={seed} world={world} {name}: {m}")
     diff = np.abs(compiled["frames"].astype(np.int16) - eager["frames"].astype(np.int16))
     assert diff.max() <= 1, f"seed={seed} world={world}: frames differ by up to {diff.max()} levels"
