@@ -18,7 +18,8 @@ Workloads (ours, fp32, CPU/gloo, 2 ranks x 1 thread):
   ``cp-infer serve --nproc 2`` with the embedded default model, 2 replica groups of 1 rank
   (``--ulysses-degree 1``) against 1 group of 2 ranks (U=2). Both servers start before the first round and idle
   (heartbeats) while the other runs; each round submits ``--jobs`` jobs at once over HTTP and times from the first
-  submit to the last job's completion (polling the job records); requests/min = 60 x jobs / that time; rounds
+  submit to the last job's completion (read from each job's server-sent events); requests/min = 60 x jobs / that
+  time; rounds
   alternate as below; medians.
 
 Procedure: both layouts load in their own processes (idle while the other runs), one 2-step warm-up each, then
@@ -185,19 +186,31 @@ class _Server:
 
 
 def _queue_round(client, url: str, bodies: list[dict]) -> float:
-    """Submit every body at once; seconds from the first submit to the last completion."""
+    """Submit every body at once; seconds from the first submit to the last completion (each job's end read from its
+    server-sent events, one waiting thread per job: no polling competing with the jobs for the CPU)."""
+    import threading
+
     started = time.perf_counter()
     ids = [client.post(f"{url}/v1/videos", json=body).raise_for_status().json()["id"] for body in bodies]
-    pending = set(ids)
-    while pending:
-        for job_id in list(pending):
-            status = client.get(f"{url}/v1/videos/{job_id}").raise_for_status().json()["status"]
-            if status in ("failed", "cancelled"):
-                raise RuntimeError(f"job {job_id} ended {status}")
-            if status == "completed":
-                pending.discard(job_id)
-        time.sleep(0.05)
-    return time.perf_counter() - started
+    ends: dict[str, str] = {}
+
+    def wait(job_id: str) -> None:
+        with client.stream("GET", f"{url}/v1/videos/{job_id}/events") as events:
+            for line in events.iter_lines():
+                if line.startswith("event: video.") and line.split(".", 1)[1] in ("completed", "failed", "cancelled"):
+                    ends[job_id] = line.split(".", 1)[1]
+                    return
+
+    threads = [threading.Thread(target=wait, args=(job_id,)) for job_id in ids]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    failed = {job_id: end for job_id, end in ends.items() if end != "completed"}
+    if failed or len(ends) != len(ids):
+        raise RuntimeError(f"jobs did not complete: {failed or set(ids) - set(ends)}")
+    return wall
 
 
 def _throughput(args: argparse.Namespace) -> list[str]:
@@ -211,8 +224,9 @@ def _throughput(args: argparse.Namespace) -> list[str]:
     root = Path(tempfile.mkdtemp(prefix="cp-infer-layout-"))
     servers = {label: _Server(flags, root / label.split()[0], args.jobs) for label, flags in _SERVER_LAYOUTS.items()}
     rows: dict[str, dict[str, list[float]]] = {label: {"wall": [], "load": []} for label in servers}
+    limits = httpx.Limits(max_connections=args.jobs + 4)
     try:
-        with httpx.Client(timeout=120) as client:
+        with httpx.Client(timeout=120, limits=limits) as client:
             for server in servers.values():
                 server.wait_ready(client)
             for server in servers.values():  # warm-up: one job each
@@ -274,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller models and videos")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--jobs", type=int, default=6, help="jobs in each round's queue (requests per minute)")
+    parser.add_argument("--jobs", type=int, default=10, help="jobs in each round's queue (requests per minute)")
     parser.add_argument("--only", choices=("steps", "throughput"), default=None,
                         help="only the step/e2e comparison, or only requests per minute (default: both)")
     parser.add_argument("--out", default=None, help="also write the report to this markdown file")
