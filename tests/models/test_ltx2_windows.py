@@ -216,11 +216,14 @@ def test_streamed_with_its_sound_while_later_windows_are_made(folder, one_rank, 
     def rms(x):
         return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
 
-    # AAC's own error (measured: RMS 0.0052 of a signal of 0.12, in either MP4) flips on input changes of 3e-7 here
-    # and there (the two differ by RMS 0.0015): the streamed MP4 is as true to the soundtrack as the whole one.
+    # AAC's own error (measured RMS 0.004-0.0052 of a signal of 0.12, in either MP4, over random seeds) flips on
+    # input changes of 3e-7 here and there, so the two MP4s differ by 0.3-0.55 of it: the streamed MP4 is as true to
+    # the soundtrack as the whole one, and the two differ by no more than that error (a wrong or shifted soundtrack
+    # would differ by about the signal itself, some 25 times more).
     coding = rms(whole_audio - expected["audio"])
-    assert abs(rms(streamed_audio - expected["audio"]) - coding) <= 0.05 * coding
-    assert rms(streamed_audio - whole_audio) <= 0.5 * coding
+    assert coding < 0.1 * rms(expected["audio"])
+    assert abs(rms(streamed_audio - expected["audio"]) - coding) <= 0.15 * coding
+    assert rms(streamed_audio - whole_audio) <= coding
     assert read_mp4(tmp_path / "streamed.mp4")[0].shape == expected["frames"].shape
 
 
