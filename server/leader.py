@@ -155,10 +155,6 @@ class Lane:
     """When a collective over the whole replica last completed (a heartbeat, a step, a job's end)."""
     jobs_done: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_DONE_STATES, 0))
 
-    @property
-    def local(self) -> bool:
-        return getattr(self.driver, "local", True)
-
 
 class GroupLeader:
     """Runs jobs from ``store`` on the worker group; see the module docstring for the invariants."""
@@ -498,7 +494,7 @@ class GroupLeader:
                                 on_audio=on_audio, on_audio_piece=None if outputs is None else outputs.add_audio,
                                 on_pass=on_pass, on_checkpoint=on_checkpoint, resume=resume,
                                 collect=outputs is None)
-        if lane.local:
+        if lane.driver.local:
             control = with_faults(control, request, rank=runtime.state.rank, rules=self._faults)
         control = replace(control, on_step=deferred(control.on_step), on_phase=deferred(control.on_phase),
                           on_frames=deferred(control.on_frames), on_pass=deferred(control.on_pass))

@@ -111,6 +111,10 @@ class GroupDriver:
     """The leader's side of the command protocol: each method broadcasts one :class:`Command` and then runs rank
     0's part of it, which every other rank runs in :func:`worker_loop`."""
 
+    local = True
+    """The group is this process's own (rank 0's fault rules apply to its jobs; ``server.replicas.RemoteDriver``
+    drives another replica's)."""
+
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self.jobs_sent = 0
