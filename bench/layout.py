@@ -192,14 +192,12 @@ def _queue_round(client, url: str, bodies: list[dict]) -> float:
 
     started = time.perf_counter()
     ids = [client.post(f"{url}/v1/videos", json=body).raise_for_status().json()["id"] for body in bodies]
-    ends: dict[str, str] = {}
+    from bench.server import job_end
+
+    ends: dict[str, str | None] = {}
 
     def wait(job_id: str) -> None:
-        with client.stream("GET", f"{url}/v1/videos/{job_id}/events") as events:
-            for line in events.iter_lines():
-                if line.startswith("event: video.") and line.split(".", 1)[1] in ("completed", "failed", "cancelled"):
-                    ends[job_id] = line.split(".", 1)[1]
-                    return
+        ends[job_id] = job_end(client, job_id, url)
 
     threads = [threading.Thread(target=wait, args=(job_id,)) for job_id in ids]
     for thread in threads:

@@ -38,16 +38,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def job_end(client: httpx.Client, job_id: str, url: str = "") -> str | None:
+    """The state a job ends in (``completed``, ``failed``, ``cancelled``), read from its server-sent events rather
+    than by polling: no busy requests competing with the job. ``url``: the server's, unless the client has it."""
+    with client.stream("GET", f"{url}/v1/videos/{job_id}/events") as events:
+        for line in events.iter_lines():
+            if line.startswith("event: video.") and line.split(".", 1)[1] in ("completed", "failed", "cancelled"):
+                return line.split(".", 1)[1]
+    return None
+
+
 def _http_one(client: httpx.Client, body: dict) -> float:
     t0 = time.perf_counter()
     job = client.post("/v1/videos", json=body).raise_for_status().json()
-    # Wait on the job's server-sent events rather than polling: no busy requests competing with the job.
-    final = None
-    with client.stream("GET", f"/v1/videos/{job['id']}/events") as events:
-        for line in events.iter_lines():
-            if line.startswith("event: video.") and line.split(".", 1)[1] in ("completed", "failed", "cancelled"):
-                final = line.split(".", 1)[1]
-                break
+    final = job_end(client, job["id"])
     if final != "completed":
         raise RuntimeError(f"job {job['id']} ended {final}")
     client.get(f"/v1/videos/{job['id']}/content").raise_for_status()
