@@ -9,10 +9,13 @@ script that runs diffusers' ``LTXPipeline`` with its own context parallelism and
   weights under a fixed seed) with the embedded default model's tiny T5, tiny VAE and scheduler.
 - Shapes: 25 frames at 256x256, 40 steps; 57 frames at 512x512, 4 steps (``--quick``: 8 and 2 steps). Both sides
   get the same prompt, seed, frame rate and the pipeline's defaults for everything else (guidance 3.0, CFG on).
-- Procedure: one untimed run of each side (page cache, the folder read once), then ``--rounds`` rounds; round r runs
-  ours then the peer when r is even, the peer then ours when odd, so that load from other processes on the machine
-  falls on both alike. Wall time from ``Popen`` to exit; medians over the rounds; ratio = ours / peer; the 1-minute
-  load average when each run starts.
+- Ours twice: as a user runs it (no layout flag: with CFG on 2 ranks the command spreads the guidance pair, G=2 x
+  U=1, ``cp_infer.mesh.MeshLayout.guidance_first``), and with ``--guidance-degree 1`` (Ulysses over both ranks, the
+  layout the peer's context parallelism has), so the table also reads like for like.
+- Procedure: one untimed run of each command (page cache, the folder read once), then ``--rounds`` rounds; round r
+  runs the three commands in an order rotated by r, so that load from other processes on the machine falls on all
+  alike. Wall time from ``Popen`` to exit; medians over the rounds; ratio = ours / peer; the 1-minute load average
+  when each run starts.
 - Phases: every run sets ``CP_INFER_TIMINGS`` (``server.phases``): each process (our launcher, each rank, the
   peer's ranks) marks the end of its phases on one wall-clock time line. The phase table shows, per process, the
   median over the timed rounds of each phase's time; "to start" is from the benchmark's ``Popen`` to the process's
@@ -78,6 +81,9 @@ def _commands(model: Path, shape: Shape, out: Path) -> dict[str, list[str]]:
     return {
         "ours": [*ours, "generate", "--model", str(model), *shape.flags(), "--nproc", str(_NPROC),
                  "--out", str(out / "ours.mp4")],
+        # The layout the peer's context parallelism has: every pass's tokens sharded over both ranks.
+        "ours-ulysses": [*ours, "generate", "--model", str(model), *shape.flags(), "--nproc", str(_NPROC),
+                         "--guidance-degree", "1", "--out", str(out / "ours-ulysses.mp4")],
         "diffusers": [*peer, f"--nproc_per_node={_NPROC}", str(REPO / "bench" / "_peer_cli.py"), "--model",
                       str(model), *shape.flags(), "--out", str(out / "diffusers.mp4")],
     }
@@ -141,8 +147,9 @@ def main() -> int:
                 f"torch {__import__('torch').__version__}, diffusers {__import__('diffusers').__version__}, "
                 f"{_NPROC} ranks, model: LTX-Video 4 layers x 16 heads x 64, tiny T5 and VAE; median of "
                 f"{args.rounds} alternating rounds (wall time of the whole command)", ""]
-        table = ["| shape | ours s | diffusers s | ours / diffusers | target | load avg (1 min) | ours runs | "
-                 "diffusers runs |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        table = ["| shape | ours s | diffusers s | ours / diffusers | target | ours, Ulysses over both s | its / "
+                 "diffusers | load avg (1 min) | ours runs | Ulysses runs | diffusers runs |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         phase_lines: list[str] = []
         verdicts = []
         for shape in shapes:
@@ -150,25 +157,28 @@ def main() -> int:
             for impl, command in commands.items():
                 _run(command, env, tmp / "timings" / f"warm-{impl}-{shape.frames}")
                 print(f"{shape.label}: {impl}: {shlex.join(command)}", file=sys.stderr, flush=True)
-            runs: dict[str, list[dict]] = {"ours": [], "diffusers": []}
+            runs: dict[str, list[dict]] = {impl: [] for impl in commands}
+            impls = tuple(commands)
             for r in range(args.rounds):
-                for impl in (("ours", "diffusers") if r % 2 == 0 else ("diffusers", "ours")):
+                for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
                     run = _run(commands[impl], env, tmp / "timings" / f"{impl}-{shape.frames}-{r}")
                     runs[impl].append(run)
                     print(f"  round {r} {impl}: {run['wall']:.2f} s (load {run['load']:.2f})", file=sys.stderr,
                           flush=True)
-            ours, peer = (statistics.median(x["wall"] for x in runs[k]) for k in ("ours", "diffusers"))
+            ours, ulysses, peer = (statistics.median(x["wall"] for x in runs[k])
+                                   for k in ("ours", "ours-ulysses", "diffusers"))
             loads = [x["load"] for k in runs for x in runs[k]]
             ratio = ours / peer
-            verdicts.append(f"{shape.label}: {ratio:.2f}x, target <= {shape.target}x: "
-                            f"{'PASS' if ratio <= shape.target else 'FAIL'}")
+            verdicts.append(f"{shape.label}: {ratio:.3f}x, target <= {shape.target}x: "
+                            f"{'PASS' if ratio <= shape.target else 'FAIL'} (Ulysses over both: {ulysses / peer:.3f}x)")
             table.append(f"| {shape.label} | {ours:.2f} | {peer:.2f} | {ratio:.2f}x | <= {shape.target}x | "
-                         f"{min(loads):.2f}-{max(loads):.2f} | " + ", ".join(f"{x['wall']:.1f}" for x in runs["ours"])
-                         + " | " + ", ".join(f"{x['wall']:.1f}" for x in runs["diffusers"]) + " |")
+                         f"{ulysses:.2f} | {ulysses / peer:.2f}x | {min(loads):.2f}-{max(loads):.2f} | "
+                         + " | ".join(", ".join(f"{x['wall']:.1f}" for x in runs[k])
+                                      for k in ("ours", "ours-ulysses", "diffusers")) + " |")
             phase_lines += ["", f"Phases, {shape.label} (s, median over the rounds; a process's phases in order):",
                             "", "| process | phases | total |", "| --- | --- | --- |"]
-            phase_lines += [line.replace("| ", "| ours ", 1) for line in _phase_table(runs["ours"])]
-            phase_lines += [line.replace("| ", "| diffusers ", 1) for line in _phase_table(runs["diffusers"])]
+            for impl in ("ours", "ours-ulysses", "diffusers"):
+                phase_lines += [line.replace("| ", f"| {impl} ", 1) for line in _phase_table(runs[impl])]
         report = "\n".join([*head, *table, "", *verdicts, *phase_lines, ""])
         print(report)
         if args.out:

@@ -7,6 +7,8 @@ Invariants:
 - Ulysses is the innermost axis: ``rank = (replica * guidance + g) * ulysses + u``. A Ulysses group (two all-to-alls
   per attention layer) is a run of consecutive ranks, which on a GPU node are the ones nearest each other; a
   guidance group (one exchange per step) strides over them.
+- :meth:`MeshLayout.guidance_first` is the layout a command picks when no degree is given and its requests are known:
+  as many guidance ranks as divide both the world and every step's pass count, Ulysses over the rest.
 - :func:`pass_shares` cuts a step's passes into contiguous shares in pass order, sizes differing by at most one, the
   larger first; a guidance rank may get none (more ranks than passes), and then it runs nothing but still joins the
   step's exchange.
@@ -14,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["MeshLayout", "pass_shares", "valid_layouts"]
@@ -64,6 +67,22 @@ class MeshLayout:
                                  f"layouts: {_layouts_text(world)}")
             ulysses_degree = world // guidance
         return cls(world=world, guidance=guidance, ulysses=ulysses_degree)
+
+    @classmethod
+    def guidance_first(cls, world: int, passes: Iterable[int]) -> MeshLayout:
+        """One replica group with the most guidance ranks ``G`` that divides ``world`` and every count in ``passes``
+        (each step's guidance passes, over the plans to be run), Ulysses over the other ``world / G``.
+
+        Why guidance first: a guidance group exchanges its predictions once per step, a Ulysses group runs two
+        all-to-alls per attention layer, so for the same ranks the guidance axis moves the least data; an even
+        share keeps every guidance rank busy (a pass count that ``G`` does not divide would leave some idle for
+        part of each step, so such a ``G`` is not taken). ``passes`` empty: Ulysses over every rank."""
+        counts = [int(n) for n in passes]
+        if any(n < 1 for n in counts):
+            raise ValueError(f"passes={counts}: every step runs at least one pass")
+        guidance = max((g for g in range(1, world + 1) if world % g == 0 and counts
+                        and all(n % g == 0 for n in counts)), default=1)
+        return cls(world=world, guidance=guidance, ulysses=world // guidance)
 
     @property
     def replicas(self) -> int:

@@ -189,6 +189,31 @@ class LTX2Settings:
     def modality(self) -> bool:
         return self.modality_scale > 1.0 or self.audio_modality_scale > 1.0
 
+    @property
+    def passes(self) -> int:
+        """The transformer passes a step runs (``LTX2Model._passes``)."""
+        return (2 if self.cfg else 1) + self.stg + self.modality
+
+
+def plan_request(request: GenerationRequest) -> Plan:
+    """One pass (text-to-video, image-to-video or conditions: keyframe tokens in the pass's video stream), or with
+    ``stages=2`` the two-stage plan (``models.ltx2_stages``)."""
+    windows = windows_of(request)
+    if windows is not None:
+        if request.options.get("stages", 1) == 2:
+            return two_stage_window_plan(request, windows, steps=request.num_inference_steps,
+                                         refine_steps=len(REFINE_SIGMAS), refine_options=REFINE_SETTINGS,
+                                         num_inference_steps=len(REFINE_SIGMAS), guidance_scale=1.0)
+        return window_plan(request, windows, steps=request.num_inference_steps)  # models.ltx2_windows
+    if request.options.get("stages", 1) == 2:
+        return two_stage_plan(request)
+    return Plan.single(request)
+
+
+def step_passes(request: GenerationRequest) -> int:
+    """The transformer passes a step of one of ``request``'s denoising passes runs (CFG's pair, STG, modality)."""
+    return LTX2Settings.from_request(request).passes
+
 
 @dataclass
 class _RequestState:
@@ -306,18 +331,7 @@ class LTX2Model:
         return _scoped(self._ctx, "plans", plans)
 
     def plan(self, request: GenerationRequest) -> Plan:
-        """One pass (text-to-video, image-to-video or conditions: keyframe tokens in the pass's video stream), or with
-        ``stages=2`` the two-stage plan (``models.ltx2_stages``)."""
-        windows = windows_of(request)
-        if windows is not None:
-            if request.options.get("stages", 1) == 2:
-                return two_stage_window_plan(request, windows, steps=request.num_inference_steps,
-                                             refine_steps=len(REFINE_SIGMAS), refine_options=REFINE_SETTINGS,
-                                             num_inference_steps=len(REFINE_SIGMAS), guidance_scale=1.0)
-            return window_plan(request, windows, steps=request.num_inference_steps)  # models.ltx2_windows
-        if request.options.get("stages", 1) == 2:
-            return two_stage_plan(request)
-        return Plan.single(request)
+        return plan_request(request)
 
     def _stage_output(self, latents: dict[str, torch.Tensor], state: _RequestState) -> dict[str, torch.Tensor]:
         """``output_type="latent"`` of a pass whose state is ``state``: video ``[B, C, F, H, W]`` (its own tokens)

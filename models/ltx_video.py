@@ -252,6 +252,27 @@ class _RequestState:
     cond_mask_local: torch.Tensor | None = None
 
 
+def plan_request(request: GenerationRequest) -> Plan:
+    """One pass (text-to-video, image-to-video or conditions: their tokens in the pass's sequence), or with
+    ``stages=2`` the two-stage plan (``models.ltx_video_stages``)."""
+    windows = windows_of(request)
+    if windows is not None:
+        # LTXI2VLongMultiPromptPipeline runs every timestep of the schedule but the last.
+        steps = request.num_inference_steps - 1
+        if request.options.get("stages", 1) == 2:
+            return two_stage_window_plan(request, windows, steps=steps, refine_steps=refine_pass_steps())
+        return window_plan(request, windows, steps=steps)
+    if request.options.get("stages", 1) == 2:
+        return two_stage_plan(request)
+    return Plan.single(request)
+
+
+def step_passes(request: GenerationRequest) -> int:
+    """The transformer passes a step of one of ``request``'s denoising passes runs: CFG's unconditional and
+    conditional, or the conditional alone."""
+    return 2 if request.guidance_scale > 1.0 else 1
+
+
 class LTXVideoModel:
     """An LTX-Video pipeline's components, parallelised, behind the sampler's ``DenoiseModel`` interface."""
 
@@ -316,18 +337,7 @@ class LTXVideoModel:
         return _scoped(self._ctx, "plan", plan)
 
     def plan(self, request: GenerationRequest) -> Plan:
-        """One pass (text-to-video, image-to-video or conditions: their tokens in the pass's sequence), or with
-        ``stages=2`` the two-stage plan (``models.ltx_video_stages``)."""
-        windows = windows_of(request)
-        if windows is not None:
-            # LTXI2VLongMultiPromptPipeline runs every timestep of the schedule but the last.
-            steps = request.num_inference_steps - 1
-            if request.options.get("stages", 1) == 2:
-                return two_stage_window_plan(request, windows, steps=steps, refine_steps=refine_pass_steps())
-            return window_plan(request, windows, steps=steps)
-        if request.options.get("stages", 1) == 2:
-            return two_stage_plan(request)
-        return Plan.single(request)
+        return plan_request(request)
 
     def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "denoise",
                 previous: dict[str, torch.Tensor] | None = None, previous_state: Any = None) -> Prepared:

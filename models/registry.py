@@ -19,6 +19,7 @@ import torch
 
 from cp_infer import ParallelState, VideoGeometry
 from cp_infer.options import ModelOptions
+from cp_infer.request import GenerationRequest
 
 from .embedded import LATENT_UPSAMPLER
 from .loading import ModelLoadError, detect_family, parse_dtype, recommended_stages, resolve_model
@@ -43,6 +44,15 @@ class ModelInfo:
     @property
     def has_audio(self) -> bool:
         return self.family == "ltx2"
+
+    def step_passes(self, request: GenerationRequest) -> set[int]:
+        """How many transformer passes a step runs, over the denoising passes of ``request``'s plan (a resolved
+        request; the plan is the adapter's own, so a second stage's own guidance counts)."""
+        if self.family == "ltx-video":
+            from .ltx_video import plan_request, step_passes
+        else:
+            from .ltx2 import plan_request, step_passes
+        return {step_passes(p.request) for p in plan_request(request).passes}
 
 
 def model_options(family: str, *, layers: int, latent_upsampler: bool = True,

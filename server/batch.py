@@ -40,6 +40,7 @@ from server.cli_common import (
     add_runtime_arguments,
     attach_media,
     check_device,
+    guidance_first,
     media_error,
     model_info,
     option_keys,
@@ -397,6 +398,12 @@ def run_batch(args: argparse.Namespace, argv: list[str]) -> int:
     if not in_torchrun() and not any(i.status == "todo" for i in items):
         return _summary(items)
     if nproc > 1 and not in_torchrun():
+        # The layout for the lines to run, chosen here and handed to the ranks, which do not read the lines
+        # (under a torchrun started by hand the workers cannot see them, so the default stays Ulysses over all).
+        chosen = guidance_first(config, args, info, [i.request for i in items if i.status == "todo"])
+        if chosen is not config:
+            argv = [*argv, "--guidance-degree", str(chosen.guidance_degree),
+                    "--ulysses-degree", str(chosen.ulysses_degree)]
         return relaunch_under_torchrun(nproc, argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     return run_group(config, lambda leader: _lead_batch(leader, items, args))

@@ -52,6 +52,7 @@ from server.cli_common import (
     add_runtime_arguments,
     attach_media,
     check_device,
+    guidance_first,
     media_error,
     model_info,
     options_for,
@@ -184,6 +185,8 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     if image is not None or conditions:
         request = attach_media(request, image=image, conditions=conditions)
         check(request)
+    # Every rank runs these checks on the same request, so each picks the same layout.
+    config = guidance_first(config, args, info, [request])
     phases.mark("checks")
     if nproc > 1 and not in_torchrun():
         code = relaunch_under_torchrun(nproc, argv, stdout=video_out, device=config.device)

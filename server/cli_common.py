@@ -95,7 +95,9 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "or the torchrun world size)")
     group.add_argument("--guidance-degree", type=int, default=None, metavar="G",
                        help="ranks a step's guidance passes (CFG's conditional and unconditional, STG, modality) are "
-                            "spread over, exchanging their predictions once per step (default 1)")
+                            "spread over, exchanging their predictions once per step (default, with no "
+                            "--ulysses-degree either: `generate` and `batch` take the most that divide both the "
+                            "ranks and every step's pass count, e.g. 2 for CFG on an even count; `serve` 1)")
     group.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
                        help="ranks each pass's token sequence is sharded over (Ulysses: two all-to-alls per "
                             "attention layer); G x U must divide the ranks, and `serve` runs ranks / (G x U) "
@@ -121,6 +123,20 @@ def check_layout(args: argparse.Namespace, *, replicas: bool = False) -> None:
         raise ValueError(f"guidance_degree={layout.guidance} x ulysses_degree={layout.ulysses} on {layout.world} "
                          f"ranks makes {layout.replicas} replica groups, and this command does not run jobs on "
                          f"replicas (`cp-infer serve` and `batch` do); valid layouts here: {whole}")
+
+
+def guidance_first(config, args: argparse.Namespace, info, requests: Sequence[GenerationRequest]):
+    """``config`` with the guidance-first layout (``cp_infer.mesh.MeshLayout.guidance_first``) for the ``requests``
+    the command will run (resolved, on model ``info``), when neither ``--guidance-degree`` nor ``--ulysses-degree``
+    was given; else ``config`` itself. Deterministic: every rank that has the requests picks the same layout."""
+    from cp_infer.mesh import MeshLayout
+    from server.launch import group_size
+
+    if args.guidance_degree is not None or args.ulysses_degree is not None:
+        return config
+    passes = set().union(*(info.step_passes(r) for r in requests))
+    layout = MeshLayout.guidance_first(group_size(args.nproc), passes)
+    return replace(config, guidance_degree=layout.guidance, ulysses_degree=layout.ulysses)
 
 
 def runtime_config_from_args(args: argparse.Namespace, *, replicas: bool = False):

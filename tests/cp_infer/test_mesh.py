@@ -37,6 +37,27 @@ def test_defaults_are_ulysses_over_the_world():
     assert MeshLayout.resolve(4, guidance_degree=2, ulysses_degree=2).replicas == 1
 
 
+@pytest.mark.parametrize(("world", "passes", "guidance"), [
+    (1, [2], 1), (2, [2], 2), (4, [2], 2), (8, [2], 2),  # CFG's pair on one guidance rank each, Ulysses the rest
+    (2, [1], 1), (2, [], 1),  # nothing to spread
+    (3, [2], 1),  # 2 does not divide 3 ranks
+    (4, [4], 4), (2, [4], 2), (6, [4], 2),  # LTX-2's four passes
+    (3, [4], 1),  # G=3 would leave two ranks idle for half of each step
+    (4, [4, 1], 1),  # a second stage without guidance runs one pass: Ulysses over all
+    (4, [4, 2], 2),
+])
+def test_guidance_first_takes_the_most_guidance_ranks_that_share_every_step_evenly(world, passes, guidance):
+    layout = MeshLayout.guidance_first(world, passes)
+    assert layout == MeshLayout(world=world, guidance=guidance, ulysses=world // guidance)
+    assert layout.replicas == 1
+    assert all(len(set(map(len, pass_shares(n, guidance)))) == 1 for n in passes)  # every rank runs as many
+
+
+def test_guidance_first_refuses_a_step_without_passes():
+    with pytest.raises(ValueError, match="at least one pass"):
+        MeshLayout.guidance_first(2, [0])
+
+
 @pytest.mark.parametrize(("world", "guidance", "ulysses"), [(4, 3, None), (4, 3, 1), (4, None, 3), (2, 4, None),
                                                              (6, 4, 2)])
 def test_layouts_that_do_not_make_the_world_are_refused_listing_the_valid_ones(world, guidance, ulysses):

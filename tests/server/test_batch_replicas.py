@@ -37,7 +37,7 @@ def test_batch_on_two_replicas_runs_lines_on_both_and_equals_one_group(tmp_path)
     ensure_default_model(cache)
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in LINES))
     replicas = _batch(tmp_path, cache, "replicas", "--nproc", "2", "--ulysses-degree", "1")
-    _batch(tmp_path, cache, "one", "--nproc", "2")  # one group of two ranks (U=2)
+    _batch(tmp_path, cache, "one", "--nproc", "2", "--guidance-degree", "1")  # one group of two ranks (U=2)
     ran_on = {int(m.group(1)): int(m.group(2)) for m in re.finditer(r"line (\d+) \(\S+\) runs on replica (\d)",
                                                                      replicas.stderr)}
     assert sorted(ran_on) == [1, 2, 3, 4] and set(ran_on.values()) == {0, 1}, replicas.stderr[-3000:]

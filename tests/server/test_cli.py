@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from cp_infer import VideoGeometry
-from cp_infer.request import GenerationLimits
+from cp_infer.request import GenerationLimits, resolve_request
 from cp_infer.sampler import JobFailed
 from cp_infer.video_io import read_frames_dir, read_mp4, write_mp4
 from models.default import ensure_default_model
@@ -42,8 +42,8 @@ COMMANDS = {
     "mp4-1": ("generate", *PROMPT, *SHAPE, "--nproc", "1", "--out", "{out}/mp4-1/clip.mp4"),
     "mp4-2": ("generate", *PROMPT, *SHAPE, "--nproc", "2", "--out", "{out}/mp4-2/clip.mp4"),
     "frames-1": ("generate", *PROMPT, *SHAPE, "--out", "{out}/frames-1/"),
-    "frames-2": ("generate", *PROMPT, *SHAPE, "--nproc", "2", "--out", "{out}/frames-2/"),
-    "frames-g2": ("generate", *PROMPT, *SHAPE, "--nproc", "2", "--guidance-degree", "2", "--out", "{out}/frames-g2/"),
+    "frames-2": ("generate", *PROMPT, *SHAPE, "--nproc", "2", "--out", "{out}/frames-2/"),  # the default: G=2
+    "frames-u2": ("generate", *PROMPT, *SHAPE, "--nproc", "2", "--guidance-degree", "1", "--out", "{out}/frames-u2/"),
     "batch": ("batch", "{out}/prompts.jsonl", "--out-dir", "{out}/batch", *BATCH_DEFAULTS),
 }
 
@@ -101,11 +101,13 @@ def test_generate_mp4(commands, out, nproc):
 
 @pytest.mark.timeout(300)
 def test_generate_frames_two_ranks_match_one(commands, out):
+    """``--guidance-degree 1`` on 2 ranks: Ulysses over both (each pass's tokens sharded), same video."""
     frames = {}
-    for nproc in (1, 2):
-        _ok(commands.result(f"frames-{nproc}"))
-        frames[nproc], fps = read_frames_dir(out / f"frames-{nproc}")
+    for nproc, key in ((1, "frames-1"), (2, "frames-u2")):
+        proc = _ok(commands.result(key))
+        frames[nproc], fps = read_frames_dir(out / key)
         assert fps == 12 and frames[nproc].shape == (17, 64, 96, 3)
+    assert "guidance 1 x Ulysses 2" in proc.stderr, proc.stderr[-2000:]
     # Ulysses attention reorders floating-point sums, so pixels may round to a neighbouring level (never more).
     diff = np.abs(frames[1].astype(np.int16) - frames[2].astype(np.int16))
     assert diff.max() <= 1, diff.max()
@@ -138,15 +140,53 @@ def nothing_starts(monkeypatch, commands):
 
 
 @pytest.mark.timeout(300)
-def test_generate_guidance_degree_2_matches_one_rank(commands, out):
-    """``--guidance-degree 2`` on 2 ranks: CFG's two passes one per rank, exchanged each step, same video."""
+def test_generate_default_layout_spreads_cfg_and_matches_one_rank(commands, out):
+    """No degree given, CFG on, 2 ranks: the command takes guidance 2 x Ulysses 1 (CFG's two passes one per rank,
+    exchanged each step), and the video is the one rank's."""
     frames = {}
-    for key in ("frames-1", "frames-g2"):
-        _ok(commands.result(key))
+    for key in ("frames-1", "frames-2"):
+        proc = _ok(commands.result(key))
         frames[key], _fps = read_frames_dir(out / key)
+    assert "guidance 2 x Ulysses 1" in proc.stderr, proc.stderr[-2000:]
     assert frames["frames-1"].std() > 1
-    diff = np.abs(frames["frames-1"].astype(np.int16) - frames["frames-g2"].astype(np.int16))
-    assert frames["frames-g2"].shape == frames["frames-1"].shape and diff.max() <= 1, diff.max()
+    diff = np.abs(frames["frames-1"].astype(np.int16) - frames["frames-2"].astype(np.int16))
+    assert frames["frames-2"].shape == frames["frames-1"].shape and diff.max() <= 1, diff.max()
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ([], (2, 1)),  # CFG's pair: one guidance rank each
+    (["--guidance-scale", "1"], (1, 2)),  # one pass a step: Ulysses over both
+    (["--guidance-degree", "1"], (1, None)),  # given: kept as given
+    (["--ulysses-degree", "2"], (None, 2)),
+])
+def test_generate_layout_follows_the_request_unless_given(nothing_starts, flags, expected):
+    from server.cli_common import guidance_first, model_info, request_from_args, runtime_config_from_args
+
+    argv = ["generate", *PROMPT, "--nproc", "2", *flags, "--out", "x.mp4"]
+    args = cli.build_parser(argv).parse_args(argv)
+    config = runtime_config_from_args(args)
+    info = model_info(config)
+    request = resolve_request(request_from_args(args, info.options, prompt=args.prompt, seed=args.seed),
+                              info.options)
+    chosen = guidance_first(config, args, info, [request])
+    assert (chosen.guidance_degree, chosen.ulysses_degree) == expected
+
+
+@pytest.mark.parametrize(("lines", "handed"), [
+    ([{"prompt": "a fox"}, {"prompt": "a cat", "seed": 3}], ["--guidance-degree", "2", "--ulysses-degree", "1"]),
+    ([{"prompt": "a fox"}, {"prompt": "a cat", "guidance_scale": 1.0}], ["--guidance-degree", "1", "--ulysses-degree",
+                                                                         "2"]),
+])
+def test_batch_hands_the_ranks_the_layout_of_its_lines(nothing_starts, monkeypatch, tmp_path, lines, handed):
+    """The launcher reads the lines, the ranks do not: it picks the layout for every line to run (one without CFG
+    makes it Ulysses over all) and passes it on the ranks' command line."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    seen = []
+    monkeypatch.setattr(batch, "relaunch_under_torchrun", lambda nproc, argv: seen.append((nproc, argv)) or 0)
+    argv = ["batch", str(prompts), "--out-dir", str(tmp_path / "o"), "--nproc", "2"]
+    assert cli.main(argv) == 0
+    assert seen == [(2, [*argv, *handed])]
 
 
 @pytest.mark.timeout(120)
