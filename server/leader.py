@@ -45,6 +45,7 @@ import numpy as np
 
 from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationLimits, check_request, resolve_request
+from server import phases
 from server.jobs import Job, JobStore
 from server.streaming import StreamedOutputs, VideoStream
 
@@ -165,6 +166,8 @@ class GroupLeader:
         self._runtime_factory = runtime_factory
         self._exit_on_fatal = exit_on_fatal
         self._stopping = threading.Event()
+        self._serving = threading.Event()
+        """Set by :meth:`start` (or :meth:`stop`): the leader thread may take jobs from the store."""
         self._thread: threading.Thread | None = None
         self._faults: tuple = ()
         self.lanes: list[Lane] = []
@@ -224,12 +227,20 @@ class GroupLeader:
         """A running job (the first replica's that has one)."""
         return next((lane.current_job for lane in self.lanes if lane.current_job), None)
 
+    def preload(self) -> None:
+        """Start joining the group and loading the model now, ahead of :meth:`start` (which the front end calls once
+        the store is recovered): the leader thread takes no job before then."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._main, name="cp-infer-leader", daemon=True)
+            self._thread.start()
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._main, name="cp-infer-leader", daemon=True)
-        self._thread.start()
+        self.preload()
+        self._serving.set()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
+        self._serving.set()
         self.store.wake()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -316,8 +327,10 @@ class GroupLeader:
             for lane in self.lanes:
                 self._ping(lane)
             self.loaded = True
+            phases.mark("ready")
             log.info("group of %d rank(s) in %d replica(s) ready (pids %s, restart %d)", self.world_size,
                      len(self.lanes), self.pids, self.restart_count)
+            self._serving.wait()
             for lane in self.lanes[1:]:
                 thread = threading.Thread(target=self._serve_remote, args=(lane,), daemon=True,
                                           name=f"cp-infer-replica-{lane.replica}")

@@ -23,6 +23,8 @@ from typing import Any
 __all__ = ["ENV", "enabled", "forked", "mark", "timed_control", "write"]
 
 ENV = "CP_INFER_TIMINGS"
+_WRITE_NOW = frozenset({"warm-up", "ready"})
+"""Marks after which a server's processes write their marks at once: they are stopped by a signal, not ended."""
 _marks: list[tuple[str, float]] = []
 
 
@@ -64,6 +66,8 @@ def mark(name: str) -> None:
         _marks.append(("start", _process_start()))
         atexit.register(write)
     _marks.append((name, time.time()))
+    if name in _WRITE_NOW:
+        write()
 
 
 def timed_control(control: Any) -> Any:

@@ -32,9 +32,11 @@ log = logging.getLogger("cp_infer.serve")
 
 _USAGE_ERROR = 2
 _DEFAULT_RESTARTS = RestartPolicy()
-# NOTE(restarts): torchrun (torch 2.13) hands every round of ranks the agent's own TCPStore with the same keys, so
-# after a restart gloo may read the dead ranks' addresses ("connectFullMesh ... Connection refused"; pytorch
-# issue 135712). With this set, each round gets a fresh store hosted by its rank 0.
+# NOTE(restarts): torchrun's own restarts (torch 2.13) hand every round of ranks the agent's TCPStore with the same
+# keys, so after a restart gloo may read the dead ranks' addresses ("connectFullMesh ... Connection refused"; pytorch
+# issue 135712); with this set, each round gets a fresh store hosted by its rank 0, at a cost (rank 0's store daemon
+# and every rank's connection to it: ~0.4 s of the rendezvous here). `--nproc` needs neither: each of its rounds is a
+# new agent with a new store (server.launch), torchrun's own restarts being off.
 _FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _LIMIT_HELP = {"max_frames": "longest video in frames", "max_side": "largest width or height in pixels",
                "max_tokens": "largest latent token count (frames x height x width after the VAE)",
@@ -121,7 +123,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"cp-infer serve: error: {exc}", file=sys.stderr)
         return _USAGE_ERROR
     if not in_torchrun() and nproc > 1:
-        os.environ.setdefault(_FRESH_STORE_ENV, "1")
         return relaunch_under_torchrun(nproc, list(getattr(args, "cli_argv", None) or sys.argv[1:]),
                                        restarts=restarts)
     if in_torchrun():
@@ -162,6 +163,7 @@ def _run_leader(args: argparse.Namespace, leader_config, app_config) -> int:
     leader_config.data_dir.mkdir(parents=True, exist_ok=True)
     store = JobStore(leader_config.data_dir, max_queue=leader_config.max_queue)
     leader = GroupLeader(leader_config, store)
+    leader.preload()  # the other ranks wait at the rendezvous for this one: join them before building the app
     app = create_app(app_config, leader)
     if args.host not in ("127.0.0.1", "localhost", "::1") and app_config.api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach it can submit jobs", args.host)
