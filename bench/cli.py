@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-__all__ = ["Shape", "main"]
+__all__ = ["Shape", "main", "read_phases"]
 
 _PROMPT = "a red fox runs through fresh snow at dawn, cinematic tracking shot"
 _NPROC = 2
@@ -97,15 +97,21 @@ def _run(command: list[str], env: dict[str, str], timings: Path) -> dict:
     ended = time.time()
     if proc.returncode != 0:
         raise RuntimeError(f"{shlex.join(command)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return {"wall": ended - started, "load": load, "phases": read_phases(timings, started, ended)}
+
+
+def read_phases(timings: Path, started: float, ended: float, *, last: str = "to exit") -> dict:
+    """Each process's phases from its marks under ``timings`` (``server.phases``): role -> [(phase, seconds)], from
+    ``started`` (the launch) to its last mark, then ``last`` up to ``ended``."""
     roles = {}
     for path in sorted(timings.glob("*.json")):
         record = json.loads(path.read_text())
         marks = record["marks"]
         durations = [("to start", marks[0][1] - started)]
         durations += [(name, t - marks[i][1]) for i, (name, t) in enumerate(marks[1:])]
-        durations.append(("to exit", ended - marks[-1][1]))
+        durations.append((last, ended - marks[-1][1]))
         roles[record["role"]] = durations
-    return {"wall": ended - started, "load": load, "phases": roles}
+    return roles
 
 
 def _merged(durations: list[tuple[str, float]]) -> list[tuple[str, float]]:

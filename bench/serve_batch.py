@@ -16,9 +16,9 @@ job, timed from the shell as whole processes.
   exit.
 - Procedure, as ``bench/cli.py``: one untimed run of each side, then ``--rounds`` rounds, round r running ours
   first when r is even and the peer first when odd; medians; ratio = ours / peer; the 1-minute load average when
-  each run starts. The batch's phase table comes from ``CP_INFER_TIMINGS`` (``server.phases``), as in
-  ``bench/cli.py``, a batch's jobs summed per phase. serve has none: a process writes its marks when it exits, and
-  the ranks stopped by SIGTERM end without writing them.
+  each run starts. The phase tables come from ``CP_INFER_TIMINGS`` (``server.phases``), as in ``bench/cli.py``, a
+  batch's jobs summed per phase; serve's up to the 200 (our ranks write their marks at warm-up and at ready; the
+  peer's, stopped by SIGTERM, write none, so its row is missing).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from bench._procs import free_port  # noqa: E402
-from bench.cli import _phase_table, _run, _write_model  # noqa: E402
+from bench.cli import _phase_table, _run, _write_model, read_phases  # noqa: E402
 
 __all__ = ["main"]
 
@@ -72,11 +72,12 @@ def _ready(port: int) -> bool:
         return False
 
 
-def _serve_run(command: list[str], port: int, env: dict[str, str], timeout_s: float = 300) -> dict:
-    """Start ``command``, time it to the first 200 on ``/ready``, stop it with SIGTERM and wait for it."""
+def _serve_run(command: list[str], port: int, env: dict[str, str], timings: Path, timeout_s: float = 300) -> dict:
+    """Start ``command``, time it to the first 200 on ``/ready``, stop it with SIGTERM and wait for it; with the
+    phases its processes marked up to then (under ``timings``)."""
     load = os.getloadavg()[0]
     started = time.time()
-    proc = subprocess.Popen(command, env=env, cwd=REPO,
+    proc = subprocess.Popen(command, env={**env, "CP_INFER_TIMINGS": str(timings)}, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         while not _ready(port):
@@ -95,7 +96,8 @@ def _serve_run(command: list[str], port: int, env: dict[str, str], timeout_s: fl
                 os.killpg(proc.pid, signal.SIGKILL)  # the run's own session: its launcher and ranks only
                 proc.wait()
         proc.stderr.close()
-    return {"wall": ready - started, "load": load}
+    phases = read_phases(timings, started, ready, last="to the 200") if timings.is_dir() else {}
+    return {"wall": ready - started, "load": load, "phases": phases}
 
 
 def _prompts_file(path: Path, steps: int) -> None:
@@ -128,8 +130,8 @@ def _row(label: str, runs: dict[str, list[dict]]) -> str:
 def _phases(label: str, runs: dict[str, list[dict]]) -> list[str]:
     lines = ["", f"Phases, {label} (s, median over the rounds; a process's phases in order):", "",
              "| process | phases | total |", "| --- | --- | --- |"]
-    lines += [line.replace("| ", "| ours ", 1) for line in _phase_table(runs["ours"])]
-    lines += [line.replace("| ", "| diffusers ", 1) for line in _phase_table(runs["diffusers"])]
+    for side in ("ours", "diffusers"):
+        lines += [line.replace("| ", f"| {side} ", 1) for line in _phase_table(runs[side])]
     return lines
 
 
@@ -157,7 +159,7 @@ def main() -> int:
                         "--model", str(model), "--port", str(port)])
             if r == "warm":
                 print(f"serve: {side}: {shlex.join(command)}", file=sys.stderr, flush=True)
-            return _serve_run(command, port, env)
+            return _serve_run(command, port, env, tmp / "timings" / f"serve-{side}-{r}")
 
         def batch(side: str, r) -> dict:
             out = tmp / f"videos-{side}-{r}"
@@ -185,7 +187,7 @@ def main() -> int:
                 "| command | ours s | diffusers s | ours / diffusers | load avg (1 min) | ours runs | diffusers runs |",
                 "| --- | --- | --- | --- | --- | --- | --- |"]
         report = "\n".join([*head, _row(serve_label, serve_runs), _row(batch_label, batch_runs),
-                            *_phases(batch_label, batch_runs), ""])
+                            *_phases(serve_label, serve_runs), *_phases(batch_label, batch_runs), ""])
         print(report)
         if args.out:
             args.out.write_text(report)

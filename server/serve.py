@@ -24,6 +24,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from server import phases
 from server.restarts import RestartPolicy
 
 __all__ = ["add_arguments", "run"]
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"cp-infer serve: error: {exc}", file=sys.stderr)
         return _USAGE_ERROR
+    phases.mark("checks")
     if not in_torchrun() and nproc > 1:
         return relaunch_under_torchrun(nproc, list(getattr(args, "cli_argv", None) or sys.argv[1:]),
                                        restarts=restarts)
