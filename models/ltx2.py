@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import LTX2ConditionPipeline, LTX2ImageToVideoPipeline, LTX2LatentUpsamplePipeline, LTX2Pipeline
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_ltx2 import (
     LTX2Attention,
     apply_interleaved_rotary_emb,
@@ -45,6 +46,7 @@ from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
 from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
+from ._text_kv import KeptPerText, keep_per_text
 from ._windows import two_stage_window_plan, window_plan, windows_of
 from .loading import recommended_stages
 from .ltx2_conditions import VideoConditioning, prepare_conditions, prepare_image
@@ -136,11 +138,53 @@ class _UlyssesAVProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+class _TextKVProcessor:
+    """LTX-2's text cross-attention (``attn2``, ``audio_attn2``: diffusers' ``LTX2AudioVideoAttnProcessor``, and
+    ``LTX2PerturbedAttnProcessor`` without a perturbation, the same ops) with the text's keys and values
+    (``norm_k(to_k(text))``, ``to_v(text)``) kept through a request (``models._text_kv.KeptPerText``). Where the text
+    changes at every step (``cross_attn_adaln`` models shift and scale it by the timestep) each step's is a new
+    tensor, so nothing is reused and the result is the same.
+
+    NOTE(text-kv): every pass of a step (CFG's pair, STG, modality) projects the request's 1024 text tokens in
+    every block, for video and for audio."""
+
+    def __init__(self):
+        self._kv = KeptPerText()
+
+    def __call__(self, attn: LTX2Attention, hidden_states: torch.Tensor, encoder_hidden_states=None,
+                 attention_mask=None, query_rotary_emb=None, key_rotary_emb=None, perturbation_mask=None,
+                 all_perturbed=None) -> torch.Tensor:
+        if encoder_hidden_states is None or query_rotary_emb is not None or perturbation_mask is not None:
+            raise ValueError("the text processor serves text cross-attention only (encoder states, no RoPE, no "
+                             "perturbation)")
+        text = encoder_hidden_states
+        batch_size, sequence_length, _ = text.shape
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+        gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        key, value = self._kv.get(text, lambda: (attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1)),
+                                                 attn.to_v(text).unflatten(2, (attn.heads, -1))))
+        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
+        out = out.flatten(2, 3).to(query.dtype)
+        if gate_logits is not None:
+            gates = 2.0 * torch.sigmoid(gate_logits)
+            out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
 def parallelize_ltx2_transformer(transformer: torch.nn.Module, ctx: _ShardContext) -> None:
-    """Apply sequence parallelism to a diffusers ``LTX2VideoTransformer3DModel`` in place."""
+    """Apply sequence parallelism to a diffusers ``LTX2VideoTransformer3DModel`` in place (and keep the text's
+    cross-attention keys and values through a request: :class:`_TextKVProcessor`)."""
     for block in transformer.transformer_blocks:
         for name, (q_stream, kv_stream) in _SHARDED_ATTENTIONS.items():
             getattr(block, name).set_processor(_UlyssesAVProcessor(ctx, q_stream, kv_stream))
+        block.attn2.set_processor(_TextKVProcessor())
+        block.audio_attn2.set_processor(_TextKVProcessor())
+    for name in ("caption_projection", "audio_caption_projection"):  # LTX-2.0's (use_prompt_embeddings)
+        if getattr(transformer, name, None) is not None:
+            keep_per_text(getattr(transformer, name))
 
 
 @dataclass(frozen=True)

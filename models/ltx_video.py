@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +46,7 @@ from ._adapter_common import (
     noise_for_decode,
     refuse_stochastic_sampling,
 )
+from ._text_kv import KeptPerText, keep_per_text
 from ._windows import two_stage_window_plan, window_plan, windows_of
 from .loading import recommended_stages
 from .ltx_vae_parallel import DecodeContext, decode_reads, parallelize_ltx_decoder
@@ -114,49 +114,16 @@ class _UlyssesSelfAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3)))
 
 
-class _KeptPerText:
-    """Values computed from the prompt embeddings alone, kept per view of them (offset, shape, stride: a guidance
-    rank's rows of the CFG batch) while their storage lives and dropped with it (``weakref.finalize``), so that one
-    request's values never serve another and none outlive their request (embeddings are never changed in place).
-    Not kept with gradients on or under ``torch.compile`` (a dict filled from compiled code recompiles the graph)."""
-
-    def __init__(self):
-        self._base: weakref.ref | None = None
-        self._kept: dict[tuple, Any] = {}
-
-    def get(self, text: torch.Tensor, make):
-        if torch.compiler.is_compiling() or torch.is_grad_enabled():
-            return make()
-        # One object for every view of the embeddings (``_base`` is None under inference mode), alive while any is.
-        base = text.untyped_storage()
-        if self._base is None or self._base() is not base:
-            self._kept = {}
-            self._base = weakref.ref(base)
-            weakref.finalize(base, self._kept.clear)
-        view = (text.storage_offset(), tuple(text.shape), tuple(text.stride()), text.dtype, text.device)
-        if view not in self._kept:
-            self._kept[view] = make()
-        return self._kept[view]
-
-
-def _keep_caption_projection(projection: torch.nn.Module) -> None:
-    """The transformer's caption projection (``LTXVideoTransformer3DModel.caption_projection``, run on the prompt
-    embeddings at every step) computed once per request: the same output tensor at every step, so the blocks'
-    :class:`_TextKVProcessor` find their keys and values kept too. Its parameters and state dict are unchanged."""
-    kept, forward = _KeptPerText(), projection.forward
-    projection.forward = lambda caption: kept.get(caption, lambda: forward(caption))
-
-
 class _TextKVProcessor:
     """LTX cross-attention (diffusers' ``LTXVideoAttnProcessor``, the same ops in the same order) with the text's
     keys and values (``norm_k(to_k(text))``, ``to_v(text)``: the projected prompt alone) kept through a request
-    (:class:`_KeptPerText`).
+    (``models._text_kv.KeptPerText``).
 
     NOTE(text-kv): at 2 ranks these projections of 2 x 128 text tokens in every block were 27% of a step at 32
     tokens and 5% at 512."""
 
     def __init__(self):
-        self._kv = _KeptPerText()
+        self._kv = KeptPerText()
 
     def __call__(self, attn: LTXAttention, hidden_states: torch.Tensor, encoder_hidden_states=None,
                  attention_mask=None, image_rotary_emb=None) -> torch.Tensor:
@@ -181,7 +148,7 @@ def parallelize_ltx_transformer(transformer: torch.nn.Module, ctx: _ShardContext
     for block in transformer.transformer_blocks:
         block.attn1.set_processor(_UlyssesSelfAttnProcessor(ctx))
         block.attn2.set_processor(_TextKVProcessor())
-    _keep_caption_projection(transformer.caption_projection)
+    keep_per_text(transformer.caption_projection)
 
     rope = transformer.rope
     signature = inspect.signature(rope.forward)
