@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-__all__ = ["Shape", "main", "read_phases"]
+__all__ = ["Shape", "main", "read_phases", "run_header"]
 
 _PROMPT = "a red fox runs through fresh snow at dawn, cinematic tracking shot"
 _NPROC = 2
@@ -100,6 +100,14 @@ def _run(command: list[str], env: dict[str, str], timings: Path) -> dict:
     return {"wall": ended - started, "load": load, "phases": read_phases(timings, started, ended)}
 
 
+def run_header(script: str, rounds: int) -> str:
+    """The line above a whole-process table: the command, the machine, the versions, the model, the rounds."""
+    return (f"`python {script} {' '.join(sys.argv[1:])}`: {platform.node()}, {os.cpu_count()} CPU(s), "
+            f"torch {__import__('torch').__version__}, diffusers {__import__('diffusers').__version__}, "
+            f"{_NPROC} ranks, model: LTX-Video 4 layers x 16 heads x 64, tiny T5 and VAE; median of "
+            f"{rounds} alternating rounds (wall time of the whole command)")
+
+
 def read_phases(timings: Path, started: float, ended: float, *, last: str = "to exit") -> dict:
     """Each process's phases from its marks under ``timings`` (``server.phases``): role -> [(phase, seconds)], from
     ``started`` (the launch) to its last mark, then ``last`` up to ``ended``."""
@@ -149,10 +157,7 @@ def main() -> int:
     try:
         model = tmp / "ltx-video-medium"
         _write_model(model)
-        head = [f"`python bench/cli.py {' '.join(sys.argv[1:])}`: {platform.node()}, {os.cpu_count()} CPU(s), "
-                f"torch {__import__('torch').__version__}, diffusers {__import__('diffusers').__version__}, "
-                f"{_NPROC} ranks, model: LTX-Video 4 layers x 16 heads x 64, tiny T5 and VAE; median of "
-                f"{args.rounds} alternating rounds (wall time of the whole command)", ""]
+        head = [run_header("bench/cli.py", args.rounds), ""]
         table = ["| shape | ours s | diffusers s | ours / diffusers | target | ours, Ulysses over both s | its / "
                  "diffusers | load avg (1 min) | ours runs | Ulysses runs | diffusers runs |",
                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

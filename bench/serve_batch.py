@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -43,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from bench._procs import free_port  # noqa: E402
-from bench.cli import _phase_table, _run, _write_model, read_phases  # noqa: E402
+from bench.cli import _phase_table, _run, _write_model, read_phases, run_header  # noqa: E402
 
 __all__ = ["main"]
 
@@ -180,10 +179,7 @@ def main() -> int:
         batch_label = f"batch: {len(_PROMPTS)} prompts, 9 frames 128x128, {steps} steps"
         serve_runs = _alternate("serve", serve, args.rounds)
         batch_runs = _alternate("batch", batch, args.rounds)
-        head = [f"`python bench/serve_batch.py {' '.join(sys.argv[1:])}`: {platform.node()}, {os.cpu_count()} CPU(s), "
-                f"torch {__import__('torch').__version__}, diffusers {__import__('diffusers').__version__}, "
-                f"{_NPROC} ranks, model: LTX-Video 4 layers x 16 heads x 64, tiny T5 and VAE; median of "
-                f"{args.rounds} alternating rounds (wall time of the whole command)", "",
+        head = [run_header("bench/serve_batch.py", args.rounds), "",
                 "| command | ours s | diffusers s | ours / diffusers | load avg (1 min) | ours runs | diffusers runs |",
                 "| --- | --- | --- | --- | --- | --- | --- |"]
         report = "\n".join([*head, _row(serve_label, serve_runs), _row(batch_label, batch_runs),
