@@ -18,8 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-__all__ = ["KeptPerText", "keep_per_text"]
+__all__ = ["KeptPerText", "keep_per_text", "kept_text_attention"]
 
 
 class KeptPerText:
@@ -61,3 +62,20 @@ def keep_per_text(projection: torch.nn.Module) -> None:
     parameters and state dict are unchanged."""
     kept, forward = KeptPerText(), projection.forward
     projection.forward = lambda caption: kept.get(caption, lambda: forward(caption))
+
+
+def kept_text_attention(attn: torch.nn.Module, hidden_states: torch.Tensor, text: torch.Tensor,
+                        attention_mask: torch.Tensor | None, kept: KeptPerText) -> torch.Tensor:
+    """The text cross-attention of diffusers' LTX processors (``LTXVideoAttnProcessor``,
+    ``LTX2AudioVideoAttnProcessor``: the same ops in the same order) up to its heads' output ``[B, S, H*D]``, before
+    any gate and ``to_out``, with the text's keys and values (``norm_k(to_k(text))``, ``to_v(text)``: the projected
+    prompt alone) from ``kept``."""
+    batch_size, sequence_length, _ = text.shape
+    if attention_mask is not None:
+        attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+        attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+    query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+    key, value = kept.get(text, lambda: (attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1)),
+                                         attn.to_v(text).unflatten(2, (attn.heads, -1))))
+    out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
+    return out.flatten(2, 3).to(query.dtype)

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import LTX2ConditionPipeline, LTX2ImageToVideoPipeline, LTX2LatentUpsamplePipeline, LTX2Pipeline
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_ltx2 import (
     LTX2Attention,
     apply_interleaved_rotary_emb,
@@ -46,7 +45,7 @@ from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 
 from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
-from ._text_kv import KeptPerText, keep_per_text
+from ._text_kv import KeptPerText, keep_per_text, kept_text_attention
 from ._windows import two_stage_window_plan, window_plan, windows_of
 from .loading import recommended_stages
 from .ltx2_conditions import VideoConditioning, prepare_conditions, prepare_image
@@ -157,17 +156,8 @@ class _TextKVProcessor:
         if encoder_hidden_states is None or query_rotary_emb is not None or perturbation_mask is not None:
             raise ValueError("the text processor serves text cross-attention only (encoder states, no RoPE, no "
                              "perturbation)")
-        text = encoder_hidden_states
-        batch_size, sequence_length, _ = text.shape
-        if attention_mask is not None:
-            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
-            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
         gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
-        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        key, value = self._kv.get(text, lambda: (attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1)),
-                                                 attn.to_v(text).unflatten(2, (attn.heads, -1))))
-        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
-        out = out.flatten(2, 3).to(query.dtype)
+        out = kept_text_attention(attn, hidden_states, encoder_hidden_states, attention_mask, self._kv)
         if gate_logits is not None:
             gates = 2.0 * torch.sigmoid(gate_logits)
             out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)

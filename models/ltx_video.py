@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import LTXConditionPipeline, LTXImageToVideoPipeline, LTXLatentUpsamplePipeline, LTXPipeline
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_ltx import LTXAttention, apply_rotary_emb
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.ltx.pipeline_ltx_condition import linear_quadratic_schedule
@@ -46,7 +45,7 @@ from ._adapter_common import (
     noise_for_decode,
     refuse_stochastic_sampling,
 )
-from ._text_kv import KeptPerText, keep_per_text
+from ._text_kv import KeptPerText, keep_per_text, kept_text_attention
 from ._windows import two_stage_window_plan, window_plan, windows_of
 from .loading import recommended_stages
 from .ltx_vae_parallel import DecodeContext, decode_reads, parallelize_ltx_decoder
@@ -129,16 +128,7 @@ class _TextKVProcessor:
                  attention_mask=None, image_rotary_emb=None) -> torch.Tensor:
         if encoder_hidden_states is None or image_rotary_emb is not None:
             raise ValueError("the text processor serves cross-attention only (encoder states, no RoPE)")
-        text = encoder_hidden_states
-        batch_size, sequence_length, _ = text.shape
-        if attention_mask is not None:
-            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
-            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
-        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        key, value = self._kv.get(text, lambda: (attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1)),
-                                                 attn.to_v(text).unflatten(2, (attn.heads, -1))))
-        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
-        out = out.flatten(2, 3).to(query.dtype)
+        out = kept_text_attention(attn, hidden_states, encoder_hidden_states, attention_mask, self._kv)
         return attn.to_out[1](attn.to_out[0](out))
 
 
