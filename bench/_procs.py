@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import ctypes
 import queue
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from server.launch import free_port
 
 __all__ = ["RankGroup", "free_port", "reset_peak_rss", "set_malloc", "status_kib"]
 
@@ -49,12 +50,6 @@ def set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
             libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
     except (OSError, AttributeError):  # not glibc
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RankGroup:

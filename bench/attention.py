@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import os
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -66,6 +65,7 @@ from cp_infer import (  # noqa: E402
     local_attention,
     ulysses_attention,
 )
+from server.launch import free_port  # noqa: E402
 
 __all__ = ["BenchConfig", "main"]
 
@@ -290,12 +290,6 @@ def _bench_degree1(config: BenchConfig, length: int) -> dict[str, Any]:
     return row
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Report.
 # ---------------------------------------------------------------------------------------------------------
@@ -402,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.spawn(_rank_main, args=(_free_port(), config, results), nprocs=DEGREE, join=True)
+    mp.spawn(_rank_main, args=(free_port(), config, results), nprocs=DEGREE, join=True)
     while not results.empty():
         length, row = results.get()
         rows[(length, DEGREE)] = row

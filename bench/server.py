@@ -29,13 +29,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server.launch import free_port  # noqa: E402
 
 
 def job_end(client: httpx.Client, job_id: str, url: str = "") -> str | None:
@@ -83,7 +77,7 @@ def main() -> None:
         if i:
             cli_times.append(float(m.group(1)) + float(m.group(2)))
 
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--nproc", str(args.nproc), "--port",
                                str(port), "--data-dir", str(tmp / "data"), "--max-queue", str(args.clients + 1)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -40,8 +40,8 @@ from typing import IO
 
 from server.restarts import RestartPolicy, RoundResult, supervise
 
-__all__ = ["count_launcher_restarts", "group_size", "in_torchrun", "leader_exit_code", "relaunch_under_torchrun",
-           "strip_nproc"]
+__all__ = ["count_launcher_restarts", "free_port", "group_size", "in_torchrun", "leader_exit_code",
+           "relaunch_under_torchrun", "strip_nproc"]
 
 _TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 _STATUS_ENV = "CP_INFER_LEADER_STATUS"
@@ -149,8 +149,9 @@ def relaunch_under_torchrun(nproc: int, argv: list[str], *, stdout: IO[bytes] | 
         return supervise(run_round, restarts)
 
 
-def _free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS's pick), for the agent's store."""
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick): the agent's store here; servers and groups in tests and
+    benchmarks."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -238,7 +239,7 @@ def _run_agent(torchrun_argv: list[str], env: dict[str, str], stdout: IO[bytes] 
                 # --standalone's c10d one, whose first round sleeps a random 0-0.3 s to spread the joins of many
                 # nodes; and the agent looks at its ranks every 20 ms rather than 100 (it sees them end sooner).
                 args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "static", "", str(uuid.uuid4())
-                args.master_addr, args.master_port, args.node_rank = "127.0.0.1", _free_port(), 0
+                args.master_addr, args.master_port, args.node_rank = "127.0.0.1", free_port(), 0
                 args.monitor_interval = 0.02
                 config, _cmd, _cmd_args = torchrun.config_from_args(args)
                 config.start_method = "fork"

@@ -11,11 +11,12 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from server.launch import free_port
 
 __all__ = ["WorkerGroup", "free_port", "one_thread", "RankError"]
 
@@ -35,12 +36,6 @@ def one_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     finally:
         torch.set_num_threads(threads)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, inbox, outbox, threads: int, layout: dict) -> None:
