@@ -26,7 +26,7 @@ from collections.abc import Callable
 import av
 import numpy as np
 
-from .video_io import add_h264_stream, check_fps, check_track, encode_frames, open_track
+from .video_io import add_h264_stream, add_piece, check_fps, check_track, encode_frames, open_track
 
 __all__ = ["FragmentedMP4Writer"]
 
@@ -91,10 +91,7 @@ class FragmentedMP4Writer:
 
     def write_audio(self, samples: np.ndarray) -> None:
         """The soundtrack's next samples ``[channels, s]`` (a writer opened with ``audio_channels``)."""
-        if self._audio is None or self._audio.ended:
-            raise RuntimeError("write_audio needs a writer opened with audio_channels (its soundtrack given piece by "
-                               "piece)")
-        self._audio.add(samples)
+        add_piece(self._audio, samples)
         self._pump()
 
     def _pump(self) -> None:

@@ -51,6 +51,7 @@ __all__ = [
     "AudioTrack",
     "MP4FileWriter",
     "add_h264_stream",
+    "add_piece",
     "check_audio",
     "check_fps",
     "check_track",
@@ -284,6 +285,15 @@ def open_track(container, waveform: np.ndarray | None, sample_rate: int | None,
     return AudioTrack(container, waveform, sample_rate, channels=None if waveform is not None else audio_channels)
 
 
+def add_piece(track: AudioTrack | None, samples: np.ndarray) -> None:
+    """A writer's ``write_audio``: ``samples`` onto its soundtrack, which must be one given piece by piece (opened
+    with ``audio_channels``) and not ended."""
+    if track is None or track.ended:
+        raise RuntimeError("write_audio needs a writer opened with audio_channels (its soundtrack given piece by "
+                           "piece)")
+    track.add(samples)
+
+
 class MP4FileWriter:
     """An MP4 file (``+faststart``) encoded a piece at a time, as the frames arrive: the same file
     :func:`write_mp4` makes of the whole video at once (which is this writer fed once).
@@ -325,10 +335,7 @@ class MP4FileWriter:
 
     def write_audio(self, samples: np.ndarray) -> None:
         """Append the soundtrack's next samples ``[channels, s]`` (a writer opened with ``audio_channels``)."""
-        if self._track is None or self._track.ended:
-            raise RuntimeError("write_audio needs a writer opened with audio_channels (its soundtrack given piece by "
-                               "piece)")
-        self._track.add(samples)
+        add_piece(self._track, samples)
         self._pump()
 
     def _pump(self) -> None:
