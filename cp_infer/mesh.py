@@ -80,8 +80,9 @@ class MeshLayout:
         counts = [int(n) for n in passes]
         if any(n < 1 for n in counts):
             raise ValueError(f"passes={counts}: every step runs at least one pass")
-        guidance = max((g for g in range(1, world + 1) if world % g == 0 and counts
-                        and all(n % g == 0 for n in counts)), default=1)
+        if not counts:
+            return cls(world=world, guidance=1, ulysses=world)
+        guidance = max(g for g in range(1, world + 1) if world % g == 0 and all(n % g == 0 for n in counts))
         return cls(world=world, guidance=guidance, ulysses=world // guidance)
 
     @property
