@@ -7,7 +7,7 @@ once, diffusers' own context parallelism (``bench/_diffusers_cp.py``), then for 
 
 Each line is the subset of ``cp-infer batch``'s keys the benchmark writes: ``prompt``, ``name``, ``seed``,
 ``num_frames``, ``height``, ``width``, ``num_inference_steps``, ``frame_rate``. With ``CP_INFER_TIMINGS=DIR`` every
-rank writes its phase marks as the CLI's ranks do (``server.phases``).
+rank writes its phase marks as the CLI's ranks do (``server.group.phases``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from server import phases  # noqa: E402 -- path set-up; json, os and time only
+from server.group import phases  # noqa: E402 -- path set-up; json, os and time only
 
 phases.mark("imports")
 

@@ -6,7 +6,7 @@ on CPU/gloo by ``bench/_diffusers_cp.py``, nothing else changed), ``pipe(...)`` 
     torchrun --nproc_per_node 2 bench/_peer_cli.py --model DIR --prompt TEXT --frames 25 --height 256 --width 256
              --steps 40 --out x.mp4
 
-With ``CP_INFER_TIMINGS=DIR`` every rank writes its phase marks as the CLI's ranks do (``server.phases``).
+With ``CP_INFER_TIMINGS=DIR`` every rank writes its phase marks as the CLI's ranks do (``server.group.phases``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from server import phases  # noqa: E402 -- path set-up; json, os and time only
+from server.group import phases  # noqa: E402 -- path set-up; json, os and time only
 
 phases.mark("imports")  # the interpreter and this script up to here (torchrun's own start-up is before it)
 

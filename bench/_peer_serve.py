@@ -6,7 +6,7 @@ then lets every rank exit.
 
     torchrun --nproc_per_node 2 bench/_peer_serve.py --model DIR --port 8000
 
-With ``CP_INFER_TIMINGS=DIR`` every rank writes its phase marks as the CLI's ranks do (``server.phases``).
+With ``CP_INFER_TIMINGS=DIR`` every rank writes its phase marks as the CLI's ranks do (``server.group.phases``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from server import phases  # noqa: E402 -- path set-up; json, os and time only
+from server.group import phases  # noqa: E402 -- path set-up; json, os and time only
 
 phases.mark("imports")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from server.launch import free_port
+from server.cli.launch import free_port
 
 __all__ = ["RankGroup", "free_port", "reset_peak_rss", "set_malloc", "status_kib"]
 

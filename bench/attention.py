@@ -65,7 +65,7 @@ from cp_infer import (  # noqa: E402
     local_attention,
     ulysses_attention,
 )
-from server.launch import free_port  # noqa: E402
+from server.cli.launch import free_port  # noqa: E402
 
 __all__ = ["BenchConfig", "main"]
 

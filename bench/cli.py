@@ -16,7 +16,7 @@ script that runs diffusers' ``LTXPipeline`` with its own context parallelism and
   runs the three commands in an order rotated by r, so that load from other processes on the machine falls on all
   alike. Wall time from ``Popen`` to exit; medians over the rounds; ratio = ours / peer; the 1-minute load average
   when each run starts.
-- Phases: every run sets ``CP_INFER_TIMINGS`` (``server.phases``): each process (our launcher, each rank, the
+- Phases: every run sets ``CP_INFER_TIMINGS`` (``server.group.phases``): each process (our launcher, each rank, the
   peer's ranks) marks the end of its phases on one wall-clock time line. The phase table shows, per process, the
   median over the timed rounds of each phase's time; "to start" is from the benchmark's ``Popen`` to the process's
   creation, "to exit" from its last mark to the benchmark seeing the command exit.
@@ -109,7 +109,8 @@ def run_header(script: str, rounds: int) -> str:
 
 
 def read_phases(timings: Path, started: float, ended: float, *, last: str = "to exit") -> dict:
-    """Each process's phases from its marks under ``timings`` (``server.phases``): role -> [(phase, seconds)], from
+    """Each process's phases from its marks under ``timings`` (``server.group.phases``):
+    role -> [(phase, seconds)], from
     ``started`` (the launch) to its last mark, then ``last`` up to ``ended``."""
     roles = {}
     for path in sorted(timings.glob("*.json")):

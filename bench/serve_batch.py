@@ -16,7 +16,7 @@ job, timed from the shell as whole processes.
   exit.
 - Procedure, as ``bench/cli.py``: one untimed run of each side, then ``--rounds`` rounds, round r running ours
   first when r is even and the peer first when odd; medians; ratio = ours / peer; the 1-minute load average when
-  each run starts. The phase tables come from ``CP_INFER_TIMINGS`` (``server.phases``), as in ``bench/cli.py``, a
+  each run starts. The phase tables come from ``CP_INFER_TIMINGS`` (``server.group.phases``), as in ``bench/cli.py``, a
   batch's jobs summed per phase; serve's up to the 200 (our ranks write their marks at warm-up and at ready; the
   peer's, stopped by SIGTERM, write none, so its row is missing).
 """

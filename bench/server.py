@@ -29,7 +29,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from server.launch import free_port  # noqa: E402
+from server.cli.launch import free_port  # noqa: E402
 
 
 def job_end(client: httpx.Client, job_id: str, url: str = "") -> str | None:

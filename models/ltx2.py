@@ -47,6 +47,7 @@ from cp_infer.sampler import Decoder, Prepared
 from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
 from ._text_kv import KeptPerText, keep_per_text, kept_text_attention
 from ._windows import two_stage_window_plan, window_plan, windows_of
+from .geometry import min_latent_side
 from .loading import recommended_stages
 from .ltx2_conditions import VideoConditioning, prepare_conditions, prepare_image
 from .ltx2_options import ltx2_options
@@ -55,7 +56,6 @@ from .ltx2_windows import WindowState, finish_window, prepare_window, restore_st
 from .ltx2_windows import checkpoint as window_checkpoint
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
 from .ltx_video import _scoped
-from .registry import min_latent_side
 
 __all__ = ["LTX2Model", "LTX2Settings", "fit_duration", "parallelize_ltx2_transformer"]
 

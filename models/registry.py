@@ -22,9 +22,10 @@ from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationRequest
 
 from .embedded import LATENT_UPSAMPLER
+from .geometry import min_latent_side
 from .loading import ModelLoadError, detect_family, parse_dtype, recommended_stages, resolve_model
 
-__all__ = ["ModelInfo", "compile_transformer_blocks", "describe_model", "min_latent_side", "model_options",
+__all__ = ["ModelInfo", "compile_transformer_blocks", "describe_model", "model_options",
            "open_model"]
 
 
@@ -77,11 +78,6 @@ def _classes(family: str):
     from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
 
     return LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video
-
-
-def min_latent_side(vae_config) -> int:
-    """2 for decoders whose convs pad spatially by reflection (LTX-2's), which needs two latent pixels; else 1."""
-    return 2 if vae_config.get("decoder_spatial_padding_mode") == "reflect" else 1
 
 
 def describe_model(model: str | os.PathLike | None) -> ModelInfo:

@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from server.launch import free_port
+from server.cli.launch import free_port
 
 __all__ = ["WorkerGroup", "free_port", "one_thread", "RankError"]
 

@@ -1,0 +1,557 @@
+"""What ``cp-infer generate`` and ``cp-infer batch`` share: their arguments, the checks that run before any process
+group forms, and the leader's side of a run (:class:`Leader`, :func:`run_group`).
+
+Invariants:
+- The generation flags are derived from the loaded model's declared options (``cp_infer.options``): ``--name``
+  for ``name`` plus the option's short flags; a request error names the flag the user typed (:func:`field_error`).
+- The model is described from its config files alone (:func:`model_info`: family and geometry, no weights), so a
+  bad request is refused, with exit code 2, before any rank loads anything.
+- Every job the leader runs is broadcast to every rank before it runs, and every path that leaves the group in step
+  ends with ``stop`` (:meth:`Leader.stop`); both go through ``server.group.runtime.GroupDriver``, the leader side of the
+  command protocol that the server uses too. ``run_group`` tears the group down on every rank.
+- Conditioning media (``--image``, ``--video``, ``--condition``, a prompts file's ``image`` / ``video`` /
+  ``conditions``) is read and decoded here, on the front end, with :func:`server.http.media.decode_media` (at most the
+  request's frames), before any group forms; an error names the flag or key and the file (:func:`media_error`).
+- Writing an output never raises anything but :class:`WriteError` (the job itself succeeded). A frames folder
+  also gets the final latents (``latents.npy``, and ``audio_latents.npy`` for LTX-2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK
+from cp_infer.options import ModelOptions, Option
+from cp_infer.request import Condition, GenerationRequest
+from server.cli.launch import leader_exit_code
+from server.group import phases
+from server.outputs.piece_video import WriteError
+
+if TYPE_CHECKING:
+    from server.group.runtime import GroupDriver, Runtime
+
+__all__ = [
+    "PROG",
+    "USAGE_ERROR",
+    "Generated",
+    "Leader",
+    "MediaRef",
+    "UsageError",
+    "WriteError",
+    "add_media_arguments",
+    "add_request_arguments",
+    "add_runtime_arguments",
+    "attach_media",
+    "check_device",
+    "check_layout",
+    "field_error",
+    "media_error",
+    "model_info",
+    "option_keys",
+    "options_for",
+    "parse_condition",
+    "quiet_libraries",
+    "request_from_args",
+    "result_writer",
+    "run_group",
+    "runtime_config_from_args",
+]
+
+log = logging.getLogger("cp_infer.cli")
+
+PROG = "cp-infer"
+USAGE_ERROR = 2
+class UsageError(ValueError):
+    """A bad argument, request or file: reported in one line, exit code 2, nothing started."""
+
+
+# ------------------------------------------------------------------------------------------------- arguments
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every rank needs to load the same model the same way (shared with ``serve``)."""
+    group = parser.add_argument_group("model and parallelism")
+    group.add_argument("--model", default=None, help="a diffusers-format LTX-Video or LTX-2 folder, or an embedded "
+                                                    "default: tiny-ltx-video (the default) or tiny-ltx2 (audio + "
+                                                    "video)")
+    group.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    group.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when available")
+    group.add_argument("--decode-frames-per-rank", type=_frames_per_rank, default=DEFAULT_FRAMES_PER_RANK, metavar="K",
+                       help="latent frames (8 video frames each) per decoded piece: decode memory and the time to "
+                            "the first streamed frame grow with K, and so do the convolutions "
+                            f"(default {DEFAULT_FRAMES_PER_RANK}: 4 at 128x96, 2 from 192x128 up; 'all': the whole "
+                            "video at once)")
+    group.add_argument("--nproc", type=int, default=None, metavar="N",
+                       help="ranks of the parallel group; N > 1 relaunches under torchrun (default 1, "
+                            "or the torchrun world size)")
+    group.add_argument("--guidance-degree", type=int, default=None, metavar="G",
+                       help="ranks a step's guidance passes (CFG's conditional and unconditional, STG, modality) are "
+                            "spread over, exchanging their predictions once per step (default, with no "
+                            "--ulysses-degree either: `generate` and `batch` take the most that divide both the "
+                            "ranks and every step's pass count, e.g. 2 for CFG on an even count; `serve` 1)")
+    group.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
+                       help="ranks each pass's token sequence is sharded over (Ulysses: two all-to-alls per "
+                            "attention layer); G x U must divide the ranks, and `serve` runs ranks / (G x U) "
+                            "replica groups, each its own jobs (default: ranks / G)")
+    group.add_argument("--compile", dest="compile_blocks", action="store_true",
+                       help="torch.compile each transformer block (regional compilation; the Ulysses all-to-alls "
+                            "compile inside the blocks): the first request of a shape pays the compile, later "
+                            "steps run faster (default off)")
+
+
+def check_layout(args: argparse.Namespace, *, replicas: bool = False) -> None:
+    """Refuse a mesh layout that does not make the group (``--guidance-degree`` x ``--ulysses-degree`` against the
+    ranks), before anything starts; the message lists the valid ones. ``replicas``: whether the command runs jobs on
+    replica groups (``serve``, ``batch``); elsewhere a layout that leaves more than one is refused too."""
+    from cp_infer.mesh import MeshLayout, valid_layouts
+    from server.cli.launch import group_size
+
+    layout = MeshLayout.resolve(group_size(args.nproc), guidance_degree=args.guidance_degree,
+                                ulysses_degree=args.ulysses_degree)
+    if layout.replicas > 1 and not replicas:
+        whole = ", ".join(f"--guidance-degree {g} --ulysses-degree {u}" for g, u in valid_layouts(layout.world)
+                          if g * u == layout.world)
+        raise ValueError(f"guidance_degree={layout.guidance} x ulysses_degree={layout.ulysses} on {layout.world} "
+                         f"ranks makes {layout.replicas} replica groups, and this command does not run jobs on "
+                         f"replicas (`cp-infer serve` and `batch` do); valid layouts here: {whole}")
+
+
+def guidance_first(config, args: argparse.Namespace, info, requests: Sequence[GenerationRequest]):
+    """``config`` with the guidance-first layout (``cp_infer.mesh.MeshLayout.guidance_first``) for the ``requests``
+    the command will run (resolved, on model ``info``), when neither ``--guidance-degree`` nor ``--ulysses-degree``
+    was given; else ``config`` itself. Deterministic: every rank that has the requests picks the same layout."""
+    from cp_infer.mesh import MeshLayout
+    from server.cli.launch import group_size
+
+    if args.guidance_degree is not None or args.ulysses_degree is not None:
+        return config
+    passes = set().union(*(info.step_passes(r) for r in requests))
+    layout = MeshLayout.guidance_first(group_size(args.nproc), passes)
+    return replace(config, guidance_degree=layout.guidance, ulysses_degree=layout.ulysses)
+
+
+def runtime_config_from_args(args: argparse.Namespace, *, replicas: bool = False):
+    """``replicas``: whether the command runs jobs on replica groups (``check_layout``)."""
+    from server.group.runtime import RuntimeConfig
+
+    check_layout(args, replicas=replicas)
+    return RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device,
+                         decode_frames_per_rank=args.decode_frames_per_rank, guidance_degree=args.guidance_degree,
+                         ulysses_degree=args.ulysses_degree, compile_blocks=args.compile_blocks)
+
+
+def _frames_per_rank(text: str) -> int | str | None:
+    if text == "all":
+        return None
+    if text == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1, 'auto' or 'all'")
+    return value
+
+
+def _flags(option: Option) -> list[str]:
+    return list(dict.fromkeys([option.flag, *option.flags]))
+
+
+def option_keys(options: ModelOptions) -> dict[str, str]:
+    """Every name a prompts file's key may use for an option (its name, aliases and flags without dashes) -> the
+    option's name."""
+    keys = {}
+    for option in options:
+        for key in (option.name, *option.aliases, *(f[2:].replace("-", "_") for f in option.flags)):
+            keys[key] = option.name
+    return keys
+
+
+def _option_type(option: Option):
+    if option.kind is tuple:
+        return _block_list
+    if option.kind is list:
+        return _json_list
+    return option.kind
+
+
+def _json_list(text: str) -> list[Any]:
+    """``--prompt-segments '[{"start_window": 0, "text": "..."}]'``."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): give a JSON list of objects") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError("give a JSON list of objects")
+    return value
+
+
+def _default_text(option: Option) -> str:
+    default = option.default
+    if default is None:
+        return "unset"
+    return ",".join(map(str, default)) if isinstance(default, tuple) else repr(default)
+
+
+def add_request_arguments(parser: argparse.ArgumentParser, options: ModelOptions, *, batch: bool) -> None:
+    """The generation options the model declares (``options``), each ``--name`` and its short flags; unset ones
+    take the model's defaults. For ``batch`` they are defaults (a line's own keys win), and there is no
+    ``--prompt``."""
+    group = parser.add_argument_group(f"generation{' defaults (a line’s own keys win)' if batch else ''}: the "
+                                      f"options of {options.model} models (--model), defaults their reference "
+                                      "pipeline's")
+    if not batch:
+        group.add_argument("--prompt", required=True, metavar="TEXT", help="what the video shows")
+    group.add_argument("--seed", type=int, default=None if batch else 0, help="noise seed (default 0)")
+    for option in options:
+        metavar = {str: "TEXT", tuple: "I,J", list: "JSON"}.get(option.kind, option.name.split("_")[-1].upper())
+        group.add_argument(*_flags(option), dest=option.name, type=_option_type(option), default=None,
+                           metavar=metavar, help=f"{option.help}; {option.describe()} (default "
+                                                 f"{_default_text(option)})")
+
+
+def request_from_args(args: argparse.Namespace, options: ModelOptions, **values: Any) -> GenerationRequest:
+    """The request the generation flags set (unset options left for the model's defaults)."""
+    given = {o.name: getattr(args, o.name) for o in options if getattr(args, o.name) is not None}
+    return GenerationRequest.of(**values, **given)
+
+
+def add_media_arguments(parser: argparse.ArgumentParser) -> None:
+    """``generate``'s conditioning media: an image to start from, a clip, or media at frames."""
+    group = parser.add_argument_group(
+        "conditioning media (PNG, JPEG, WebP, GIF, BMP images, MP4, MOV, WebM, MKV, AVI clips)")
+    group.add_argument("--image", metavar="PATH", default=None,
+                       help="image-to-video: the video starts from this image (the model's image-to-video pipeline)")
+    group.add_argument("--video", metavar="PATH", default=None,
+                       help="video-to-video: a clip at frame 0, strength 1 (the condition pipeline's video=); "
+                            "at most --frames frames")
+    group.add_argument("--condition", dest="condition", action="append", default=[], type=_condition_arg,
+                       metavar="PATH@FRAME[:STRENGTH]",
+                       help="an image or clip applied from output frame FRAME on (negative: from the end, -1 is the "
+                            "last frame) with STRENGTH 0..1 (default 1: kept as it is); repeatable "
+                            "(the condition pipeline's conditions)")
+
+
+def parse_condition(text: str) -> tuple[str, int, float]:
+    """``PATH@FRAME[:STRENGTH]`` -> ``(path, frame_index, strength)``; ``ValueError`` if it is not that."""
+    path, at, where = text.rpartition("@")
+    frame, colon, strength = where.partition(":")
+    try:
+        if not at or not path:
+            raise ValueError
+        return path, int(frame), float(strength) if colon else 1.0
+    except ValueError:
+        raise ValueError(f"{text!r} is not PATH@FRAME[:STRENGTH], e.g. clip.mp4@0, last.png@-1 or "
+                         "mid.png@16:0.8") from None
+
+
+def _condition_arg(text: str) -> tuple[str, str, int, float]:
+    try:
+        return (text, *parse_condition(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _block_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of block indices, "
+                                         "e.g. 20,28") from None
+
+
+# -------------------------------------------------------------------------------------- checks before a group
+
+
+def quiet_libraries() -> None:
+    import diffusers.utils.logging as diffusers_logging
+    import transformers
+
+    diffusers_logging.set_verbosity_error()
+    diffusers_logging.disable_progress_bar()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", module=r"(diffusers|transformers)(\.|$)")
+    # NOTE(warnings): torch deprecates all_gather_into_tensor (used by the engine's gather) once per rank;
+    # engine business, not the CLI user's.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed(\.|$)")
+
+
+def _typed_flag(flags: list[str], argv: Sequence[str]) -> str:
+    for flag in flags:
+        if any(arg == flag or arg.startswith(flag + "=") for arg in argv):
+            return flag
+    return flags[0]
+
+
+def field_error(exc: ValueError, options: ModelOptions | None = None, argv: Sequence[str] = ()) -> UsageError:
+    """Prefix a request error with the flag (of those in ``argv``, the one the user typed) that sets the option it
+    names."""
+    message = str(exc)
+    match = re.match(r"(\w+)(\[\])?[=\s]", message)
+    name = match.group(1) if match else None
+    flags = {"prompt": ["--prompt"], "seed": ["--seed"]}
+    if options is not None:
+        flags.update({o.name: _flags(o) for o in options})
+    flag = _typed_flag(flags[name], argv) if name in flags else None
+    return UsageError(f"{flag}: {message}" if flag else message)
+
+
+def options_for(argv: Sequence[str]) -> ModelOptions:
+    """The options of the model ``argv``'s ``--model`` names (config files only), so that the generation flags and
+    their help are that model's. A model that cannot be described gets the default model's: the run itself then
+    reports the folder's error (:func:`model_info`)."""
+    from models.loading import ModelLoadError
+    from models.registry import describe_model
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default=None)
+    known, _ = pre.parse_known_args(list(argv))
+    try:
+        return describe_model(known.model).options
+    except (ModelLoadError, ValueError, OSError):
+        return describe_model(None).options
+
+
+def model_info(config):
+    """The model's family and video geometry from its config files only (no weights), so requests are checked
+    first."""
+    from models.registry import describe_model
+
+    return describe_model(config.model)
+
+
+def check_device(config) -> None:
+    import torch
+
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu")
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """A conditioning file named by a flag or a prompts file's key, not read yet."""
+
+    label: str
+    """What the user wrote, for messages: ``--condition clip.mp4@8``, ``line's conditions[1] (clip.mp4@8)``."""
+    path: Path
+    """Where it is read from (a prompts file's relative paths already resolved)."""
+    kind: str | None = None
+    """``"image"`` or ``"video"`` when the flag or key takes that kind only."""
+    frame_index: int = 0
+    strength: float = 1.0
+
+
+def _read_media(ref: MediaRef, *, max_frames: int | None) -> Condition:
+    from server.http.media import MediaError, MediaLimits, decode_media
+
+    limits = MediaLimits()
+    try:
+        with ref.path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limits.max_bytes:  # refused before it is read
+                raise UsageError(f"{ref.label}: {str(ref.path)!r} is {size} bytes, over the limit of "
+                                 f"{limits.max_bytes}; use a smaller or shorter file")
+            data = f.read()
+    except OSError as exc:
+        raise UsageError(f"{ref.label}: cannot read {str(ref.path)!r}: {exc.strerror or exc}") from exc
+    try:
+        media = decode_media(data, field=ref.label, limits=limits, max_frames=max_frames)
+    except MediaError as exc:
+        raise UsageError(str(exc)) from exc
+    if ref.kind == "image" and media.kind != "image":
+        raise UsageError(f"{ref.label}: is a video ({media.num_frames} frames), not an image; give a clip as the "
+                         "video (video-to-video) or as a condition at a frame")
+    if ref.kind == "video" and media.kind != "video":
+        raise UsageError(f"{ref.label}: is an image, not a video; give it as the image to start from, or as a "
+                         "condition at frame 0")
+    return Condition(media.frames, frame_index=ref.frame_index, strength=ref.strength)
+
+
+def attach_media(request: GenerationRequest, *, image: MediaRef | None = None,
+                 conditions: Sequence[MediaRef] = ()) -> GenerationRequest:
+    """``request`` with its media read and decoded (a clip: at most the request's frames); ``UsageError`` naming the
+    flag or key for a file that cannot be read or is not good media."""
+    frames = request.num_frames
+    max_frames = frames if isinstance(frames, int) and not isinstance(frames, bool) and frames >= 1 else None
+    return replace(request, image=None if image is None else _read_media(image, max_frames=max_frames),
+                   conditions=tuple(_read_media(ref, max_frames=max_frames) for ref in conditions))
+
+
+_MEDIA_FIELD = re.compile(r"(image|conditions)(?:\[(\d+)\])?(\.|:\s*|(?=\s))")
+
+
+def media_error(exc: ValueError, *, image: MediaRef | None = None, conditions: Sequence[MediaRef] = (),
+                conditions_label: str = "conditions", options: ModelOptions | None = None,
+                argv: Sequence[str] = ()) -> UsageError:
+    """A ``check_request`` error about ``image`` or ``conditions[i]`` told with the flag or key (and file) the user
+    gave (``conditions_label`` for the list as a whole); any other error as :func:`field_error`."""
+    message = str(exc)
+    match = _MEDIA_FIELD.match(message)
+    if match is None:
+        return field_error(exc, options, argv)
+    name, index, sep = match.groups()
+    if name == "image":
+        label = image.label if image is not None else "image"
+    elif index is not None and int(index) < len(conditions):
+        label = conditions[int(index)].label
+    else:
+        label = conditions_label
+    # "conditions[1].frame_index=..." -> "<label>: frame_index=..."; a sentence ("image and ...") is kept whole.
+    rest = message[match.end():] if sep.strip() else message
+    return UsageError(f"{label}: {rest}")
+
+
+# ------------------------------------------------------------------------------------------- the leader's side
+
+
+class _Progress:
+    """A tqdm bar on stderr for one job: steps, then "decode"."""
+
+    def __init__(self, label: str, steps: int):
+        from tqdm import tqdm
+
+        self.label = label
+        self.bar = tqdm(total=steps, desc=label, unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
+
+    def control(self):
+        from cp_infer.sampler import SampleControl
+
+        return SampleControl(on_step=self._step, on_phase=self._phase, on_frames=self.frames)
+
+    def _step(self, done: int, total: int, _seconds: float) -> None:
+        self.bar.total = total
+        self.bar.update(done - self.bar.n)
+
+    def _phase(self, phase: str) -> None:
+        if phase in ("decode", "done"):
+            self.bar.set_description(f"{self.label} [{phase}]")
+
+    def frames(self, frames, first: int, total: int) -> None:
+        self.bar.set_description(f"{self.label} [decode {first + len(frames)}/{total} frames]")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@dataclass
+class Generated:
+    """One finished job on the leader."""
+
+    frames: Any = None
+    """uint8 ``[F, H, W, 3]``, or None when the frames were streamed."""
+    audio: Any = None
+    """float ``[C, S]`` waveform of audio-video models, else None."""
+    sample_rate: int | None = None
+    latents: dict[str, Any] | None = None
+    """The final latents (``SampleControl.on_latents``: ``latents``, and ``audio_latents`` for LTX-2), float32
+    arrays in the layout the reference pipeline returns for ``output_type="latent"``."""
+
+
+@dataclass
+class Leader:
+    """Rank 0's side of a CLI run: jobs with a progress bar and their results kept, over the command protocol's
+    leader side (``group``: every job is broadcast before it runs; ``stop`` ends the workers).
+
+    With replica groups (``batch`` only), one ``Leader`` per replica: rank 0's own first, whose ``replicas`` are the
+    others' (``server.group.replicas.RemoteDriver``); each may run a job at the same time as the others, from its own
+    thread."""
+
+    group: GroupDriver
+    replicas: tuple[Leader, ...] = ()
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.group.runtime
+
+    def generate(self, request: GenerationRequest, job_id: str, *, on_frames: Callable[..., None] | None = None,
+                 on_audio: Callable[..., None] | None = None,
+                 on_audio_piece: Callable[..., None] | None = None) -> Generated:
+        """The frames (``None`` with ``on_frames``, called with each decoded piece in order: no rank then holds the
+        whole video), the final latents and, for audio-video models, the soundtrack (also handed to ``on_audio``
+        before the frames; with ``on_audio_piece``, handed to it piece by piece instead, each piece before the frames
+        it plays under, and ``audio`` stays ``None``)."""
+        progress = _Progress(job_id, request.num_inference_steps)
+        result = Generated()
+
+        def keep_audio(waveform, sample_rate: int) -> None:
+            result.audio, result.sample_rate = waveform, sample_rate
+            if on_audio is not None:
+                on_audio(waveform, sample_rate)
+
+        def keep_latents(latents: dict) -> None:
+            result.latents = latents
+
+        control = phases.timed_control(replace(progress.control(), on_audio=keep_audio, on_latents=keep_latents))
+        if on_audio_piece is not None:
+            control = replace(control, on_audio_piece=on_audio_piece)
+        if on_frames is not None:
+            def both(frames, first: int, total: int) -> None:
+                on_frames(frames, first, total)
+                progress.frames(frames, first, total)
+
+            control = replace(control, on_frames=both, collect=False)
+        try:
+            result.frames = self.group.generate(request, job_id, control)
+        finally:
+            progress.close()
+        return result
+
+    def stop(self) -> None:
+        """End the workers of this replica and of every other."""
+        self.group.stop()
+        for other in self.replicas:
+            other.stop()
+
+
+def run_group(config, lead: Callable[[Leader], int]) -> int:
+    """Form the group and load the model on every rank; the leader runs ``lead``, the others follow (another replica
+    group's leader takes rank 0's commands for its replica: ``server.group.replicas.replica_loop``)."""
+    from cp_infer import destroy_parallel
+    from server.group.replicas import RemoteDriver, replica_loop
+    from server.group.runtime import GroupDriver, start_runtime, worker_loop
+
+    runtime = start_runtime(config)
+    try:
+        state = runtime.state
+        if state.leads_replica and not state.is_leader:
+            replica_loop(runtime)
+            return 0
+        if not state.is_leader:
+            worker_loop(runtime, control_for=(lambda _command: phases.timed_control(None)) if phases.enabled()
+                        else None)
+            return 0
+        others = tuple(Leader(RemoteDriver(runtime, r)) for r in range(1, state.replicas))
+        return leader_exit_code(lead(Leader(GroupDriver(runtime), replicas=others)))
+    finally:
+        destroy_parallel(runtime.state)
+        phases.mark("teardown")
+
+
+def result_writer() -> Callable[[Generated, Any, int], Path]:
+    """``write_output`` (frames and soundtrack; into a frames folder also the latents) with its failures (the job
+    itself succeeded) raised as ``WriteError``."""
+    import av
+
+    from cp_infer.video_io import is_frames_dir_target, write_output
+
+    def write(result: Generated, out, fps) -> Path:
+        latents = result.latents if is_frames_dir_target(out) else None
+        try:
+            return write_output(result.frames, out, fps, audio=result.audio, sample_rate=result.sample_rate,
+                                latents=latents)
+        except (OSError, ValueError, av.FFmpegError) as exc:
+            raise WriteError(f"could not write {out}: {type(exc).__name__}: {exc}") from exc
+
+    return write

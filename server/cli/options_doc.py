@@ -1,0 +1,84 @@
+"""The README's option tables, generated from the models' declarations (``cp_infer.options``).
+
+``python -m server.cli.options_doc`` rewrites each table of README.md between its markers
+(``<!-- options:FAMILY -->`` ... ``<!-- /options:FAMILY -->``); ``--check`` exits 1 if one is stale, and a test runs
+that check, so the README cannot drift from the declarations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from cp_infer.options import ModelOptions, Option
+
+__all__ = ["FAMILIES", "options_table", "render_readme"]
+
+# The families whose tables the README shows; a real-size LTX-2 has 48 blocks (the table's range for
+# spatio_temporal_guidance_blocks).
+FAMILIES = ("ltx-video", "ltx2")
+_README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _options(family: str) -> ModelOptions:
+    from models.registry import model_options
+
+    return model_options(family, layers=48)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _default(option: Option) -> str:
+    if option.default is None:
+        return "unset"
+    if isinstance(option.default, tuple):
+        return "[" + ", ".join(map(str, option.default)) + "]"
+    return f"`{option.default!r}`" if isinstance(option.default, str) else f"`{option.default}`"
+
+
+def options_table(options: ModelOptions) -> str:
+    """A markdown table: the request name (HTTP field, batch key), the CLI flags, the accepted values (a limit named
+    where the deployment caps it), the default and the help."""
+    rows = ["| option (HTTP, batch) | CLI | accepts | default | |", "|---|---|---|---|---|"]
+    for o in options:
+        names = ", ".join(f"`{n}`" for n in (o.name, *o.aliases))
+        flags = ", ".join(f"`{f}`" for f in dict.fromkeys((o.flag, *o.flags)))
+        accepts = o.describe() + (f" (the server's `--{o.limit.replace('_', '-')}`)" if o.limit else "")
+        rows.append(f"| {names} | {flags} | {_cell(accepts)} | {_default(o)} | {_cell(o.help)} |")
+    return "\n".join(rows)
+
+
+def render_readme(text: str) -> str:
+    """``text`` with every options table regenerated."""
+    for family in FAMILIES:
+        name = re.escape(family)
+        pattern = re.compile(rf"(<!-- options:{name} -->\n)(?:.*?\n)?(<!-- /options:{name} -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"README has no <!-- options:{family} --> ... <!-- /options:{family} --> markers")
+        table = options_table(_options(family))
+        text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m server.cli.options_doc", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if README.md's tables are stale")
+    parser.add_argument("--readme", type=Path, default=_README)
+    args = parser.parse_args(argv)
+    text = args.readme.read_text(encoding="utf-8")
+    rendered = render_readme(text)
+    if args.check:
+        if rendered != text:
+            print(f"{args.readme}: the option tables are stale; run python -m server.cli.options_doc", file=sys.stderr)
+            return 1
+        return 0
+    args.readme.write_text(rendered, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""One rank's runtime: the parallel state and the loaded, parallelised model, plus the leader->worker loop.
+
+Invariants:
+- Every rank of the group builds the same ``Runtime`` (same model folder, dtype, limits) and then runs the
+  same sequence of commands; only the leader (global rank 0) decides what the next command is, and it is
+  broadcast over the gloo CPU group as a server-built ``Command`` (never client bytes: broadcast is pickle).
+- Both sides of the protocol live here: :class:`GroupDriver` is the leader's (the CLI's ``Leader`` and the
+  server's ``GroupLeader`` both send every command through it), :func:`worker_loop` the other ranks'. Each
+  command is one broadcast followed by the same collectives on every rank: ``generate`` the sampler's, ``ping``
+  one all-reduce, ``stop`` and ``idle`` none.
+- ``Command("ping")`` is the heartbeat that every rank answers with one all-reduce, so the leader learns that the
+  whole group is alive; a leader waiting for work sends one at least every ``heartbeat_s``, so workers never sit
+  in a broadcast longer than the collective timeout. ``Command("idle")`` is a heartbeat that needs no answer.
+- Fault injection (tests only) is read from ``$CP_INFER_TEST_FAULT`` by :func:`worker_loop` and by the server's
+  leader, and acts only through a :class:`SampleControl` hook, so it follows the same agreed-status path as a
+  real failure. Unset, it costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from cp_infer import ParallelConfig, ParallelState, all_reduce_max_int, broadcast_object, init_parallel, warmup
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, resolve_frames_per_rank
+from cp_infer.request import GenerationLimits, GenerationRequest
+from cp_infer.sampler import DenoiseModel, SampleControl, StepStatus, sample
+from models.loading import parse_dtype, resolve_model
+from models.registry import open_model
+from server.group import phases
+
+__all__ = [
+    "FAULT_ENV",
+    "Command",
+    "FaultRule",
+    "GroupDriver",
+    "Runtime",
+    "RuntimeConfig",
+    "parse_faults",
+    "start_runtime",
+    "with_faults",
+    "worker_loop",
+]
+
+log = logging.getLogger("cp_infer.runtime")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What every rank needs to load the same model the same way."""
+
+    model: str | None = None
+    """A local diffusers-format LTX-Video or LTX-2 folder, or an embedded default's name (``tiny-ltx-video``,
+    ``tiny-ltx2``); ``None`` serves tiny-ltx-video."""
+    dtype: str = "fp32"
+    """``fp32``, ``bf16`` or ``fp16`` for the transformer, text encoder and VAE."""
+    device: str | None = None
+    """``cpu`` or ``cuda``; ``None`` picks ``cuda:LOCAL_RANK`` when CUDA exists."""
+    timeout_s: float = 120.0
+    """Collective timeout: a rank that stops answering fails the group after this long."""
+    limits: GenerationLimits = field(default_factory=GenerationLimits)
+    decode_frames_per_rank: int | str | None = DEFAULT_FRAMES_PER_RANK
+    """Latent frames each rank decodes per streamed round (decode memory and time to first frame grow with it);
+    ``"auto"``: by frame size (``cp_infer.decode.resolve_frames_per_rank``); ``None``: the whole video in one
+    round."""
+    guidance_degree: int | None = None
+    """Ranks a step's guidance passes are spread over (``cp_infer.mesh``); ``None``: 1."""
+    ulysses_degree: int | None = None
+    """Ranks each pass's sequences are sharded over; ``None``: the world divided by the guidance degree."""
+    compile_blocks: bool = False
+    """``torch.compile`` each transformer block (``models.registry.compile_transformer_blocks``): the first request
+    of each shape pays the compile, later ones run the compiled block."""
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        ParallelConfig(guidance_degree=self.guidance_degree, ulysses_degree=self.ulysses_degree)  # raises if < 1
+        resolve_frames_per_rank(self.decode_frames_per_rank, height=1, width=1)  # raises on a bad setting
+
+
+@dataclass(frozen=True)
+class Command:
+    """What the leader tells every rank to do next."""
+
+    kind: str
+    """``generate``, ``idle`` (heartbeat), ``ping`` (heartbeat answered by one all-reduce) or ``stop``."""
+    request: GenerationRequest | None = None
+    job_id: str | None = None
+    resume: tuple[int, dict[str, np.ndarray]] | None = None
+    """``generate``: the checkpoint the job goes on from (``SampleControl.resume``; saved by an earlier run)."""
+
+
+@dataclass
+class Runtime:
+    config: RuntimeConfig
+    state: ParallelState
+    model: DenoiseModel
+    """``LTXVideoModel`` or ``LTX2Model`` (``models.registry.open_model``)."""
+
+    def generate(self, request: GenerationRequest, control: SampleControl | None = None) -> np.ndarray | None:
+        """Sample ``request`` on this rank; every rank of the group must call it with the same request."""
+        return sample(self.model, request, state=self.state, limits=self.config.limits, control=control)
+
+
+class GroupDriver:
+    """The leader's side of the command protocol: each method broadcasts one :class:`Command` and then runs rank
+    0's part of it, which every other rank runs in :func:`worker_loop`."""
+
+    local = True
+    """The group is this process's own (rank 0's fault rules apply to its jobs; ``server.group.replicas.RemoteDriver``
+    drives another replica's)."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.jobs_sent = 0
+        """``generate`` commands broadcast so far (the server's ``/metrics`` shows them)."""
+
+    def generate(self, request: GenerationRequest, job_id: str, control: SampleControl | None = None
+                 ) -> np.ndarray | None:
+        """Run ``request`` on the whole group: rank 0's frames (``None`` with ``control.collect=False``). Raises as
+        :meth:`Runtime.generate`; ``JobCancelled`` and ``JobFailed`` leave every rank in step. ``control.resume``
+        goes to every rank with the command."""
+        resume = None if control is None else control.resume
+        broadcast_object(Command("generate", request=request, job_id=job_id, resume=resume),
+                         state=self.runtime.state)
+        self.jobs_sent += 1
+        return self.runtime.generate(request, control)
+
+    def ping(self) -> None:
+        """A heartbeat round trip: returns once every rank has answered."""
+        broadcast_object(Command("ping"), state=self.runtime.state)
+        all_reduce_max_int(0, state=self.runtime.state)
+
+    def stop(self) -> None:
+        """End every worker's loop; no command may follow."""
+        broadcast_object(Command("stop"), state=self.runtime.state)
+
+
+def start_runtime(config: RuntimeConfig) -> Runtime:
+    """Join the torchrun group (or run alone), load the model, warm the collectives up."""
+    state = init_parallel(ParallelConfig(device=config.device, timeout_s=config.timeout_s,
+                                         guidance_degree=config.guidance_degree, ulysses_degree=config.ulysses_degree))
+    phases.mark("rendezvous and groups")
+    path = resolve_model(config.model)
+    model = open_model(path, dtype=config.dtype, state=state, compile_blocks=config.compile_blocks)
+    model.decode_frames_per_rank = config.decode_frames_per_rank
+    phases.mark("load")
+    warmup(state)
+    phases.mark("warm-up")
+    if state.is_leader:
+        log.info("loaded %s on %d rank(s) (guidance %d x Ulysses %d), device %s, dtype %s", path, state.world_size,
+                 state.guidance_size, state.cp_size, state.device, config.dtype)
+    return Runtime(config=config, state=state, model=model)
+
+
+FAULT_ENV = "CP_INFER_TEST_FAULT"
+
+
+@dataclass(frozen=True)
+class FaultRule:
+    """One injected fault, e.g. ``rank=1,step=2,kind=raise,prompt=boom`` (tests only).
+
+    ``kind``: ``raise`` (an exception in the step poll, or in the decoded-frames hook with ``step=decode``), ``kill``
+    (SIGKILL to this process), ``exit`` (``os._exit(3)``) or ``sleep`` (``seconds`` per matching step).
+    ``rank`` and ``step`` may be ``*``; ``prompt`` is a substring the job's prompt must contain.
+    """
+
+    kind: str
+    rank: int | None = None
+    step: int | str | None = None
+    """A step index, ``"decode"`` (rank 0 only: the phase after the gather) or ``None`` for every step."""
+    prompt: str = ""
+    seconds: float = 0.0
+    once: str = ""
+    """A marker file's path: the rule fires only while the file does not exist, and creates it when it does (so a
+    fault fires once across restarts of the group)."""
+
+    def matches(self, rank: int, prompt: str) -> bool:
+        return (self.rank is None or self.rank == rank) and self.prompt in prompt
+
+    def fire(self, where: str) -> None:
+        if self.kind == "sleep":
+            time.sleep(self.seconds)
+            return
+        if self.once:
+            try:
+                os.close(os.open(self.once, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return
+        log.warning("injecting fault %s at %s (pid %d)", self, where, os.getpid())
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault at {where}")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+
+
+def parse_faults(text: str | None) -> tuple[FaultRule, ...]:
+    """``"rank=1,step=2,kind=raise;rank=0,step=decode,kind=raise,prompt=x"`` -> rules (empty text: none)."""
+    rules = []
+    for part in (text or "").split(";"):
+        if not part.strip():
+            continue
+        fields = dict(item.split("=", 1) for item in part.split(",") if item.strip())
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        unknown = set(fields) - {"kind", "rank", "step", "prompt", "seconds", "once"}
+        if unknown or fields.get("kind") not in ("raise", "kill", "exit", "sleep"):
+            raise ValueError(f"{FAULT_ENV}: cannot parse {part!r}; expected e.g. 'rank=1,step=2,kind=raise'")
+        rank = fields.get("rank", "*")
+        step = fields.get("step", "*")
+        rules.append(FaultRule(
+            kind=fields["kind"], rank=None if rank == "*" else int(rank),
+            step=None if step == "*" else (step if step == "decode" else int(step)),
+            prompt=fields.get("prompt", ""), seconds=float(fields.get("seconds", 0.0)), once=fields.get("once", "")))
+    return tuple(rules)
+
+
+def with_faults(control: SampleControl | None, request: GenerationRequest, *, rank: int,
+                rules: tuple[FaultRule, ...]) -> SampleControl | None:
+    """``control`` with the matching fault rules wrapped around its ``poll`` and ``on_frames`` hooks.
+
+    Step rules fire in ``poll`` (so the sampler turns a raise into an agreed error); ``step=decode`` rules fire
+    in ``on_frames``, which only the rank that assembles the video (group rank 0) receives.
+    """
+    active = [r for r in rules if r.matches(rank, request.prompt)]
+    if not active:
+        return control
+    control = control or SampleControl()
+    base_poll, base_frames = control.poll, control.on_frames
+
+    def poll(i: int):
+        for rule in active:
+            if rule.step is None or rule.step == i:
+                rule.fire(f"step {i} on rank {rank}")
+        return base_poll(i) if base_poll else StepStatus.OK
+
+    def on_frames(frames, first: int, total: int) -> None:
+        if base_frames:
+            base_frames(frames, first, total)
+        for rule in active:
+            if rule.step == "decode":
+                rule.fire(f"decode on rank {rank}")
+
+    return replace(control, poll=poll, on_frames=on_frames)
+
+
+def worker_loop(runtime: Runtime, *, control_for: Callable[[Command], SampleControl | None] | None = None) -> None:
+    """Non-leader ranks: follow the leader's commands until ``stop``. Failures of a job end that job only."""
+    from cp_infer.sampler import JobCancelled, JobFailed
+
+    faults = parse_faults(os.environ.get(FAULT_ENV))
+    while True:
+        command: Command = broadcast_object(None, state=runtime.state)
+        if command.kind == "stop":
+            return
+        if command.kind == "ping":
+            all_reduce_max_int(0, state=runtime.state)
+            continue
+        if command.kind != "generate":
+            continue
+        control = control_for(command) if control_for else None
+        if command.resume is not None:
+            control = replace(control or SampleControl(), resume=command.resume)
+        control = with_faults(control, command.request, rank=runtime.state.rank, rules=faults)
+        try:
+            runtime.generate(command.request, control)
+        except (JobCancelled, JobFailed) as exc:
+            log.info("job %s ended on rank %d: %s", command.job_id, runtime.state.rank, exc)

@@ -1,0 +1,159 @@
+"""The HTTP front end (rank 0): ``create_app(config, engine)`` builds the FastAPI app around an engine (a group
+leader).
+
+Invariants:
+- The app never touches the process group: it reads and writes the engine's job store, and the engine's
+  leader thread alone talks to the other ranks. ``lifespan`` starts and stops that thread.
+- The routers (``server.http.health``, ``server.http.videos``, ``server.http.playground``) are declared at module
+  level; a route
+  reaches the engine (``app.state.engine``, a :class:`server.http.engine.Engine`) and this config (``app.state.config``)
+  through the dependencies :func:`server.http.engine.get_engine` and
+  :func:`server.http.config.get_app_config`.
+- With an API key, one ASGI middleware in front of every route (FastAPI's own docs routes included) checks
+  the bearer token with ``hmac.compare_digest``; only ``/health`` is exempt, and the playground page's own static
+  files
+  (``server.http.playground.PageFiles``, in front of the guard and not routes). Bodies over the cap are refused with
+  413, from their Content-Length before they are read, and while streaming otherwise.
+- Every error is a 4xx/5xx JSON ``{"error": {"code", "message", "param"}}``; nothing fails with 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.http import health, playground, videos
+from server.http.config import AppConfig
+from server.http.engine import Engine
+from server.http.schemas import ApiError
+
+__all__ = ["AppConfig", "create_app"]
+
+_PUBLIC_PATHS = frozenset({"/health"})
+
+
+def _error_response(status: int, code: str, message: str, param: str | None = None,
+                    headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(ApiError(status, code, message, param).body(), status_code=status, headers=headers)
+
+
+class _GuardMiddleware:
+    """Authentication and the body-size cap, as plain ASGI so that no route (or 404) can bypass them."""
+
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope["path"] not in _PUBLIC_PATHS:
+            auth = headers.get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                response = _error_response(401, "invalid_api_key", "missing or wrong API key; send the header "
+                                           "'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        if scope["type"] == "http":
+            length = headers.get(b"content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+                response = _error_response(413, "request_too_large", f"the body is {length.decode(errors='replace')}"
+                                           f" bytes; the limit is {self.max_body_bytes} bytes")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        app.state.rejected[exc.status] = app.state.rejected.get(exc.status, 0) + 1
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return _error_response(exc.status_code, codes.get(exc.status_code, "http_error"), detail,
+                               headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        param = str(err["loc"][-1]) if err.get("loc") else None
+        app.state.rejected[400] = app.state.rejected.get(400, 0) + 1
+        return _error_response(400, "invalid_value", f"{param}: {err['msg']}", param)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(500, "internal_error", f"{type(exc).__name__}: the server failed; see its log")
+
+
+def _derive_openapi(app: FastAPI, engine: Engine) -> None:
+    """The OpenAPI document with the create body of the served model: its declared options as fields."""
+    from fastapi.openapi.utils import get_openapi
+
+    from server.http.schemas import params_model
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            body = schema["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]
+            body["schema"] = params_model(engine.options).model_json_schema()
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def create_app(config: AppConfig, engine: Engine) -> FastAPI:
+    """The FastAPI app over ``engine`` (a :class:`server.group.leader.GroupLeader`, or any other :class:`Engine`)."""
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        recovered = engine.store.recover()
+        if recovered:
+            app.state.recovered = recovered
+        engine.start()
+        try:
+            yield
+        finally:
+            app.state.shutting_down = True
+            await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="cp-infer", version="0.1.0", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.config = config
+    app.state.rejected = {}
+    app.state.shutting_down = False
+    app.state.recovered = []
+    _install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(videos.router)
+    app.include_router(playground.router)
+    _derive_openapi(app, engine)
+    # Routes cap their own bodies (those that carry media higher); the guard only stops what no route takes.
+    app.add_middleware(_GuardMiddleware, api_key=config.api_key,
+                       max_body_bytes=config.max_body_bytes + 2 * config.max_upload_bytes)
+    if config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        # Outside the guard: a browser's preflight carries no token; the real request still needs one.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Video-Id"])
+    # The page's own files answer before the guard: a browser cannot send a token when it navigates.
+    app.add_middleware(playground.PageFiles)
+    return app

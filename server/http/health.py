@@ -1,0 +1,91 @@
+"""``/health``, ``/ready`` and ``/metrics``: whether the process lives, whether the worker group answers, and the
+Prometheus counters.
+
+Invariants:
+- Only ``/health`` is public (``server.http.app``'s guard exempts it); it touches nothing.
+- ``/ready`` and ``/metrics`` read the engine's state (:class:`server.http.engine.Engine`); neither waits on the group.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from server.http.engine import Engine, EngineDep
+from server.http.schemas import ApiError
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health")
+async def health() -> dict:
+    """The process lives (no authentication)."""
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(engine: EngineDep) -> JSONResponse:
+    """The worker group is up and answered the last heartbeat collective (or is running a job)."""
+    ok, reason = engine.ready()
+    body = {"status": "ready" if ok else "not_ready", "reason": reason, "world_size": engine.world_size,
+            "heartbeat_rtt_ms": None if engine.last_ping_rtt_s is None else round(engine.last_ping_rtt_s * 1e3, 3),
+            "replicas": engine.replica_status()}
+    if ok:
+        return JSONResponse(body)
+    return JSONResponse({**ApiError(503, "not_ready", reason).body(), **body}, status_code=503,
+                        headers={"Retry-After": "5"})
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request, engine: EngineDep) -> PlainTextResponse:
+    """Prometheus text format."""
+    return PlainTextResponse(_metrics_text(engine, request.app.state.rejected), media_type="text/plain; version=0.0.4")
+
+
+def _metrics_text(engine: Engine, rejected: dict[int, int]) -> str:
+    store = engine.store
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[str]) -> None:
+        lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
+
+    metric("cp_infer_queue_depth", "gauge", "Jobs waiting to run.", [f"cp_infer_queue_depth {store.queue_depth()}"])
+    metric("cp_infer_jobs", "gauge", "Jobs in the store by state.",
+           [f'cp_infer_jobs{{state="{s}"}} {n}' for s, n in store.counts().items()])
+    metric("cp_infer_jobs_finished_total", "counter", "Jobs this leader ended, by final state.",
+           [f'cp_infer_jobs_finished_total{{state="{s}"}} {n}' for s, n in engine.jobs_done.items()])
+    metric("cp_infer_requests_broadcast_total", "counter", "Validated requests the leader broadcast to the group.",
+           [f"cp_infer_requests_broadcast_total {engine.broadcasts}"])
+    metric("cp_infer_requests_rejected_total", "counter", "Requests refused by the front end, by status code.",
+           [f'cp_infer_requests_rejected_total{{code="{c}"}} {n}' for c, n in sorted(rejected.items())])
+    metric("cp_infer_step_seconds", "histogram", "Denoising step latency on rank 0.",
+           engine.step_seconds.lines("cp_infer_step_seconds"))
+    metric("cp_infer_generation_seconds", "histogram", "Time from broadcast to a written video.",
+           engine.generation_seconds.lines("cp_infer_generation_seconds"))
+    ok, _ = engine.ready()
+    metric("cp_infer_group_ready", "gauge", "1 when the worker group answers.", [f"cp_infer_group_ready {int(ok)}"])
+    metric("cp_infer_group_world_size", "gauge", "Ranks in the group.",
+           [f"cp_infer_group_world_size {engine.world_size or 0}"])
+    metric("cp_infer_group_restarts", "gauge", "torchrun restarts of the group so far.",
+           [f"cp_infer_group_restarts {engine.restart_count}"])
+    rtt = engine.last_ping_rtt_s
+    metric("cp_infer_heartbeat_rtt_seconds", "gauge", "Round trip of the last heartbeat collective.",
+           [f"cp_infer_heartbeat_rtt_seconds {rtt if rtt is not None else 'NaN'}"])
+    replicas = engine.replica_status()
+    metric("cp_infer_replicas", "gauge", "Replica groups the front end dispatches jobs to.",
+           [f"cp_infer_replicas {len(replicas)}"])
+    metric("cp_infer_replica_ready", "gauge", "1 when the replica group answers.",
+           [f'cp_infer_replica_ready{{replica="{r["replica"]}"}} {int(r["ready"])}' for r in replicas])
+    metric("cp_infer_replica_busy", "gauge", "1 while the replica group runs a job.",
+           [f'cp_infer_replica_busy{{replica="{r["replica"]}"}} {int(r["job"] is not None)}' for r in replicas])
+    metric("cp_infer_replica_ranks", "gauge", "Ranks in the replica group.",
+           [f'cp_infer_replica_ranks{{replica="{r["replica"]}"}} {len(r["ranks"])}' for r in replicas])
+    metric("cp_infer_replica_jobs_finished_total", "counter", "Jobs each replica group ended, by final state.",
+           [f'cp_infer_replica_jobs_finished_total{{replica="{r["replica"]}",state="{s}"}} {n}'
+            for r in replicas for s, n in r["jobs_finished"].items()])
+    metric("cp_infer_replica_heartbeat_rtt_seconds", "gauge", "Round trip of the replica's last heartbeat.",
+           [f'cp_infer_replica_heartbeat_rtt_seconds{{replica="{r["replica"]}"}} '
+            f'{"NaN" if r["heartbeat_rtt_ms"] is None else r["heartbeat_rtt_ms"] / 1e3}' for r in replicas])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,81 @@
+"""The playground: one page at ``GET /`` (``server/playground/``: plain HTML, CSS and JS, no build step, nothing from
+another origin) that drives the ``/v1/videos`` API from a browser, and ``GET /playground/options``, the served
+model's declared options with this deployment's ranges, which the page builds its form from.
+
+Invariants:
+- The page's files (:data:`PAGES`) are public: a browser's navigation cannot send a bearer token, and they hold
+  nothing of the server's. :class:`PageFiles` serves them in front of the API key guard, and only them (exact
+  paths, GET/HEAD); every request the page makes goes through the guard like any other client's. The page asks for
+  the key when the API answers 401 and sends it only to relative, same-origin URLs; no CORS opening is added.
+- A Content-Security-Policy of ``'self'`` (plus the page's own ``blob:`` media) is sent with every page file, so
+  the page can load and reach nothing but this server.
+- ``/playground/options`` is derived from the model's option declaration and the deployment's limits, as the
+  OpenAPI document is; the page holds no list of options of its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter
+from starlette.responses import FileResponse
+
+from server.http.engine import EngineDep
+
+__all__ = ["PAGES", "PageFiles", "router"]
+
+_DIR = Path(__file__).resolve().parent / "playground"
+PAGES: dict[str, tuple[str, str]] = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/playground/playground.js": ("playground.js", "text/javascript; charset=utf-8"),
+    "/playground/playground.css": ("playground.css", "text/css; charset=utf-8"),
+}
+"""URL path -> (file in ``server/playground/``, media type)."""
+
+_HEADERS = {
+    "Cache-Control": "no-cache",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' blob: data:; media-src 'self' blob:; "
+                               "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
+}
+_KINDS = {int: "integer", float: "number", str: "string", bool: "boolean", tuple: "integers", list: "objects"}
+
+
+class PageFiles:
+    """ASGI middleware: answers GET/HEAD of the playground's files (:data:`PAGES`), passes everything else on."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        page = PAGES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if page is None or scope["method"] not in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        name, media_type = page
+        await FileResponse(_DIR / name, media_type=media_type, headers=_HEADERS)(scope, receive, send)
+
+
+router = APIRouter(prefix="/playground", tags=["playground"])
+
+
+@router.get("/options")
+async def playground_options(engine: EngineDep) -> dict:
+    """The served model's options (name, type, default, inclusive range under this deployment's limits, help) and
+    what the page needs to show a length: the frame geometry (``null`` until the model is loaded)."""
+    limits = engine.limits
+    options = []
+    for option in engine.options:
+        lo, hi = option.bounds(limits)
+        default = list(option.default) if isinstance(option.default, tuple) else option.default
+        options.append({"name": option.name, "type": _KINDS[option.kind], "default": default, "minimum": lo,
+                        "maximum": hi, "multiple_of": option.multiple_of, "nullable": option.nullable,
+                        "help": option.help, "accepts": option.describe(limits)})
+    geometry = engine.geometry
+    return {
+        "model": engine.served_model,
+        "options": options,
+        "max_prompt_chars": limits.max_prompt_chars,
+        "temporal_compression": geometry.temporal_compression if geometry else None,
+        "spatial_step": geometry.spatial_step if geometry else None,
+    }

@@ -1,0 +1,185 @@
+"""The FastAPI app in process, over a stub engine (no worker group): the engine protocol both the stub and the
+group leader implement, authentication of every route, CORS, and the pure request arithmetic. The real server is
+exercised by the other test_server_* modules."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+from typing_extensions import get_protocol_members
+
+from cp_infer.request import GenerationLimits
+from cp_infer.shapes import VideoGeometry
+from models.ltx_video_options import ltx_video_options
+from server.group.jobs import JobStore
+from server.group.leader import GroupLeader, Histogram, LeaderConfig
+from server.http.app import AppConfig, create_app
+from server.http.engine import Engine
+from server.http.schemas import frames_for_seconds
+from server.outputs.streaming import VideoStream
+
+KEY = "unit-test-key-0123456789"
+
+
+class StubEngine:
+    """An :class:`Engine` that never runs a job."""
+
+    def __init__(self, data_dir):
+        self.store = JobStore(data_dir, max_queue=4)
+        self.limits = GenerationLimits()
+        self.geometry = VideoGeometry()
+        self.options = ltx_video_options()
+        self.served_model = "tiny-ltx-video"
+        self.keep_frames = False
+        self.world_size, self.last_ping_rtt_s, self.broadcasts, self.restart_count = 2, 0.001, 0, 0
+        self.jobs_done = {"completed": 0, "failed": 0, "cancelled": 0}
+        self.step_seconds = Histogram((0.1, 1.0))
+        self.generation_seconds = Histogram((1.0, 10.0))
+
+    def ready(self):
+        return True, "idle"
+
+    def replica_status(self):
+        return [{"replica": 0, "ranks": [0, 1], "ready": True, "reason": "idle", "job": None,
+                 "heartbeat_rtt_ms": 1.0, "jobs_finished": dict(self.jobs_done)}]
+
+    def retry_after_s(self) -> int:
+        return 1
+
+    def submit_streamed(self, request, *, model: str):
+        job = self.store.submit(request, model=model)
+        return job, VideoStream(job.id)
+
+    def release_stream(self, job_id: str) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def _stub(data_dir) -> Engine:
+    engine: Engine = StubEngine(data_dir)  # a type checker holds the stub to the protocol here
+    return engine
+
+
+def test_the_stub_and_the_group_leader_implement_the_engine_protocol(tmp_path):
+    from server.group.runtime import RuntimeConfig
+
+    members = get_protocol_members(Engine)
+    # What the app reads (server/health.py, server/videos.py): a protocol that lost one would let the app use
+    # the leader's other attributes unchecked.
+    assert {"store", "ready", "submit_streamed", "keep_frames", "geometry", "broadcasts", "start", "stop"} <= members
+    leader = GroupLeader(LeaderConfig(runtime=RuntimeConfig(), data_dir=tmp_path / "leader"),
+                         JobStore(tmp_path / "leader", max_queue=2), exit_on_fatal=False)  # not started
+    for engine in (_stub(tmp_path / "stub"), leader):
+        missing = sorted(m for m in members if not hasattr(engine, m))
+        assert not missing, f"{type(engine).__name__} lacks {missing}"
+        assert isinstance(engine, Engine)
+        for name in members:
+            declared = getattr(Engine, name)
+            # A property of the protocol is data on the implementation too, a method a method.
+            assert callable(getattr(engine, name)) != isinstance(declared, property), (type(engine).__name__, name)
+    assert leader.broadcasts == 0 and leader.keep_frames is False
+    leader.store.close()
+
+
+def _flatten(routes):
+    """Every route with a path; FastAPI >= 0.16x keeps an included router as one entry of ``app.routes``."""
+    for route in routes:
+        if hasattr(route, "effective_candidates"):
+            yield from _flatten(route.effective_candidates())
+        elif hasattr(route, "path"):
+            yield route
+        else:
+            raise AssertionError(f"cannot enumerate {route!r}: the test must learn this kind of route")
+
+
+def _requests(app):
+    """One request per (route, method) of the app, path parameters filled with a well-formed id."""
+    for route in _flatten(app.routes):
+        path = re.sub(r"\{[^}]+\}", "video_" + "0" * 32, route.path)
+        for method in sorted(getattr(route, "methods", None) or {"GET"}):
+            yield route.path, method, path
+
+
+def test_every_route_but_health_needs_the_api_key(tmp_path):
+    app = create_app(AppConfig(api_key=KEY), _stub(tmp_path))
+    paths = {route.path for route in _flatten(app.routes)}
+    # FastAPI's own routes are there too: the guard must cover them as well.
+    assert {"/docs", "/openapi.json", "/v1/videos", "/v1/videos/{video_id}/content", "/metrics"} <= paths
+    with TestClient(app) as anonymous, TestClient(app, headers={"Authorization": f"Bearer {KEY}"}) as keyed:
+        checked = 0
+        for route_path, method, path in _requests(app):
+            r = anonymous.request(method, path)
+            if route_path == "/health":
+                assert r.status_code == 200, (method, path)
+            else:
+                assert r.status_code == 401, (method, path, r.status_code)
+                assert method == "HEAD" or r.json()["error"]["code"] == "invalid_api_key"
+                # With the key the same request gets past the guard (to a 2xx, 4xx of its own, never 401).
+                assert keyed.request(method, path).status_code != 401, (method, path)
+            checked += 1
+        assert checked >= 12
+
+
+def test_without_a_key_nothing_asks_for_one(tmp_path):
+    app = create_app(AppConfig(), _stub(tmp_path))
+    with TestClient(app) as client:
+        for _, method, path in _requests(app):
+            assert client.request(method, path).status_code != 401, (method, path)
+
+
+def test_no_cors_unless_configured(tmp_path):
+    origin = {"Origin": "https://example.com"}
+    with TestClient(create_app(AppConfig(), _stub(tmp_path / "a"))) as client:
+        assert "access-control-allow-origin" not in client.get("/health", headers=origin).headers
+    app = create_app(AppConfig(api_key=KEY, cors_origins=("https://example.com",)), _stub(tmp_path / "b"))
+    with TestClient(app) as client:
+        preflight = client.options("/v1/videos", headers={**origin, "Access-Control-Request-Method": "POST"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://example.com"
+        assert client.get("/v1/videos", headers=origin).status_code == 401  # CORS is not authentication
+
+
+def test_jobs_survive_a_new_store_and_running_ones_run_again(tmp_path):
+    """A new leader puts the job that was running back at the head of the queue, with its checkpoint, until it has
+    been started MAX_ATTEMPTS times; then it fails it. Queued jobs stay queued, in order; a job that ends keeps no
+    checkpoint."""
+    import numpy as np
+
+    from cp_infer.request import GenerationRequest, resolve_request
+    from server.group.jobs import MAX_ATTEMPTS
+
+    store = JobStore(tmp_path, max_queue=4)
+    a, b = (store.submit(resolve_request(GenerationRequest(prompt=p), ltx_video_options()), model="m")
+            for p in ("first", "second"))
+    assert store.claim_next(timeout=0).id == a.id
+    store.save_checkpoint(a.id, 2, {"latents": np.ones((1, 2, 3), dtype=np.float32)})
+    store.set_window(a.id, 2, 5)
+    for attempt in range(1, MAX_ATTEMPTS):
+        store.close()
+        store = JobStore(tmp_path, max_queue=4)
+        assert store.recover() == [a.id]
+        job = store.get(a.id)
+        assert job.status == "queued" and job.attempts == attempt and (job.window, job.windows) == (2, 5)
+        assert store.claim_next(timeout=0).id == a.id, "the interrupted job runs before the ones queued after it"
+        passes, arrays = store.load_checkpoint(a.id)
+        assert passes == 2 and arrays["latents"].shape == (1, 2, 3)
+    store.close()
+    store = JobStore(tmp_path, max_queue=4)
+    assert store.recover() == [a.id]
+    job = store.get(a.id)
+    assert job.status == "failed" and job.error_code == "worker_group_restarted", job
+    assert store.load_checkpoint(a.id) is None
+    assert store.claim_next(timeout=0).id == b.id
+    assert store.get(b.id).public()["window"] is None
+
+
+@pytest.mark.parametrize("seconds,fps,frames", [(4, 24, 97), (0.7, 24, 17), (0.01, 24, 1), (5, 8, 41), (1, 12, 9)])
+def test_seconds_become_the_nearest_valid_frame_count(seconds, fps, frames):
+    assert frames_for_seconds(seconds, fps, 8) == frames

@@ -1,0 +1,113 @@
+"""The import graph, read from the code (every ``import`` statement, those inside functions and under
+``TYPE_CHECKING`` too): no cycle anywhere in ``cp_infer/``, ``models/``, ``server/`` and ``bench/``, and every import
+points downward through the layers ``bench -> server.cli -> server.http -> server.group -> server.outputs -> models ->
+cp_infer``. A cycle means two modules are one concept or a third is missing; an upward import means a wing knows
+what sits above it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("cp_infer", "models", "server", "bench")
+# Lowest layer first; a module belongs to the longest prefix that names it.
+LAYERS = ("cp_infer", "models", "server.outputs", "server.group", "server.http", "server.cli", "bench")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project's modules that ``name`` imports (``from a import b`` counts ``a.b`` where that is a module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            heads = [alias.name for alias in node.names]
+            subs: list[str] = []
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            subs = [f"{base}.{alias.name}" for alias in node.names]
+            # `from a import b, c` of submodules b and c imports those; the package a only for its own names.
+            heads = [base] if any(sub not in modules for sub in subs) else []
+        else:
+            continue
+        for target in [*heads, *subs]:
+            while target and target not in modules:  # `import a.b.c` imports the module a.b.c; an attribute: its module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                targets.add(target)
+    return targets
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _layer(module: str) -> int:
+    return max(i for i, layer in enumerate(LAYERS) if module == layer or module.startswith(layer + ".")) \
+        if any(module == layer or module.startswith(layer + ".") for layer in LAYERS) else len(LAYERS)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components with more than one module (or a module importing itself)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_is_read_from_the_code():
+    graph = _graph()
+    assert "server.http.videos" in graph["server.http.app"]  # a plain `from server.http import videos`
+    assert "models.geometry" in graph["models.ltx2"]  # a relative import
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle():
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles (each a strongly connected set of modules): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_imports_point_down_the_layers():
+    upward = [f"{name} ({LAYERS[_layer(name)]}) imports {target} ({LAYERS[_layer(target)]})"
+              for name, targets in _graph().items() for target in sorted(targets) if _layer(target) > _layer(name)]
+    assert not upward, "imports that point up the layers " + " > ".join(reversed(LAYERS)) + ":\n" + "\n".join(upward)
