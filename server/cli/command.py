@@ -61,8 +61,8 @@ from server.cli.common import (
     run_group,
     runtime_config_from_args,
 )
-from server.cli.launch import group_size, in_torchrun, relaunch_under_torchrun
-from server.group import phases
+from server.cli.launch import group_size, in_torchrun, relaunch_under_torchrun, under_launcher
+from server.group import phases, process
 from server.outputs.piece_video import FileVideo, PieceVideo, StdoutVideo
 
 __all__ = ["main", "build_parser", "add_runtime_arguments", "runtime_config_from_args"]
@@ -97,7 +97,7 @@ def build_parser(argv: list[str] | None = None, options: ModelOptions | None = N
     serve = commands.add_parser("serve", help="run the HTTP server (cp-infer serve --help)", add_help=wants_serve)
     if wants_serve:
         try:
-            from server.cli.command import serve as serve_module
+            from server.cli import serve as serve_module
         except ModuleNotFoundError as exc:
             if exc.name != "server.cli.serve":
                 raise
@@ -106,10 +106,14 @@ def build_parser(argv: list[str] | None = None, options: ModelOptions | None = N
     return parser
 
 
-def _setup_logging() -> int:
+def _setup_logging(command: str) -> int:
+    """Logging for this process; in a group also its title and its rank's log file (``server.group.process``)."""
     rank = int(os.environ.get("RANK", "0"))
     fmt = "%(levelname)s %(name)s: %(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format=fmt, stream=sys.stderr)
+    if in_torchrun():
+        process.set_title(command or PROG, f"rank {rank}/{os.environ.get('WORLD_SIZE', '1')}")
+        process.attach_rank_log(rank, fmt)
     # Before diffusers/transformers are imported, so their import-time chatter is quiet too (and inherited by
     # the torchrun ranks).
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
@@ -292,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     phases.mark("imports")
     program = argv is None  # the program's own command line (tests and callers pass argv)
     argv = list(sys.argv[1:] if argv is None else argv)
-    rank = _setup_logging()
+    rank = _setup_logging(argv[0] if argv else "")
     options = options_for(argv[1:]) if argv[:1] in (["generate"], ["batch"]) else None
     parser = build_parser(argv, options)
     args, unknown = parser.parse_known_args(argv)
@@ -309,15 +313,28 @@ def main(argv: list[str] | None = None) -> int:
         from server.cli import serve  # present: build_parser imported it for the serve arguments
 
         args.cli_argv = argv  # for serve.run to pass to relaunch_under_torchrun
-        return serve.run(args)
-    run = {"generate": _cmd_generate, "batch": run_batch}[args.command]
+        run = lambda args, _argv: serve.run(args)  # noqa: E731
+    else:
+        run = {"generate": _cmd_generate, "batch": run_batch}[args.command]
     where = "" if rank == 0 else f" [rank {rank}]"
     try:
         code = run(args, argv)
     except ValueError as exc:  # UsageError, ModelLoadError, and request errors the group raised
-        print(f"{PROG} {args.command}{where}: error: {exc}", file=sys.stderr)
+        process.log_failure(exc)
+        if rank == 0 or not under_launcher():  # the other ranks would say the same
+            print(f"{PROG} {args.command}{where}: error: {exc}", file=sys.stderr)
         code = USAGE_ERROR
-    if program and not in_torchrun():
+    except Exception as exc:
+        if not in_torchrun():
+            raise  # one process: its traceback is the log
+        # A rank of a group: the traceback goes to its log file; the terminal gets one line naming it, from the
+        # launcher when there is one (it reports the rank that failed first), else from this rank.
+        log_file = process.log_failure(exc)
+        if not under_launcher():
+            where_log = f" (traceback: {log_file})" if log_file else ""
+            print(f"{PROG} {args.command}{where}: error: {type(exc).__name__}: {exc}{where_log}", file=sys.stderr)
+        code = 1
+    if program and not in_torchrun() and args.command != "serve":  # serve's process ends as it always has
         _exit_now(code)
     return code
 

@@ -40,10 +40,11 @@ import uuid
 from pathlib import Path
 from typing import IO
 
+from server.group import process
 from server.group.restarts import RestartPolicy, RoundResult, supervise
 
 __all__ = ["count_launcher_restarts", "free_port", "group_size", "in_torchrun", "leader_exit_code",
-           "relaunch_under_torchrun", "strip_nproc"]
+           "relaunch_under_torchrun", "strip_nproc", "under_launcher"]
 
 _TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 _STATUS_ENV = "CP_INFER_LEADER_STATUS"
@@ -80,6 +81,11 @@ def leader_exit_code(code: int) -> int:
         return code
     Path(path).write_text(str(code))
     return 0
+
+
+def under_launcher() -> bool:
+    """In a rank: whether :func:`relaunch_under_torchrun` started this group (it reports a rank's failure itself)."""
+    return _STATUS_ENV in os.environ
 
 
 def count_launcher_restarts() -> int:
@@ -135,6 +141,9 @@ def relaunch_under_torchrun(nproc: int, argv: list[str], *, stdout: IO[bytes] | 
     own_restarts = [] if restarts is None else ["--max-restarts=0"]  # overrides PET_MAX_RESTARTS: supervise decides
     torchrun_argv = ["--standalone", f"--nproc_per_node={nproc}", *streams, *own_restarts, "-m", RANK_MODULE,
                      *strip_nproc(argv)]
+    logs = process.new_log_dir()
+    env[process.LOG_DIR_ENV] = str(logs)
+    process.set_title(argv[0] if argv else "launcher", f"launcher of {nproc} ranks")
     with tempfile.TemporaryDirectory(prefix="cp-infer-") as tmp:
         status = Path(tmp) / "leader-exit-code"
         env[_STATUS_ENV] = str(status)
@@ -143,7 +152,7 @@ def relaunch_under_torchrun(nproc: int, argv: list[str], *, stdout: IO[bytes] | 
         def run_round(restarts_so_far: int) -> RoundResult:
             env[_RESTARTS_ENV] = str(restarts_so_far)
             status.unlink(missing_ok=True)
-            result = _run_agent(torchrun_argv, env, stdout, fork_argv)
+            result = _run_agent(torchrun_argv, env, stdout, fork_argv, logs)
             if result.code == 0 and status.is_file():
                 return RoundResult(int(status.read_text()))
             return result
@@ -213,8 +222,45 @@ def _failure_cause(exc) -> str:
     return "; ".join(cause(rank, failure) for rank, failure in order)
 
 
+class _AgentLog:
+    """While the agent runs, torchrun's own loggers (the agent's, and torch.multiprocessing's that stops ranks) write
+    to ``logs/launcher.log`` instead of the terminal; ``logs`` None: nothing changes."""
+
+    _LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+    def __init__(self, logs: Path | None):
+        import logging
+
+        self._handler, self._saved = None, []
+        if logs is None:
+            return
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+            self._handler = logging.FileHandler(logs / "launcher.log", encoding="utf-8")
+        except OSError:
+            return
+        self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        for name in self._LOGGERS:
+            logger = logging.getLogger(name)
+            self._saved.append((logger, logger.propagate))
+            logger.addHandler(self._handler)
+            logger.propagate = False
+
+    def write(self, text: str) -> None:
+        if self._handler is not None:
+            self._handler.stream.write(text)
+            self._handler.flush()
+
+    def close(self) -> None:
+        for logger, propagate in self._saved:
+            logger.removeHandler(self._handler)
+            logger.propagate = propagate
+        if self._handler is not None:
+            self._handler.close()
+
+
 def _run_agent(torchrun_argv: list[str], env: dict[str, str], stdout: IO[bytes] | None,
-               fork_argv: list[str] | None = None) -> RoundResult:
+               fork_argv: list[str] | None = None, logs: Path | None = None) -> RoundResult:
     """torchrun (``torch.distributed.run``) with ``torchrun_argv``, its elastic agent in this process: what the
     command line tool does, without a second interpreter importing torch again. With ``fork_argv`` the ranks are
     forked from this process (``_forked_rank(fork_argv)``) instead of started as ``python -m server.cli``, so they
@@ -222,7 +268,8 @@ def _run_agent(torchrun_argv: list[str], env: dict[str, str], stdout: IO[bytes] 
 
     The ranks are started with this process's environment plus ``env`` (torchrun copies ``os.environ`` when it
     starts them; restored afterwards) and, with ``stdout``, that file as their fd 1. Returns code 0 when the
-    group ended in step, else 1, with the failed rank as the ``failure`` when the ranks failed (not a signal)."""
+    group ended in step, else 1, with the failed rank as the ``failure`` when the ranks failed (not a signal).
+    torchrun's own log goes to ``logs/launcher.log``, and a failure is one line naming the rank's log there."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -231,6 +278,7 @@ def _run_agent(torchrun_argv: list[str], env: dict[str, str], stdout: IO[bytes] 
     saved_env = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     saved_fd1 = None
+    quiet = _AgentLog(logs)
     try:
         args = torchrun.parse_args(torchrun_argv)
         if stdout is not None:
@@ -254,14 +302,23 @@ def _run_agent(torchrun_argv: list[str], env: dict[str, str], stdout: IO[bytes] 
                 elastic_launch(config=config, entrypoint=_forked_rank)(fork_argv)
         return RoundResult(0)
     except ChildFailedError as exc:
-        # What torchrun prints when a rank fails (it exits 1 with this error).
-        print("".join(traceback.format_exception_only(exc)).rstrip(), file=sys.stderr, flush=True)
-        return RoundResult(1, failure=_failure_cause(exc))
+        # One line where torchrun prints its failure report (the report itself goes to launcher.log).
+        cause = _failure_cause(exc)
+        quiet.write("".join(traceback.format_exception_only(exc)))
+        first_rank, _failure = exc.get_first_failure()
+        where = ""
+        if logs is not None:
+            rank_log = logs / f"rank{first_rank}.log"
+            error = process.last_failure(rank_log)
+            where = (f": {error}" if error else "") + f"; its log: {rank_log} (the group's: {logs})"
+        print(f"{process.PROG}: {cause}{where}", file=sys.stderr, flush=True)
+        return RoundResult(1, failure=cause)
     except SignalException as exc:
         # torchrun has stopped every rank; the tool itself exits 1 this way.
         print(f"{PROG_LAUNCH}: stopped by signal {exc.sigval.name}", file=sys.stderr, flush=True)
         return RoundResult(1)
     finally:
+        quiet.close()
         if saved_fd1 is not None:
             os.dup2(saved_fd1, 1)
             os.close(saved_fd1)

@@ -25,7 +25,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from server.group import phases
+from server.group import phases, process
 from server.group.restarts import RestartPolicy
 
 __all__ = ["add_arguments", "run"]
@@ -126,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         return _USAGE_ERROR
     phases.mark("checks")
     if not in_torchrun() and nproc > 1:
+        # A server's rank logs live with its jobs (one folder across restarts), unless the operator names another.
+        os.environ.setdefault(process.LOG_DIR_ENV, str(leader.data_dir / "logs"))
         return relaunch_under_torchrun(nproc, list(getattr(args, "cli_argv", None) or sys.argv[1:]),
                                        restarts=restarts)
     if in_torchrun():

@@ -33,7 +33,7 @@ from cp_infer.request import GenerationLimits, GenerationRequest
 from cp_infer.sampler import DenoiseModel, SampleControl, StepStatus, sample
 from models.loading import parse_dtype, resolve_model
 from models.registry import open_model
-from server.group import phases
+from server.group import phases, process
 
 __all__ = [
     "FAULT_ENV",
@@ -146,6 +146,8 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
     state = init_parallel(ParallelConfig(device=config.device, timeout_s=config.timeout_s,
                                          guidance_degree=config.guidance_degree, ulysses_degree=config.ulysses_degree))
     phases.mark("rendezvous and groups")
+    if state.world_size > 1:
+        process.set_rank_title(state.rank, state.world_size, state.replica)
     path = resolve_model(config.model)
     model = open_model(path, dtype=config.dtype, state=state, compile_blocks=config.compile_blocks)
     model.decode_frames_per_rank = config.decode_frames_per_rank
