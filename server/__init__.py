@@ -6,5 +6,5 @@
   store, phase marks).
 - ``server.outputs``: the MP4 writers that both the command line and the group's leader use.
 
-``cli -> http -> group -> outputs -> models -> cp_infer``; ``tests/server/test_layering.py`` holds it so.
+``cli -> http -> group -> outputs -> models -> cp_infer``; ``tests/test_import_graph.py`` holds it so.
 """

@@ -101,7 +101,7 @@ def build_parser(argv: list[str] | None = None, options: ModelOptions | None = N
         except ModuleNotFoundError as exc:
             if exc.name != "server.cli.serve":
                 raise
-            parser.exit(USAGE_ERROR, f"{PROG} serve: error: the HTTP server (server/serve.py) is not installed\n")
+            parser.exit(USAGE_ERROR, f"{PROG} serve: error: the HTTP server (server/cli/serve.py) is not installed\n")
         serve_module.add_arguments(serve)
     return parser
 

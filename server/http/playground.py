@@ -1,6 +1,6 @@
-"""The playground: one page at ``GET /`` (``server/playground/``: plain HTML, CSS and JS, no build step, nothing from
-another origin) that drives the ``/v1/videos`` API from a browser, and ``GET /playground/options``, the served
-model's declared options with this deployment's ranges, which the page builds its form from.
+"""The playground: one page at ``GET /`` (``server/http/playground/``: plain HTML, CSS and JS, no build step,
+nothing from another origin) that drives the ``/v1/videos`` API from a browser, and ``GET /playground/options``,
+the served model's declared options with this deployment's ranges, which the page builds its form from.
 
 Invariants:
 - The page's files (:data:`PAGES`) are public: a browser's navigation cannot send a bearer token, and they hold
@@ -30,7 +30,7 @@ PAGES: dict[str, tuple[str, str]] = {
     "/playground/playground.js": ("playground.js", "text/javascript; charset=utf-8"),
     "/playground/playground.css": ("playground.css", "text/css; charset=utf-8"),
 }
-"""URL path -> (file in ``server/playground/``, media type)."""
+"""URL path -> (file in ``server/http/playground/``, media type)."""
 
 _HEADERS = {
     "Cache-Control": "no-cache",

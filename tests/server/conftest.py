@@ -28,7 +28,7 @@ from tests.harness import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-0123456789abcdef"
-# Faults by prompt marker (see server/runtime.py FaultRule): each test names the one it wants in its prompt.
+# Faults by prompt marker (see server/group/runtime.py FaultRule): each test names the one it wants in its prompt.
 API_FAULTS = ";".join([
     "rank=1,step=1,kind=raise,prompt=[fault:rank1-raise]",
     "rank=0,step=decode,kind=raise,prompt=[fault:rank0-decode]",
