@@ -1,8 +1,8 @@
-"""The README's option tables, generated from the models' declarations (``cp_infer.options``).
+"""The option tables of ``docs/options.md``, generated from the models' declarations (``cp_infer.options``).
 
-``python -m server.cli.options_doc`` rewrites each table of README.md between its markers
+``python -m server.cli.options_doc`` rewrites each table of docs/options.md between its markers
 (``<!-- options:FAMILY -->`` ... ``<!-- /options:FAMILY -->``); ``--check`` exits 1 if one is stale, and a test runs
-that check, so the README cannot drift from the declarations.
+that check, so the docs cannot drift from the declarations.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from pathlib import Path
 
 from cp_infer.options import ModelOptions, Option
 
-__all__ = ["FAMILIES", "options_table", "render_readme"]
+__all__ = ["DOC", "FAMILIES", "options_table", "render_tables"]
 
-# The families whose tables the README shows; a real-size LTX-2 has 48 blocks (the table's range for
+# The families whose tables the docs show; a real-size LTX-2 has 48 blocks (the table's range for
 # spatio_temporal_guidance_blocks).
 FAMILIES = ("ltx-video", "ltx2")
-_README = Path(__file__).resolve().parents[2] / "README.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "options.md"
+"""The page that holds the tables."""
 
 
 def _options(family: str) -> ModelOptions:
@@ -52,13 +53,14 @@ def options_table(options: ModelOptions) -> str:
     return "\n".join(rows)
 
 
-def render_readme(text: str) -> str:
-    """``text`` with every options table regenerated."""
+def render_tables(text: str) -> str:
+    """``text`` with every options table regenerated; a ``ValueError`` if a family's markers are missing."""
     for family in FAMILIES:
         name = re.escape(family)
         pattern = re.compile(rf"(<!-- options:{name} -->\n)(?:.*?\n)?(<!-- /options:{name} -->)", re.S)
         if not pattern.search(text):
-            raise ValueError(f"README has no <!-- options:{family} --> ... <!-- /options:{family} --> markers")
+            raise ValueError(f"no <!-- options:{family} --> ... <!-- /options:{family} --> markers; add the pair "
+                             "where the table goes")
         table = options_table(_options(family))
         text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
     return text
@@ -66,17 +68,22 @@ def render_readme(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m server.cli.options_doc", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md's tables are stale")
-    parser.add_argument("--readme", type=Path, default=_README)
+    parser.add_argument("--check", action="store_true", help="exit 1 if the tables are stale; write nothing")
+    parser.add_argument("--doc", type=Path, default=DOC, help="the page to rewrite (default docs/options.md)")
     args = parser.parse_args(argv)
-    text = args.readme.read_text(encoding="utf-8")
-    rendered = render_readme(text)
+    text = args.doc.read_text(encoding="utf-8")
+    try:
+        rendered = render_tables(text)
+    except ValueError as exc:
+        print(f"{args.doc}: {exc}", file=sys.stderr)
+        return 1
     if args.check:
         if rendered != text:
-            print(f"{args.readme}: the option tables are stale; run python -m server.cli.options_doc", file=sys.stderr)
+            print(f"{args.doc}: the option tables are stale; run python -m server.cli.options_doc", file=sys.stderr)
             return 1
         return 0
-    args.readme.write_text(rendered, encoding="utf-8")
+    if rendered != text:
+        args.doc.write_text(rendered, encoding="utf-8")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Multi-node launch: two torchrun agents (``--nnodes 2``) meeting through c10d rendezvous on loopback, one rank
-each, generate the same frames as one process. This is the README's multi-node command with both "nodes" on
-this machine."""
+each, generate the same frames as one process. This is the multi-node command of docs/deployment.md with both
+"nodes" on this machine."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Everything a user sees of a model's options is derived from its one declaration: the OpenAPI document, the CLI's
-flags and help, the batch keys and the README's tables, with the reference pipelines' defaults. In process (no
-worker group)."""
+flags and help, the batch keys and the tables of docs/options.md, with the reference pipelines' defaults. In process
+(no worker group)."""
 
 from __future__ import annotations
 
@@ -62,14 +62,40 @@ def test_cli_help_lists_the_models_options_with_defaults(family):
         assert keys["stg"] == "stg_scale" and keys["audio_guidance"] == "audio_guidance_scale"
 
 
-def test_readme_tables_are_generated_from_the_declarations():
+def test_the_docs_tables_are_generated_from_the_declarations():
+    assert options_doc.DOC.name == "options.md" and options_doc.DOC.parent.name == "docs"
     assert options_doc.main(["--check"]) == 0, "run python -m server.cli.options_doc"
+    text = options_doc.DOC.read_text(encoding="utf-8")
     for family in FAMILIES:
         table = options_doc.options_table(model_options(family, layers=48))
+        assert table in text, family
         for option in model_options(family, layers=48):
             assert f"| `{option.name}`" in table
     assert "| `spatio_temporal_guidance_blocks`, `stg_blocks` |" in options_doc.options_table(
         model_options("ltx2", layers=48))
+
+
+def test_a_stale_table_fails_the_check_and_is_rewritten(tmp_path, capsys):
+    """A table edited by hand (a default changed, a row dropped) fails ``--check`` without the page being touched;
+    a run without ``--check`` writes the declared tables back, and the check then passes."""
+    page = tmp_path / "options.md"
+    fresh = options_doc.render_tables(options_doc.DOC.read_text(encoding="utf-8"))
+    stale = fresh.replace("| `161` |", "| `160` |", 1)
+    stale = "\n".join(line for line in stale.split("\n") if not line.startswith("| `stg_scale`"))
+    assert stale != fresh
+    page.write_text(stale, encoding="utf-8")
+    assert options_doc.main(["--check", "--doc", str(page)]) == 1
+    assert "stale" in capsys.readouterr().err and page.read_text(encoding="utf-8") == stale
+    assert options_doc.main(["--doc", str(page)]) == 0
+    assert page.read_text(encoding="utf-8") == fresh
+    assert options_doc.main(["--check", "--doc", str(page)]) == 0
+
+
+def test_a_page_without_the_markers_is_an_error_naming_them(tmp_path, capsys):
+    page = tmp_path / "options.md"
+    page.write_text("# Options\n\n<!-- options:ltx-video -->\n<!-- /options:ltx-video -->\n", encoding="utf-8")
+    assert options_doc.main(["--check", "--doc", str(page)]) == 1
+    assert "<!-- options:ltx2 -->" in capsys.readouterr().err
 
 
 def test_a_stored_request_from_before_declared_options_still_loads():
