@@ -10,9 +10,8 @@ Invariants:
 - Weights are a pure function of `_SEED` and the parameter names and shapes: every parameter is overwritten
   in sorted-name order from one seeded generator per component (`models.embedded.init_deterministic`), so
   torch's init code (and the caller's global RNG) play no part, and two builds are bitwise identical.
-- `ensure_default_model` never exposes a half-written folder: it builds in a private sibling folder and
-  renames it into place, which is atomic; the marker file is written last, before the rename
-  (`models.embedded.ensure_folder`).
+- `ensure_default_model` builds the folder in one process, never exposes a half-written one, and rebuilds one
+  whose files no longer match the size and sha256 its marker lists (`models.embedded.ensure_folder`).
 """
 
 from __future__ import annotations
@@ -184,14 +183,13 @@ def _marker() -> dict[str, Any]:
 
 def _write_model(folder: Path) -> None:
     build_latent_upsampler().save_pretrained(folder / LATENT_UPSAMPLER, safe_serialization=True)
-    write_pipeline(LTXPipeline(**build_default_components()), folder, _marker())
+    write_pipeline(LTXPipeline(**build_default_components()), folder)
 
 
 def ensure_default_model(cache_dir: str | os.PathLike | None = None) -> Path:
     """Return the diffusers-format folder of the default model, building it first if it is absent.
 
-    Safe to call from many processes at once (e.g. every torchrun rank): each builds into its own
-    temporary sibling folder and renames it into place; a process that loses the race drops its copy and
-    returns the winner's.
+    Safe to call from many processes at once (e.g. every torchrun rank): one builds, the others wait for it. A
+    folder whose files no longer match its marker is rebuilt.
     """
     return ensure_folder(default_model_dir(cache_dir), marker=_marker(), write=_write_model)

@@ -12,7 +12,8 @@ Invariants:
   audio VAE latents (4x in time and in mel) -> vocoder -> 24 kHz stereo waveform (upsampling 240x).
 - Weights are a pure function of `_SEED`, the rope type and the parameter names and shapes
   (`models.embedded.init_deterministic`, one generator per component); two builds are bitwise identical.
-- `ensure_default_ltx2_model` never exposes a half-written folder (`models.embedded.ensure_folder`).
+- `ensure_default_ltx2_model` builds the folder in one process, never exposes a half-written one, and rebuilds
+  one whose files no longer match its marker (`models.embedded.ensure_folder`).
 """
 
 from __future__ import annotations
@@ -291,7 +292,7 @@ def _marker() -> dict[str, Any]:
 
 def _write_model(folder: Path) -> None:
     build_ltx2_latent_upsampler().save_pretrained(folder / LATENT_UPSAMPLER, safe_serialization=True)
-    write_pipeline(LTX2Pipeline(**build_ltx2_components()), folder, _marker())
+    write_pipeline(LTX2Pipeline(**build_ltx2_components()), folder)
 
 
 def save_ltx2_model(folder: str | os.PathLike, *, rope_type: str = _DEFAULT_ROPE_TYPE, latent_upsampler: bool = False,
@@ -303,7 +304,7 @@ def save_ltx2_model(folder: str | os.PathLike, *, rope_type: str = _DEFAULT_ROPE
     """
     folder = Path(folder)
     components = build_ltx2_components(rope_type=rope_type, **transformer_overrides)
-    LTX2Pipeline(**components).save_pretrained(folder, safe_serialization=True)
+    write_pipeline(LTX2Pipeline(**components), folder)
     if latent_upsampler:
         build_ltx2_latent_upsampler().save_pretrained(folder / LATENT_UPSAMPLER, safe_serialization=True)
     return folder
@@ -311,5 +312,6 @@ def save_ltx2_model(folder: str | os.PathLike, *, rope_type: str = _DEFAULT_ROPE
 
 def ensure_default_ltx2_model(cache_dir: str | os.PathLike | None = None) -> Path:
     """Return the diffusers-format folder of "tiny-ltx2" (model_index.json `_class_name` "LTX2Pipeline"),
-    building it first if it is absent. Safe to call from many processes at once."""
+    building it first if it is absent or its files no longer match its marker. Safe to call from many processes at
+    once: one builds, the others wait for it."""
     return ensure_folder(default_ltx2_model_dir(cache_dir), marker=_marker(), write=_write_model)

@@ -5,7 +5,9 @@ Invariants:
 - Local only: every `from_pretrained` gets `local_files_only=True`, so a bad path never turns into a hub
   download attempt.
 - Every failure a user can cause (wrong path, wrong folder, missing component, broken weights) is a
-  `ModelLoadError`, a `ValueError` whose message names the path or subfolder and the fix.
+  `ModelLoadError`, a `ValueError` whose message names the path or subfolder, what is wrong with it (the file
+  that is missing, truncated or unreadable, where it can tell) and the underlying error in one line. For an
+  embedded default's folder (one with `MARKER_FILE`) the fix is to load it by name, which rebuilds it.
 - Loaded models are in eval mode, on `device`, in `dtype` (the VAE included).
 """
 
@@ -33,9 +35,10 @@ from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from transformers import Gemma3ForConditionalGeneration, GemmaTokenizer, T5EncoderModel, T5Tokenizer
 
+from models._folder_problems import component_problem, error_line
 from models.default import DEFAULT_MODEL_NAME, ensure_default_model
 from models.default_ltx2 import DEFAULT_LTX2_NAME, ensure_default_ltx2_model
-from models.embedded import LATENT_UPSAMPLER, MARKER_FILE
+from models.embedded import LATENT_UPSAMPLER, MARKER_FILE, check_folder
 
 __all__ = [
     "LTX2Components",
@@ -206,9 +209,9 @@ def _read_class_name(config_file: Path) -> str:
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{config_file} is not readable JSON ({exc}); re-download the model") from exc
+        raise ModelLoadError(f"{config_file} is not readable JSON ({error_line(exc)})") from exc
     if not isinstance(config, dict) or not isinstance(config.get("_class_name"), str):
-        raise ModelLoadError(f"{config_file} has no '_class_name' string; re-download the model")
+        raise ModelLoadError(f"{config_file} has no '_class_name' string, so it names no class to load")
     return config["_class_name"]
 
 
@@ -233,16 +236,41 @@ def detect_family(path: str | os.PathLike) -> str:
     return known[class_name]
 
 
-def _load(root: Path, subfolder: str, loader: Any, **kwargs: Any) -> Any:
+def _embedded_marker(root: Path) -> dict[str, Any] | None:
+    """The name and format version in `root`'s marker when it is an embedded default's folder, else None."""
+    try:
+        marker = json.loads((root / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("name") not in _DEFAULT_MODELS:
+        return None
+    return {"name": marker["name"], "format_version": marker.get("format_version")}
+
+
+def _load_error(root: Path, subfolder: str, exc: Exception, *, config: str | None, weights: bool) -> str:
+    """The message of a failed load of `root/subfolder`: what is wrong with it and the underlying error."""
+    problem = component_problem(root, subfolder, config=config, weights=weights)
+    embedded = _embedded_marker(root)
+    if embedded is not None:
+        problem = problem or check_folder(root, embedded)
+        fix = (f"; it is the embedded default model {embedded['name']!r}: load it by that name to rebuild it, "
+               "or delete the folder")
+    else:
+        fix = "; restore what is missing or broken from the checkpoint the folder came from" if problem else ""
+    what = f"{problem} ({error_line(exc)})" if problem else error_line(exc)
+    return f"could not load {subfolder}/ from {str(root)!r}: {what}{fix}"
+
+
+def _load(root: Path, subfolder: str, loader: Any, *, config: str | None = "config.json", weights: bool = True,
+          **kwargs: Any) -> Any:
+    """`loader(root, subfolder=subfolder, ...)`; `config` and `weights` are what the subfolder must hold (the
+    config file's name, whether a weights file), which the error checks when the load fails."""
     try:
         return loader(root, subfolder=subfolder, local_files_only=True, **kwargs)
     # The loaders raise a zoo of types for one cause (OSError, SafetensorError, ValueError,
     # json errors, RuntimeError on shape mismatch); each means "this subfolder is unusable".
     except Exception as exc:
-        raise ModelLoadError(
-            f"could not load {subfolder}/ from {str(root)!r}: {type(exc).__name__}: {exc}; the files are "
-            "corrupt or incomplete, re-download the model"
-        ) from exc
+        raise ModelLoadError(_load_error(root, subfolder, exc, config=config, weights=weights)) from exc
 
 
 def _require_family(root: Path, family: str, what: str, subfolders: tuple[str, ...]) -> None:
@@ -255,7 +283,7 @@ def _require_family(root: Path, family: str, what: str, subfolders: tuple[str, .
     if missing:
         raise ModelLoadError(
             f"{str(root)!r} is missing the subfolder(s) {', '.join(m + '/' for m in missing)}; an {what} "
-            f"folder needs {', '.join(s + '/' for s in subfolders)}; re-download the model"
+            f"folder needs {', '.join(s + '/' for s in subfolders)}"
         )
 
 
@@ -264,8 +292,8 @@ def _require_tokenizer_files(root: Path, names: tuple[str, ...]) -> None:
     # folder with no vocabulary file instead of raising, which would turn every prompt into <unk>s.
     if not any((root / "tokenizer" / name).is_file() for name in names):
         raise ModelLoadError(
-            f"could not load tokenizer/ from {str(root)!r}: it holds none of {', '.join(names)}; "
-            "the files are incomplete, re-download the model"
+            f"could not load tokenizer/ from {str(root)!r}: it holds none of {', '.join(names)}, the files "
+            "a tokenizer's vocabulary is in"
         )
 
 
@@ -331,10 +359,11 @@ def _load_components(
         if isinstance(model_class, dict):
             model_class = _pick_class(root, subfolder, model_class)
         components[subfolder] = _load(root, subfolder, model_class.from_pretrained, **diffusers_kwargs)
-    components["scheduler"] = _load(root, "scheduler", _pick_scheduler(root).from_pretrained)
+    components["scheduler"] = _load(root, "scheduler", _pick_scheduler(root).from_pretrained,
+                                    config="scheduler_config.json", weights=False)
     components["text_encoder"] = _load(root, "text_encoder", text_encoder.from_pretrained, dtype=dtype)
     _require_tokenizer_files(root, tokenizer_files)
-    components["tokenizer"] = _load(root, "tokenizer", tokenizer.from_pretrained)
+    components["tokenizer"] = _load(root, "tokenizer", tokenizer.from_pretrained, config=None, weights=False)
     for name in (*(subfolder for subfolder, _ in models), "text_encoder"):
         # Device only: the dtype was set at load time, and a dtype cast here would bypass diffusers'
         # keep-in-fp32 module list (and warn about it).

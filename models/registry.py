@@ -21,6 +21,7 @@ from cp_infer import ParallelState, VideoGeometry
 from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationRequest
 
+from ._folder_problems import component_problem, error_line
 from .embedded import LATENT_UPSAMPLER
 from .geometry import min_latent_side
 from .loading import ModelLoadError, detect_family, parse_dtype, recommended_stages, resolve_model
@@ -93,8 +94,10 @@ def describe_model(model: str | os.PathLike | None) -> ModelInfo:
         with torch.device("meta"):
             vae = vae_cls.from_config(vae_config)
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ModelLoadError(f"could not read the transformer/ and vae/ configs of {str(path)!r}: {exc}; "
-                             "re-download the model") from exc
+        problem = component_problem(path, "transformer", config="config.json") or component_problem(
+            path, "vae", config="config.json")
+        what = f"{problem} ({error_line(exc)})" if problem else error_line(exc)
+        raise ModelLoadError(f"could not read the transformer/ and vae/ configs of {str(path)!r}: {what}") from exc
     geometry = VideoGeometry(
         temporal_compression=vae.temporal_compression_ratio, spatial_compression=vae.spatial_compression_ratio,
         patch_size=transformer.get("patch_size", 1), patch_size_t=transformer.get("patch_size_t", 1),

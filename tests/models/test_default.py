@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -166,16 +167,22 @@ def test_incomplete_folder_is_refused(tmp_path):
         ensure_default_model(tmp_path)
 
 
-def test_losing_the_rename_race_uses_the_winner(tmp_path, monkeypatch):
+def _entries(cache: Path) -> list[str]:
+    """The cache folder's entries but the lock files, which stay."""
+    return sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock"))
+
+
+def test_losing_the_rename_race_uses_the_winner(tmp_path, monkeypatch, model_dir):
     write_model = default._write_model
 
     def write_then_lose(folder: Path) -> None:
-        write_model(default_model_dir(tmp_path))  # another process finishes first...
+        # A process that takes no lock (an older cp-infer on the same cache) finishes first...
+        shutil.copytree(model_dir, default_model_dir(tmp_path))
         write_model(folder)  # ...while this one is still writing its own copy
 
     monkeypatch.setattr(default, "_write_model", write_then_lose)
     assert ensure_default_model(tmp_path) == default_model_dir(tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [default_model_dir(tmp_path).name], "temp folder left"
+    assert _entries(tmp_path) == [default_model_dir(tmp_path).name], "temp folder left"
 
 
 _start_barrier = None
@@ -198,7 +205,7 @@ def test_concurrent_builds_from_two_processes(tmp_path):
     with ctx.Pool(2, initializer=_init_worker, initargs=(barrier,)) as pool:
         paths = pool.map_async(_ensure_after_barrier, [tmp_path, tmp_path]).get(timeout=180)
     assert paths[0] == paths[1] == default_model_dir(tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name], "temp folder left"
+    assert _entries(tmp_path) == [paths[0].name], "temp folder left"
     loaded = load_ltx_video(paths[0])
     built = build_default_components()
     for key, value in built["transformer"].state_dict().items():

@@ -3,6 +3,7 @@ offline Gemma tokenizer, and diffusers' own LTX2Pipeline generating video and au
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -82,7 +83,12 @@ def test_layout_and_marker(model_dir):
     for name in COMPONENTS:
         assert (model_dir / name).is_dir() and index[name][1] is not None
     marker = json.loads((model_dir / MARKER_FILE).read_text())
-    assert marker == {"name": "tiny-ltx2", "format_version": LTX2_FORMAT_VERSION}
+    assert (marker["name"], marker["format_version"]) == ("tiny-ltx2", LTX2_FORMAT_VERSION)
+    files = {p.relative_to(model_dir).as_posix(): p for p in model_dir.rglob("*") if p.is_file()}
+    assert set(marker["files"]) == set(files) - {MARKER_FILE} and "text_encoder/model.safetensors" in marker["files"]
+    for rel, entry in marker["files"].items():
+        data = files[rel].read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     scheduler = json.loads((model_dir / "scheduler" / "scheduler_config.json").read_text())
     assert scheduler["use_dynamic_shifting"] and not scheduler["stochastic_sampling"]
     assert (scheduler["base_shift"], scheduler["max_shift"], scheduler["shift_terminal"]) == (0.95, 2.05, 0.1)

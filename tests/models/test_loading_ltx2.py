@@ -1,9 +1,10 @@
-"""load_ltx2: every component of an LTX-2 folder in the asked dtype, and an error naming the problem for each
-bad LTX-2 folder a user can hand us."""
+"""load_ltx2: every component of an LTX-2 folder in the asked dtype, and an error naming the problem (the component,
+the file, what is wrong with it) for each bad LTX-2 folder a user can hand us."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 
 from models.default import ensure_default_model
 from models.default_ltx2 import ensure_default_ltx2_model
+from models.embedded import MARKER_FILE
 from models.loading import LTX2Components, ModelLoadError, detect_family, load_ltx2, load_ltx_video
 
 MODELS = ("transformer", "vae", "audio_vae", "vocoder", "connectors", "text_encoder")
@@ -88,3 +90,52 @@ def test_corrupt_text_encoder_config(copy_dir):
     (copy_dir / "text_encoder" / "config.json").write_text("not json")
     with pytest.raises(ModelLoadError, match="could not load text_encoder/"):
         load_ltx2(copy_dir)
+
+
+def _user_copy(model_dir: Path, tmp_path: Path) -> Path:
+    """A copy of tiny-ltx2 without its marker: a folder as a user would hand it over."""
+    return Path(shutil.copytree(model_dir, tmp_path / "user", ignore=shutil.ignore_patterns(MARKER_FILE)))
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        ("truncate", r"text_encoder/model\.safetensors is truncated \(\d+ of the \d+ bytes its header describes\)"),
+        ("cut_header", r"text_encoder/model\.safetensors is truncated \(5 bytes, shorter than a safetensors header\)"),
+        ("delete", r"text_encoder/ holds no weights file \(no \*\.safetensors or \*\.bin\)"),
+        ("empty_folder", r"text_encoder/ is empty"),
+        ("empty_file", r"text_encoder/model\.safetensors is empty \(0 bytes\)"),
+    ],
+)
+def test_a_broken_user_folder_names_the_component_and_file(model_dir, tmp_path, damage, problem):
+    folder = _user_copy(model_dir, tmp_path)
+    weights = folder / "text_encoder" / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "truncate":
+        weights.write_bytes(data[: len(data) - 1000])
+    elif damage == "cut_header":
+        weights.write_bytes(data[:5])
+    elif damage == "delete":
+        weights.unlink()
+    elif damage == "empty_folder":
+        shutil.rmtree(folder / "text_encoder")
+        (folder / "text_encoder").mkdir()
+    else:
+        weights.write_bytes(b"")
+    with pytest.raises(ModelLoadError) as info:
+        load_ltx2(folder)
+    message = str(info.value)
+    assert re.match(rf"could not load text_encoder/ from '{re.escape(str(folder))}': {problem} \(\w+: [^\n]+\); "
+                    "restore what is missing or broken from the checkpoint", message), message
+    assert "\n" not in message and "re-download" not in message
+    assert info.value.__cause__ is not None
+
+
+def test_a_broken_embedded_folder_says_how_to_rebuild_it(model_dir, tmp_path):
+    folder = Path(shutil.copytree(model_dir, tmp_path / "embedded"))
+    shutil.rmtree(folder / "text_encoder")
+    (folder / "text_encoder").mkdir()
+    expected = (r"could not load text_encoder/ .*: text_encoder/ is empty \(.*\); it is the embedded default model "
+                r"'tiny-ltx2': load it by that name to rebuild it")
+    with pytest.raises(ModelLoadError, match=expected):
+        load_ltx2(folder)
