@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -55,6 +54,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import cp_infer.attention as cp_attention  # noqa: E402
+from bench.harness import (  # noqa: E402
+    command_line,
+    free_port,
+    load_average,
+    print_report,
+    progress,
+    table_head,
+    table_row,
+)
 from cp_infer import (  # noqa: E402
     ExchangeWorkspace,
     ParallelConfig,
@@ -65,7 +73,6 @@ from cp_infer import (  # noqa: E402
     local_attention,
     ulysses_attention,
 )
-from server.cli.launch import free_port  # noqa: E402
 
 __all__ = ["BenchConfig", "main"]
 
@@ -273,8 +280,7 @@ def _rank_main(rank: int, port: int, config: BenchConfig, results: Any) -> None:
             row = _bench_degree2(state, config, length)
             if rank == 0:
                 results.put((length, row))
-                print(f"[cp=2] {length} tokens done in {time.perf_counter() - start:.1f} s", file=sys.stderr,
-                      flush=True)
+                progress(f"[cp=2] {length} tokens done in {time.perf_counter() - start:.1f} s")
     finally:
         destroy_parallel(state)
 
@@ -302,11 +308,8 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _load() -> str:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def _report(config: BenchConfig, rows: dict[tuple[int, int], dict[str, Any]], command: str, load_start: str) -> str:
+def _report(config: BenchConfig, rows: dict[tuple[int, int], dict[str, Any]], command: str,
+            load_start: str) -> list[str]:
     # NOTE(noise): the timings are wall-clock on shared cores; the load average says how much else ran.
     malloc_env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_"))
     lines = [
@@ -315,10 +318,9 @@ def _report(config: BenchConfig, rows: dict[tuple[int, int], dict[str, Any]], co
         f"torch {torch.__version__}, gloo on 127.0.0.1, {os.cpu_count()} CPU cores; 1 intra-op thread per process "
         f"(degree 1: the main process; degree 2: 2 spawned ranks, torch.get_num_threads()={torch.get_num_threads()} "
         f"here); batch {BATCH}, {HEADS} heads x {HEAD_DIM} head dim, {str(DTYPE).removeprefix('torch.')}; "
-        f"load average (1/5/15 min) at start {load_start}, at end {_load()}.",
+        f"load average (1/5/15 min) at start {load_start}, at end {load_average()}.",
         "",
-        "| " + " | ".join(_COLUMNS) + " |",
-        "|" + "|".join("---:" for _ in _COLUMNS) + "|",
+        *table_head(_COLUMNS, left=0),
     ]
     ratios = {}
     for length in config.lengths:
@@ -332,7 +334,7 @@ def _report(config: BenchConfig, rows: dict[tuple[int, int], dict[str, Any]], co
                 _fmt(ratio), _fmt(row.get("layer_fused")), _fmt(row.get("layer_original")), _fmt(row["mib"], ".1f"),
                 {"": "", "mix": "✓ (mix)", "mix+sdpa": "✓"}[row["checked"]],
             ]
-            lines.append("| " + " | ".join(cells) + " |")
+            lines.append(table_row(cells))
     long_layers = [n for n in config.lengths if _LONG_LAYER_LEN < n <= config.max_layer_len]
     long_note = (f"; layers above {_LONG_LAYER_LEN} tokens: {config.layer_repeats(max(long_layers))} iterations"
                  if long_layers else "")
@@ -360,7 +362,7 @@ def _report(config: BenchConfig, rows: dict[tuple[int, int], dict[str, Any]], co
         f"- exchange ratio (fused / original) at CP={DEGREE}: worst {ratios[worst]:.2f} at {worst} tokens; "
         f"target <= {_RATIO_TARGET} at every length: {'met' if met else 'NOT met'}.",
     ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _parse_lengths(text: str) -> tuple[int, ...]:
@@ -384,15 +386,15 @@ def main(argv: list[str] | None = None) -> int:
         config = BenchConfig(lengths=args.lengths, repeats=args.repeats, max_layer_len=args.max_layer_len)
     except ValueError as err:
         parser.error(str(err))
-    command = shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv])
+    command = command_line(__file__, argv)
 
-    load_start = _load()
+    load_start = load_average()
     torch.set_num_threads(1)
     rows: dict[tuple[int, int], dict[str, Any]] = {}
     for length in config.lengths:
         start = time.perf_counter()
         rows[(length, 1)] = _bench_degree1(config, length)
-        print(f"[cp=1] {length} tokens done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        progress(f"[cp=1] {length} tokens done in {time.perf_counter() - start:.1f} s")
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -401,11 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         length, row = results.get()
         rows[(length, DEGREE)] = row
 
-    report = _report(config, rows, command, load_start)
-    print(report, end="")
-    if args.out is not None:
-        args.out.write_text(report)
-    return 0
+    return print_report(_report(config, rows, command, load_start), args.out)
 
 
 if __name__ == "__main__":

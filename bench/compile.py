@@ -1,12 +1,12 @@
 """Benchmark: ``--compile`` (each transformer block ``torch.compile``d, ``models.registry.compile_transformer_blocks``)
-against the same engine uncompiled, on ``bench/generate.py``'s medium LTX-Video transformer, at 1 and 2 ranks.
+against the same engine uncompiled, on the medium LTX-Video transformer, at 1 and 2 ranks.
 
     python bench/compile.py [--quick] [--rounds N] [--steps N] [--out FILE.md]
 
-- Model: diffusers' ``LTXVideoTransformer3DModel`` at 4 layers x 16 heads x 64 (``bench/generate.py``'s
-  ``_build_components``, random weights under a fixed seed, the embedded default's tiny T5 and VAE): the model of
-  ``bench/cli.py``. Workloads: 25 frames at 256x512 (512 latent tokens) and, unless ``--quick``, 57 frames at
-  512x512 (2048 tokens); CFG on (guidance 3.0), ``--steps`` steps (default 4; ``--quick`` 3).
+- Model: diffusers' ``LTXVideoTransformer3DModel`` at 4 layers x 16 heads x 64 (``bench/_models.py``'s ``MEDIUM``,
+  random weights under a fixed seed, the embedded default's tiny T5 and VAE): the model of ``bench/cli.py``.
+  Workloads: 25 frames at 256x512 (512 latent tokens) and, unless ``--quick``, 57 frames at 512x512 (2048 tokens);
+  CFG on (guidance 3.0), ``--steps`` steps (default 4; ``--quick`` 3).
 - Configurations, each in its own fresh processes (spawn, gloo on 127.0.0.1): eager and compiled at N=1 (1 process
   x 2 intra-op threads) and N=2 (2 ranks x 1 thread). Every process has the same ``TORCHINDUCTOR_CACHE_DIR``, a fresh
   folder made for this run, so the first compiled configuration of each N compiles from an empty cache.
@@ -37,16 +37,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from bench._procs import RankGroup, free_port  # noqa: E402 -- path set-up
-from bench.generate import ModelSize, Workload, _barrier, _build_components, _OursRunner, _request  # noqa: E402
+from bench._models import MEDIUM, OursRunner, Workload, build_components, make_request  # noqa: E402
+from bench.harness import (  # noqa: E402
+    RankGroup,
+    barrier,
+    command_line,
+    free_port,
+    load_average,
+    print_report,
+    progress,
+    rotated,
+    slowest_steps,
+)
 
 __all__ = ["main"]
 
-_MEDIUM = ModelSize(layers=4, heads=16)
 _TIMEOUT_S = 1800.0
+"""A rank's first compiled generation compiles every block on 1 or 2 cores."""
 
 
 @dataclass(frozen=True)
@@ -69,14 +78,14 @@ def _worker(rank: int, config: Config, workload: Workload, steps: int, port: int
 
         state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=_TIMEOUT_S), rank=rank,
                               world_size=config.ranks, local_rank=rank)
-        run = _OursRunner(_build_components(workload.model), state=state)
+        run = OursRunner(build_components(workload.model), state=state)
         if config.compiled:
             compile_transformer_blocks(run.model.transformer)
         outbox.put((rank, "ok", None))
         while inbox.get() is not None:
-            _barrier()
+            barrier()
             started = time.perf_counter()
-            record = run(_request(workload, steps), lambda: None)
+            record = run(make_request(workload, steps), lambda: None)
             reply = dict(e2e_s=time.perf_counter() - started, steps=record["steps"], load=os.getloadavg()[0])
             if rank == 0:
                 reply["latents"] = record["latents"]
@@ -96,8 +105,7 @@ def _start(config: Config, workload: Workload, steps: int) -> tuple[RankGroup, d
 
 def _gen(group: RankGroup) -> dict:
     replies = group.call("generate")
-    steps = [max(s) for s in zip(*(r["steps"] for r in replies), strict=True)]  # slowest rank per step
-    return dict(e2e_s=max(r["e2e_s"] for r in replies), steps=steps, load=replies[0]["load"],
+    return dict(e2e_s=max(r["e2e_s"] for r in replies), steps=slowest_steps(replies), load=replies[0]["load"],
                 latents=replies[0]["latents"])
 
 
@@ -109,17 +117,16 @@ def _measure(workload: Workload, steps: int, rounds: int) -> dict[str, dict]:
         for config in configs:
             groups[config.label], first = _start(config, workload, steps)
             rows[config.label] = dict(config=config, first_s=first["e2e_s"], rounds=[])
-            print(f"  {workload.name} {config.label}: 1st gen {first['e2e_s']:.2f} s", file=sys.stderr, flush=True)
+            progress(f"  {workload.name} {config.label}: 1st gen {first['e2e_s']:.2f} s")
         for r in range(rounds):
-            for config in configs[r % len(configs):] + configs[: r % len(configs)]:
+            for config in rotated(configs, r):
                 rows[config.label]["rounds"].append(_gen(groups[config.label]))
         for config in configs:  # the compiled groups again, from the cache the first ones filled
             if config.compiled:
                 group, first = _start(config, workload, steps)
                 group.close()
                 rows[config.label]["warm_first_s"] = first["e2e_s"]
-                print(f"  {workload.name} {config.label}: 1st gen, warm cache {first['e2e_s']:.2f} s",
-                      file=sys.stderr, flush=True)
+                progress(f"  {workload.name} {config.label}: 1st gen, warm cache {first['e2e_s']:.2f} s")
     finally:
         for group in groups.values():
             group.close()
@@ -157,21 +164,18 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="also write the tables to this markdown file")
     args = ap.parse_args()
     steps = args.steps or (3 if args.quick else 4)
-    workloads = [Workload("512 tokens (25 frames 256x512)", 25, 256, 512, _MEDIUM)]
+    workloads = [Workload("512 tokens (25 frames 256x512)", 25, 256, 512, MEDIUM)]
     if not args.quick:
-        workloads.append(Workload("2048 tokens (57 frames 512x512)", 57, 512, 512, _MEDIUM))
+        workloads.append(Workload("2048 tokens (57 frames 512x512)", 57, 512, 512, MEDIUM))
     cache = Path(tempfile.mkdtemp(prefix="cp-infer-bench-inductor-"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # inherited by every rank process
     try:
-        lines = [f"`python bench/compile.py {' '.join(sys.argv[1:])}`: {platform.node()}, {os.cpu_count()} CPU(s), "
-                 f"torch {torch.__version__}; LTX-Video 4 layers x 16 heads x 64, {steps} steps, CFG on; load average "
-                 f"at the start {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; medians of {args.rounds} rounds", ""]
+        lines = [f"`{command_line(__file__)}`: {platform.node()}, {os.cpu_count()} CPU(s), torch {torch.__version__}; "
+                 f"LTX-Video {MEDIUM.layers} layers x {MEDIUM.heads} heads x {MEDIUM.head_dim}, {steps} steps, CFG on; "
+                 f"load average at the start {load_average()}; medians of {args.rounds} rounds", ""]
         for workload in workloads:
             lines += [*_report(workload, _measure(workload, steps, args.rounds)), ""]
-        report = "\n".join(lines)
-        print(report)
-        if args.out:
-            args.out.write_text(report)
+        print_report(lines, args.out)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     return 0

@@ -37,9 +37,9 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
 
-from bench._procs import RankGroup, free_port, status_kib  # noqa: E402 -- after the path set-up
+from bench.harness import MALLOC_MEASURE, RankGroup, command_line, free_port, print_report, rotated, status_kib  # noqa: E402
 from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, resolve_frames_per_rank  # noqa: E402
 
 TWO_AT_ONCE = "2 x N=1 at once"
@@ -50,7 +50,8 @@ def _rss_mib(field: str) -> float:
 
 
 def _worker(index, rank, world, port, args, frames_per_rank, inbox, outbox):
-    """Process ``index`` of its row (``bench._procs`` protocol): rank ``rank`` of a ``world``-rank decode."""
+    """Process ``index`` of its row (``bench.harness.RankGroup``'s protocol): rank ``rank`` of a ``world``-rank
+    decode."""
     try:
         _serve(index, rank, world, port, args, frames_per_rank, inbox, outbox)
     except BaseException:
@@ -139,7 +140,7 @@ def _run(rows, args):
         timed = {name: [] for name in rows}
         names = list(rows)
         for r in range(args.repeats):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in rotated(names, r):
                 replies = groups[name].call("timed")
                 timed[name].append((max(t for t, _, _ in replies), max(c for _, c, _ in replies),
                                     max(m for _, _, m in replies)))
@@ -170,13 +171,13 @@ def main() -> None:
     if args.frames_per_rank is None:
         args.frames_per_rank = resolve_frames_per_rank(DEFAULT_FRAMES_PER_RANK, height=args.height, width=args.width)
     if not args.glibc_heap:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # read by glibc in each spawned worker at start
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MALLOC_MEASURE[0])  # read by glibc in each spawned worker at start
     load = os.getloadavg()
     rows = _run({"N=1 whole": (1, None, 1), "N=1": (1, args.frames_per_rank, 1), "N=2": (2, args.frames_per_rank, 1),
                  TWO_AT_ONCE: (1, args.frames_per_rank, 2)}, args)
     base_t, base_m = rows["N=1"][0], rows["N=1 whole"][1]
     lines = [
-        f"`{' '.join(sys.argv)}` — torch {torch.__version__}, LTX-Video 0.9.0 VAE (real widths, random weights), "
+        f"`{command_line(__file__)}` — torch {torch.__version__}, LTX-Video 0.9.0 VAE (real widths, random weights), "
         f"{args.frames} frames at {args.width}x{args.height}, rounds of {args.frames_per_rank} latent frames per "
         f"rank, 1 thread per rank, gloo, {'glibc default heap' if args.glibc_heap else 'MALLOC_MMAP_THRESHOLD_=1MiB'}; "
         f"load average at start {load[0]:.2f} on {os.cpu_count()} cores",
@@ -199,11 +200,7 @@ def main() -> None:
               f"sharing this machine's cores cannot decode in less than {slowdown / 2:.2f}x of N=1 (N=2 reaches "
               f"{ratio_t:.2f}x: {slowdown / 2 / ratio_t:.0%} of that bound)",
               f"load average at end: {os.getloadavg()[0]:.2f}"]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ Run from the repository root::
 
 Workloads (ours, fp32, CPU/gloo, 2 ranks x 1 thread):
 
-- comm-bound LTX-Video: ``bench/generate.py``'s comm-bound workload (its narrow random-weight
+- comm-bound LTX-Video: ``bench/generate.py``'s comm-bound workload (``bench/_models.py``: the narrow random-weight
   ``LTXVideoTransformer3DModel``, 25 frames at 256x512 -> 512 latent tokens, CFG on: 2 passes a step). At G=2 each
   rank runs one of CFG's passes over the whole sequence and the ranks exchange their predictions once per step; at
   U=2 each rank runs both passes (a batch of 2) over half the tokens, with two all-to-alls per attention layer.
-- LTX-2 default guidance: ``bench/_ltx2.py``'s random-weight ``LTX2VideoTransformer3DModel`` with LTX2Pipeline's
+- LTX-2 default guidance: ``bench/ltx2.py``'s random-weight ``LTX2VideoTransformer3DModel`` with LTX2Pipeline's
   default guidance (CFG's pair, STG, modality isolation: 4 passes, 3 transformer calls a step); at G=2 rank 0 runs
   CFG's pair (one batch of 2), rank 1 the STG and the modality pass.
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -46,14 +45,26 @@ from typing import Any
 import numpy as np
 import torch
 
-_REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_REPO))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from bench._procs import RankGroup, free_port  # noqa: E402 -- path set-up
+from bench.harness import (  # noqa: E402 -- path set-up
+    TIMEOUT_S,
+    RankGroup,
+    ServeProcess,
+    command_line,
+    free_port,
+    job_end,
+    print_report,
+    progress,
+    rotated,
+    slowest_steps,
+    subprocess_env,
+    table_head,
+    table_row,
+)
 
 __all__ = ["main"]
 
-_TIMEOUT_S = 900.0
 _LAYOUTS = ((2, 1), (1, 2))  # (guidance, ulysses) on 2 ranks
 _COMM, _LTX2 = "comm-bound LTX-Video", "LTX-2 default guidance"
 
@@ -64,24 +75,24 @@ def _label(guidance: int, ulysses: int) -> str:
 
 def _model(workload: str, quick: bool, state: Any) -> tuple[Any, Any]:
     """The model adapter and a function ``steps -> request`` of the workload."""
+    from bench import _models as m
+
     if workload == _COMM:
-        from bench.generate import COMM, ModelSize, Workload, _build_components, _request
         from models.ltx_video import LTXVideoModel
 
-        w = Workload(COMM, frames=25, height=256, width=512, model=ModelSize(layers=4 if quick else 8, heads=2))
-        model = LTXVideoModel(SimpleNamespace(**_build_components(w.model)), state=state)
-        return model, lambda steps: _request(w, steps)
-    from bench import _ltx2
+        w = m.workloads(*m.model_sizes(quick=quick))[0]  # comm-bound: the narrow model, 512 tokens
+        model = LTXVideoModel(SimpleNamespace(**m.build_components(w.model)), state=state)
+        return model, lambda steps: m.make_request(w, steps)
     from cp_infer.request import GenerationRequest
     from models.ltx2 import LTX2Model
 
-    model = LTX2Model(SimpleNamespace(**_ltx2._build_components()), state=state)
+    model = LTX2Model(SimpleNamespace(**m.build_ltx2_components()), state=state)
     size = dict(num_frames=25 if quick else 41, height=256, width=384 if quick else 512)
     # One stage: the benchmark transformer comes without a latent upsampler.
     return model, lambda steps: GenerationRequest.of(
-        prompt=_ltx2._PROMPT, negative_prompt=_ltx2._NEGATIVE, num_inference_steps=steps, seed=_ltx2._SEED,
-        fps=_ltx2._FPS, spatio_temporal_guidance_blocks=(_ltx2._LAYERS - 1,), max_sequence_length=128, stages=1,
-        **size, **_ltx2._GUIDANCE)
+        prompt=m.LTX2_PROMPT, negative_prompt=m.LTX2_NEGATIVE, num_inference_steps=steps, seed=m.SEED, fps=m.FPS,
+        spatio_temporal_guidance_blocks=(m.LTX2_LAYERS - 1,), max_sequence_length=128, stages=1, **size,
+        **m.LTX2_GUIDANCE)
 
 
 def _worker(rank: int, guidance: int, workload: str, quick: bool, port: int, inbox, outbox) -> None:
@@ -94,7 +105,7 @@ def _worker(rank: int, guidance: int, workload: str, quick: bool, port: int, inb
         from cp_infer import ParallelConfig, init_parallel
         from cp_infer.sampler import SampleControl, sample
 
-        state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=_TIMEOUT_S,
+        state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=TIMEOUT_S,
                                              guidance_degree=guidance), rank=rank, world_size=2, local_rank=rank)
         model, request = _model(workload, quick, state)
         model.decode_frames_per_rank = None
@@ -118,21 +129,19 @@ def _measure(workload: str, quick: bool, steps: int, rounds: int) -> dict[str, d
     try:
         for g, u in _LAYOUTS:
             port = free_port()
-            groups[_label(g, u)] = RankGroup(_label(g, u), _worker, [(r, g, workload, quick, port) for r in range(2)],
-                                             timeout_s=_TIMEOUT_S)
+            groups[_label(g, u)] = RankGroup(_label(g, u), _worker, [(r, g, workload, quick, port) for r in range(2)])
         for group in groups.values():
             group.replies()  # loaded
             group.call(2)  # warm-up
         rows: dict[str, dict[str, Any]] = {label: {"steps": [], "e2e": [], "load": []} for label in groups}
-        labels = list(groups)
         for r in range(rounds):
-            for label in labels[r % 2:] + labels[:r % 2]:
+            for label in rotated(list(groups), r):
                 rows[label]["load"].append(os.getloadavg()[0])
                 replies = groups[label].call(steps)
                 rows[label]["e2e"].append(max(x["e2e_s"] for x in replies))
-                rows[label]["steps"] += [max(s) for s in zip(*(x["steps"] for x in replies), strict=True)]
+                rows[label]["steps"] += slowest_steps(replies)
                 rows[label]["frames"] = replies[0]["frames"]
-                print(f"{workload} round {r} {label}: e2e {rows[label]['e2e'][-1]:.2f} s", file=sys.stderr)
+                progress(f"{workload} round {r} {label}: e2e {rows[label]['e2e'][-1]:.2f} s")
         return rows
     finally:
         for group in groups.values():
@@ -143,46 +152,11 @@ _REPLICAS, _ONE_GROUP = "2 replicas x 1 rank", "1 group x 2 ranks (U=2)"
 _SERVER_LAYOUTS = {_REPLICAS: ["--ulysses-degree", "1"], _ONE_GROUP: []}
 
 
-class _Server:
-    """``cp-infer serve --nproc 2`` on the embedded default model, in a session of its own."""
-
-    def __init__(self, flags: list[str], workdir: Path, jobs: int):
-        import subprocess
-
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "CP_INFER_CACHE": str(workdir.parent / "cache"), "PYTHONPATH": str(_REPO)}
-        self._log = open(workdir.with_suffix(".log"), "wb")  # noqa: SIM115 -- closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--nproc", "2", "--port", str(port), "--data-dir",
-             str(workdir), "--max-queue", str(jobs + 1), *flags], cwd=_REPO, env=env, stdout=self._log,
-            stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, client) -> None:
-        import httpx
-
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; see {self._log.name}")
-            try:
-                if client.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"the server was not ready in 300 s; see {self._log.name}")
-
-    def close(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except Exception:  # noqa: BLE001 -- killed below
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
+def _server(flags: list[str], workdir: Path, jobs: int) -> ServeProcess:
+    """``cp-infer serve --nproc 2`` on the embedded default model, its data in ``workdir``."""
+    env = subprocess_env({"CP_INFER_CACHE": str(workdir.parent / "cache")})
+    return ServeProcess(["--nproc", "2", "--data-dir", str(workdir), "--max-queue", str(jobs + 1), *flags], env=env,
+                        log=workdir.with_suffix(".log"))
 
 
 def _queue_round(client, url: str, bodies: list[dict]) -> float:
@@ -192,8 +166,6 @@ def _queue_round(client, url: str, bodies: list[dict]) -> float:
 
     started = time.perf_counter()
     ids = [client.post(f"{url}/v1/videos", json=body).raise_for_status().json()["id"] for body in bodies]
-    from bench.server import job_end
-
     ends: dict[str, str | None] = {}
 
     def wait(job_id: str) -> None:
@@ -220,7 +192,7 @@ def _throughput(args: argparse.Namespace) -> list[str]:
     bodies = [{"prompt": f"a paper boat on a stream, take {i}", "num_frames": frames, "size": size,
                "num_inference_steps": steps, "seed": 10 + i} for i in range(args.jobs)]
     root = Path(tempfile.mkdtemp(prefix="cp-infer-layout-"))
-    servers = {label: _Server(flags, root / label.split()[0], args.jobs) for label, flags in _SERVER_LAYOUTS.items()}
+    servers = {label: _server(flags, root / label.split()[0], args.jobs) for label, flags in _SERVER_LAYOUTS.items()}
     rows: dict[str, dict[str, list[float]]] = {label: {"wall": [], "load": []} for label in servers}
     limits = httpx.Limits(max_connections=args.jobs + 4)
     try:
@@ -229,12 +201,11 @@ def _throughput(args: argparse.Namespace) -> list[str]:
                 server.wait_ready(client)
             for server in servers.values():  # warm-up: one job each
                 _queue_round(client, server.url, bodies[:1])
-            labels = list(servers)
             for r in range(args.rounds):
-                for label in labels[r % 2:] + labels[:r % 2]:
+                for label in rotated(list(servers), r):
                     rows[label]["load"].append(os.getloadavg()[0])
                     rows[label]["wall"].append(_queue_round(client, servers[label].url, bodies))
-                    print(f"throughput round {r} {label}: {rows[label]['wall'][-1]:.2f} s", file=sys.stderr)
+                    progress(f"throughput round {r} {label}: {rows[label]['wall'][-1]:.2f} s")
     finally:
         for server in servers.values():
             server.close()
@@ -242,12 +213,12 @@ def _throughput(args: argparse.Namespace) -> list[str]:
     ratio = rpm[_REPLICAS] / rpm[_ONE_GROUP]
     lines = ["", f"Requests per minute: a queue of {args.jobs} jobs ({frames} frames at {size}, {steps} steps, "
              f"embedded default model) on `cp-infer serve --nproc 2`, median of {args.rounds} alternating rounds", "",
-             "| layout | load at start | queue wall median (s) | requests/min | replicas / one group |",
-             "|---|---:|---:|---:|---:|"]
+             *table_head(("layout", "load at start", "queue wall median (s)", "requests/min",
+                          "replicas / one group"), left=1)]
     for label, row in rows.items():
         cells = [label, f"{statistics.mean(row['load']):.1f}", f"{statistics.median(row['wall']):.2f}",
                  f"{rpm[label]:.1f}", f"{ratio:.2f}" if label == _REPLICAS else ""]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     lines.append(f"\nrequests/min 2 replicas / 1 group: {ratio:.2f}x (target >= 1.3x: "
                  f"{'PASS' if ratio >= 1.3 else 'not met'})")
     return lines
@@ -256,8 +227,8 @@ def _throughput(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> list[str]:
     if args.only == "throughput":
         return _throughput(args)
-    lines = ["| workload | layout | load at start | step median (s) | e2e median (s) | step G=2 / U=2 | e2e G=2 / U=2 "
-             "| frames G=2 vs U=2 (max levels) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = table_head(("workload", "layout", "load at start", "step median (s)", "e2e median (s)", "step G=2 / U=2",
+                        "e2e G=2 / U=2", "frames G=2 vs U=2 (max levels)"), left=2)
     failed = False
     for workload in (_COMM, _LTX2):
         rows = _measure(workload, args.quick, args.steps, args.rounds)
@@ -273,7 +244,7 @@ def run(args: argparse.Namespace) -> list[str]:
                 cells += [f"{step[label] / step[_label(1, 2)]:.2f}", f"{e2e[label] / e2e[_label(1, 2)]:.2f}", str(diff)]
             else:
                 cells += ["", "", ""]
-            lines.append("| " + " | ".join(cells) + " |")
+            lines.append(table_row(cells))
     if failed:
         lines.append("CHECK FAILED: G=2 and U=2 frames differ by more than 2 levels, or the video is degenerate")
     if args.only is None:
@@ -291,13 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the step/e2e comparison, or only requests per minute (default: both)")
     parser.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = parser.parse_args(argv)
-    command = shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv])
-    lines = [f"command: `{command}`; {os.cpu_count()} CPUs, torch {torch.__version__}", "", *run(args)]
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report + "\n")
-    return 1 if any(line.startswith("CHECK FAILED") for line in lines) else 0
+    lines = [f"command: `{command_line(__file__, argv)}`; {os.cpu_count()} CPUs, torch {torch.__version__}", "",
+             *run(args)]
+    return print_report(lines, args.out)
 
 
 if __name__ == "__main__":

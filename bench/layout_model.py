@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from bench.harness import command_line, print_report, table_row  # noqa: E402 -- path set-up
 
 __all__ = ["Hardware", "ModelShape", "step_seconds", "main"]
 
@@ -103,8 +106,9 @@ def layouts(gpus: int) -> list[tuple[int, int, int]]:
 
 
 def table(gpus: int, hw: Hardware) -> list[str]:
-    lines = ["| model | video | tokens | fastest job: layout | its latency (s) | vs U=8 alone | most jobs/hour: layout "
-             "| jobs/hour | vs fastest layout's |", "|---|---|---:|---|---:|---:|---|---:|---:|"]
+    lines = [table_row(("model", "video", "tokens", "fastest job: layout", "its latency (s)", "vs U=8 alone",
+                        "most jobs/hour: layout", "jobs/hour", "vs fastest layout's")),
+             "|---|---|---:|---|---:|---:|---|---:|---:|"]
     for model in MODELS:
         for width, height, frames in RESOLUTIONS:
             s = tokens(width, height, frames)
@@ -119,9 +123,9 @@ def table(gpus: int, hw: Hardware) -> list[str]:
             def name(x) -> str:
                 return f"{x[2]} x G={x[3]} x U={x[4]}" if x[2] > 1 else f"G={x[3]} x U={x[4]}"
 
-            lines.append(f"| {model.name} | {width}x{height}x{frames} | {s} | {name(fastest)} | {fastest[0]:.1f} | "
-                         f"{fastest[0] / ulysses_only[0]:.2f}x | {name(busiest)} | {busiest[1]:.0f} | "
-                         f"{busiest[1] / fastest[1]:.2f}x |")
+            lines.append(table_row([model.name, f"{width}x{height}x{frames}", s, name(fastest), f"{fastest[0]:.1f}",
+                                    f"{fastest[0] / ulysses_only[0]:.2f}x", name(busiest), f"{busiest[1]:.0f}",
+                                    f"{busiest[1] / fastest[1]:.2f}x"]))
     return lines
 
 
@@ -131,16 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = parser.parse_args(argv)
     hw = Hardware()
-    command = shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv])
+    command = command_line(__file__, argv)
     lines = [f"command: `{command}`; a model of {args.gpus} x {hw.name}: {hw.flops / 1e12:.0f} TFLOP/s bf16 at "
              f"{hw.mfu:.0%} of peak, all-to-all {hw.a2a_bytes_per_s / 1e9:.0f} GB/s per GPU + "
              f"{hw.a2a_latency_s * 1e6:.0f} us each; the reference pipelines' default steps and guidance passes",
              "", *table(args.gpus, hw)]
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report + "\n")
-    return 0
+    return print_report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,14 @@ Before the timed rounds every row runs once with 2 steps (warm-up). Measured on 
 - total: wall time of ``sample()``; the table's is the delivering rank's (rank 0);
 - first byte: from the start of ``sample()`` to the first ``on_frames`` call on the delivering rank, over total;
 - peak memory: ``VmHWM`` minus ``VmRSS`` just before the job, the heap first trimmed (``malloc_trim(0)``) and the peak
-  reset to the current RSS with ``/proc/self/clear_refs`` (``bench/_procs.py``): the most resident memory the job
+  reset to the current RSS with ``/proc/self/clear_refs`` (``bench/harness.py``): the most resident memory the job
   added above what the loaded process held, its model weights excluded. Without the trim the baseline was the previous
   job's leftovers: after a long video rank 0 (N=2) kept ~15 MiB in glibc's free lists, which the one-window job after
   it reused, so its peak read 5-7 MiB instead of ~24 MiB and the ratio 2.3x-5x. glibc's mmap and trim thresholds are
   set to 1 MiB in every rank so that freed blocks go back to the kernel and the RSS follows what is live
-  (``bench/generate.py``'s measuring setting); the ratio long / one window is per rank at the same N, the largest over
-  ranks in the table; the peak RSS column is ``VmHWM`` itself (weights, torch and the interpreter included), for
-  scale;
+  (``bench.harness.MALLOC_MEASURE``, ``bench/generate.py``'s measuring setting); the ratio long / one window is per
+  rank at the same N, the largest over ranks in the table; the peak RSS column is ``VmHWM`` itself (weights, torch
+  and the interpreter included), for scale;
 - windows per minute: the windows the plan ran (``on_pass`` calls) over the total time in minutes.
 
 Targets (issue #12): first byte over total <= 0.15 at N=2; peak memory per rank <= 1.2x a one-window video's. The
@@ -47,11 +47,27 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from bench._procs import RankGroup, free_port, reset_peak_rss, set_malloc, status_kib  # noqa: E402 -- path set-up
+from bench.harness import (  # noqa: E402 -- path set-up
+    MALLOC_MEASURE,
+    TIMEOUT_S,
+    WARMUP_STEPS,
+    RankGroup,
+    command_line,
+    free_port,
+    load_average,
+    print_report,
+    progress,
+    reset_peak_rss,
+    rotated,
+    set_malloc,
+    status_kib,
+    table_head,
+    table_row,
+    trim_heap,
+)
 
 __all__ = ["main"]
 
-_TIMEOUT_S = 900.0
 _MODEL = "tiny-ltx-video"
 _PROMPT = "a long walk through a forest | a river in the valley | mountains at dusk"
 _NEGATIVE = "blurry, low quality"
@@ -61,8 +77,6 @@ _FEW_WINDOWS_FRAMES = 193
 """Four windows of the default 80-frame tile."""
 _ONE_WINDOW_FRAMES = 73
 """(73 - 1) / 8 + 1 = 10 latent frames: the most that one window of the default ``temporal_tile_size=80`` holds."""
-_WARMUP_STEPS = 2  # NOTE(warm-up-steps) in bench/generate.py: not 1
-_MALLOC_MEASURE = (1 << 20, 1 << 20)  # bench/generate.py's: freed blocks over 1 MiB go back to the kernel
 _TTFB_TARGET, _MEMORY_TARGET = 0.15, 1.2
 
 
@@ -73,7 +87,7 @@ def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
     import torch
 
     try:
-        malloc_ok = set_malloc(*_MALLOC_MEASURE)
+        malloc_ok = set_malloc(*MALLOC_MEASURE)
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         from cp_infer import ParallelConfig, init_parallel
@@ -81,7 +95,7 @@ def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
         from cp_infer.sampler import SampleControl, sample
         from models.registry import open_model
 
-        state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=_TIMEOUT_S), rank=rank,
+        state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=TIMEOUT_S), rank=rank,
                               world_size=world, local_rank=rank)
         model = open_model(_MODEL, dtype="fp32", state=state)
         outbox.put((rank, "ok", dict(malloc_ok=malloc_ok, rss_loaded_mib=status_kib("VmRSS") / 1024)))
@@ -106,7 +120,7 @@ def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
                 torch.distributed.barrier(group=state.cpu_group)
             # NOTE(baseline): every job starts from a trimmed heap, so that what an earlier job left in glibc's free
             # lists (rank 0 kept ~15 MiB after a long video) does not count as "loaded" for the job after it.
-            trimmed = _trim()
+            trimmed = trim_heap()
             reset = reset_peak_rss()
             rss_before = status_kib("VmRSS")
             started = time.perf_counter()
@@ -119,20 +133,6 @@ def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
                 peak_reset=reset, trimmed=trimmed)))
         except BaseException:  # noqa: BLE001
             outbox.put((rank, "error", traceback.format_exc()))
-
-
-def _trim() -> bool:
-    """glibc's ``malloc_trim(0)``: the free memory of every arena back to the kernel; False where not glibc."""
-    import ctypes
-
-    try:
-        return bool(ctypes.CDLL(None).malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
-
-
-def _fmt_load(load: tuple[float, float, float]) -> str:
-    return " / ".join(f"{x:.1f}" for x in load)
 
 
 def main() -> None:
@@ -155,17 +155,17 @@ def main() -> None:
     try:
         for n in (1, 2):
             port = free_port()
-            groups[n] = RankGroup(f"N={n}", _worker, [(r, n, port) for r in range(n)], timeout_s=_TIMEOUT_S)
+            groups[n] = RankGroup(f"N={n}", _worker, [(r, n, port) for r in range(n)])
         ready = {n: g.replies() for n, g in groups.items()}
         # Warm-up: every row once, 2 steps. A process's first long video leaves its RSS tens of MiB higher (at N=2
         # about 40 MiB; the runs after it add nothing), which would count as the first timed job's peak.
         for n, kind in rows:
-            groups[n].call(dict(size, num_frames=lengths[kind], num_inference_steps=_WARMUP_STEPS))
+            groups[n].call(dict(size, num_frames=lengths[kind], num_inference_steps=WARMUP_STEPS))
         for round_ in range(args.rounds):
-            for n, kind in rows[round_ % len(rows):] + rows[:round_ % len(rows)]:
+            for n, kind in rotated(rows, round_):
                 results[(n, kind)].append(groups[n].call(dict(size, num_frames=lengths[kind])))
-            print(f"round {round_ + 1}/{args.rounds} done, {time.perf_counter() - started:.0f} s, "
-                  f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+            progress(f"round {round_ + 1}/{args.rounds} done, {time.perf_counter() - started:.0f} s, "
+                     f"load {os.getloadavg()[0]:.1f}")
     finally:
         for g in groups.values():
             g.close()
@@ -183,17 +183,17 @@ def main() -> None:
     malloc_ok = all(r["malloc_ok"] for rs in ready.values() for r in rs)
     reset_ok = all(r["peak_reset"] for jobs in results.values() for job in jobs for r in job)
     trim_ok = all(r["trimmed"] is not None for jobs in results.values() for job in jobs for r in job)
-    print(f"`python {' '.join(['bench/long.py', *sys.argv[1:]])}`: {_MODEL}, {args.width}x{args.height}, "
-          f"{args.steps} steps, guidance 3.0, fp32, N ranks x 1 thread (gloo, {os.cpu_count()} CPU cores); "
-          f"long {args.frames} frames ({args.frames / _FPS:.1f} s at {_FPS} fps), one window {_ONE_WINDOW_FRAMES} "
-          f"frames; {args.rounds} rounds alternating, medians; {elapsed / 60:.1f} min in all; load average "
-          f"{_fmt_load(load_start)} at the start, {_fmt_load(load_end)} at the end; frames discarded as they come; "
-          f"peak reset by clear_refs: {reset_ok}; malloc thresholds set: {malloc_ok}; heap trimmed before each job: "
-          f"{trim_ok}")
-    print()
-    print("| N | video | windows | total | first byte | first byte / total | windows / min | peak memory / rank "
-          "(above loaded) | peak / one window's | peak RSS / rank | total vs N=1 |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    lines = [
+        f"`{command_line(__file__)}`: {_MODEL}, {args.width}x{args.height}, {args.steps} steps, guidance 3.0, fp32, N "
+        f"ranks x 1 thread (gloo, {os.cpu_count()} CPU cores); long {args.frames} frames ({args.frames / _FPS:.1f} s "
+        f"at {_FPS} fps), one window {_ONE_WINDOW_FRAMES} frames; {args.rounds} rounds alternating, medians; "
+        f"{elapsed / 60:.1f} min in all; load average {load_average(load_start)} at the start, "
+        f"{load_average(load_end)} at the end; frames discarded as they come; peak reset by clear_refs: {reset_ok}; "
+        f"malloc thresholds set: {malloc_ok}; heap trimmed before each job: {trim_ok}", "",
+        *table_head(("N", "video", "windows", "total", "first byte", "first byte / total", "windows / min",
+                     "peak memory / rank (above loaded)", "peak / one window's", "peak RSS / rank", "total vs N=1"),
+                    left=2),
+    ]
     for n, kind in rows:
         row = (n, kind)
         total, first = med(row, "total_s"), med(row, "first_s")
@@ -202,10 +202,10 @@ def main() -> None:
         peaks = " / ".join(f"{peak(row, r):.0f}" for r in range(n))
         hwm = " / ".join(f"{med(row, 'hwm_mib', r):.0f}" for r in range(n))
         ratio = max(peak(row, r) / peak((n, "one window"), r) for r in range(n))
-        print(f"| {n} | {kind}, {lengths[kind]} frames | {windows} | {total:.1f} s | {first:.2f} s | {ttfb:.3f} | "
-              f"{windows / (total / 60):.0f} | {peaks} MiB | {ratio:.2f}x | {hwm} MiB | "
-              f"{total / med((1, kind), 'total_s'):.2f}x |")
-    print()
+        lines.append(table_row([n, f"{kind}, {lengths[kind]} frames", windows, f"{total:.1f} s", f"{first:.2f} s",
+                                f"{ttfb:.3f}", f"{windows / (total / 60):.0f}", f"{peaks} MiB", f"{ratio:.2f}x",
+                                f"{hwm} MiB", f"{total / med((1, kind), 'total_s'):.2f}x"]))
+    lines.append("")
     long2, one = (2, "long"), "one window"
     ttfb2 = statistics.median(job[0]["first_s"] / job[0]["total_s"] for job in results[long2])
     verdicts = [f"first byte / total at N=2: {ttfb2:.3f} (target <= {_TTFB_TARGET}: "
@@ -220,7 +220,8 @@ def main() -> None:
                         f"{' / '.join(f'{x:.2f}x' for x in per_rank)} (target <= {_MEMORY_TARGET}x: "
                         f"{'met' if ratio <= _MEMORY_TARGET else 'NOT met'}; peak RSS: {whole:.2f}x); against the "
                         f"one-window video's heaviest rank: {heaviest:.2f}x; long / a few windows: {growth}")
-    print("; ".join(verdicts) + ".")
+    lines.append("; ".join(verdicts) + ".")
+    print_report(lines)
 
 
 if __name__ == "__main__":

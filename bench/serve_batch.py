@@ -4,14 +4,14 @@ job, timed from the shell as whole processes.
 
     python bench/serve_batch.py [--quick] [--rounds N] [--out FILE.md]
 
-- Model: ``bench/cli.py``'s medium LTX-Video folder (4 layers x 16 heads x 64, the embedded default's tiny T5 and
-  VAE), written once with ``save_pretrained``.
+- Model: ``bench/cli.py``'s medium LTX-Video folder (``bench/_models.py``'s ``MEDIUM``: 4 layers x 16 heads x 64,
+  the embedded default's tiny T5 and VAE), written once with ``save_pretrained``.
 - serve: ours ``cp-infer serve --model DIR --nproc 2 --port P --data-dir D`` (a fresh data folder per run) against
-  ``bench/_peer_serve.py`` (``LTXPipeline.from_pretrained``, diffusers' own context parallelism, then rank 0
+  ``bench/peers/serve.py`` (``LTXPipeline.from_pretrained``, diffusers' own context parallelism, then rank 0
   answers ``/ready`` from ``http.server``). The time is from ``Popen`` to the first 200 on ``GET /ready`` (polled
   every 20 ms); each run is then stopped with SIGTERM and waited for before the next starts.
 - batch: ours ``cp-infer batch PROMPTS.jsonl --out-dir D --nproc 2`` (a fresh output folder per run, so nothing is
-  skipped) against ``bench/_peer_batch.py`` (``pipe(...)`` and ``export_to_video`` per line): 10 prompts, 9 frames at
+  skipped) against ``bench/peers/batch.py`` (``pipe(...)`` and ``export_to_video`` per line): 10 prompts, 9 frames at
   128x128, 8 steps (``--quick``: 4 steps), CFG on (guidance 3.0), one seed per line. Wall time from ``Popen`` to
   exit.
 - Procedure, as ``bench/cli.py``: one untimed run of each side, then ``--rounds`` rounds, round r running ours
@@ -38,11 +38,26 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from bench._procs import free_port  # noqa: E402
-from bench.cli import _phase_table, _run, _write_model, read_phases, run_header  # noqa: E402
+from bench import peers  # noqa: E402 -- path set-up
+from bench._models import MEDIUM_LABEL, write_medium_folder  # noqa: E402
+from bench.harness import (  # noqa: E402
+    REPO,
+    cp_infer_command,
+    free_port,
+    phase_table,
+    print_report,
+    progress,
+    read_phases,
+    rotated,
+    run_command,
+    run_header,
+    subprocess_env,
+    table_head,
+    table_row,
+    torchrun_command,
+)
 
 __all__ = ["main"]
 
@@ -51,16 +66,6 @@ _PROMPTS = ("a red fox runs through fresh snow at dawn", "waves break on a black
             "in the rain, neon signs", "a hot air balloon over green hills", "a cat sleeps on a sunny windowsill",
             "a paper boat drifts down a gutter stream", "fireworks over a harbour", "a hummingbird at a red flower",
             "a steam train crosses a stone bridge", "autumn leaves fall in a quiet park")
-
-
-def _ours() -> list[str]:
-    cp_infer = shutil.which("cp-infer")
-    return [cp_infer] if cp_infer else [sys.executable, "-m", "server.cli"]
-
-
-def _torchrun() -> list[str]:
-    torchrun = shutil.which("torchrun")
-    return [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
 
 
 def _ready(port: int) -> bool:
@@ -110,27 +115,25 @@ def _alternate(label: str, run_side, rounds: int) -> dict[str, list[dict]]:
         run_side(side, "warm")
     runs: dict[str, list[dict]] = {"ours": [], "diffusers": []}
     for r in range(rounds):
-        for side in (("ours", "diffusers") if r % 2 == 0 else ("diffusers", "ours")):
+        for side in rotated(("ours", "diffusers"), r):
             run = run_side(side, r)
             runs[side].append(run)
-            print(f"  {label} round {r} {side}: {run['wall']:.2f} s (load {run['load']:.2f})", file=sys.stderr,
-                  flush=True)
+            progress(f"  {label} round {r} {side}: {run['wall']:.2f} s (load {run['load']:.2f})")
     return runs
 
 
 def _row(label: str, runs: dict[str, list[dict]]) -> str:
     ours, peer = (statistics.median(x["wall"] for x in runs[k]) for k in ("ours", "diffusers"))
     loads = [x["load"] for k in runs for x in runs[k]]
-    return (f"| {label} | {ours:.2f} | {peer:.2f} | {ours / peer:.2f}x | {min(loads):.2f}-{max(loads):.2f} | "
-            + ", ".join(f"{x['wall']:.1f}" for x in runs["ours"]) + " | "
-            + ", ".join(f"{x['wall']:.1f}" for x in runs["diffusers"]) + " |")
+    return table_row([label, f"{ours:.2f}", f"{peer:.2f}", f"{ours / peer:.2f}x", f"{min(loads):.2f}-{max(loads):.2f}",
+                      *(", ".join(f"{x['wall']:.1f}" for x in runs[side]) for side in ("ours", "diffusers"))])
 
 
 def _phases(label: str, runs: dict[str, list[dict]]) -> list[str]:
     lines = ["", f"Phases, {label} (s, median over the rounds; a process's phases in order):", "",
-             "| process | phases | total |", "| --- | --- | --- |"]
+             *table_head(("process", "phases", "total"))]
     for side in ("ours", "diffusers"):
-        lines += [line.replace("| ", f"| {side} ", 1) for line in _phase_table(runs[side])]
+        lines += phase_table(side, runs[side])
     return lines
 
 
@@ -141,34 +144,32 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="also write the tables to this markdown file")
     args = ap.parse_args()
     steps = 4 if args.quick else 8
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # both sides pick their own default
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env = subprocess_env(own_threads=True)  # both sides pick their own default thread count
     tmp = Path(tempfile.mkdtemp(prefix="cp-infer-bench-serve-batch-"))
     try:
         model = tmp / "ltx-video-medium"
-        _write_model(model)
+        write_medium_folder(model)
         prompts = tmp / "prompts.jsonl"
         _prompts_file(prompts, steps)
 
         def serve(side: str, r) -> dict:
             port = free_port()
-            command = ([*_ours(), "serve", "--model", str(model), "--nproc", str(_NPROC), "--port", str(port),
-                        "--data-dir", str(tmp / f"data-{r}")] if side == "ours" else
-                       [*_torchrun(), f"--nproc_per_node={_NPROC}", str(REPO / "bench" / "_peer_serve.py"),
-                        "--model", str(model), "--port", str(port)])
+            command = ([*cp_infer_command(), "serve", "--model", str(model), "--nproc", str(_NPROC), "--port",
+                        str(port), "--data-dir", str(tmp / f"data-{r}")] if side == "ours" else
+                       [*torchrun_command(_NPROC, peers.SERVE), "--model", str(model), "--port", str(port)])
             if r == "warm":
-                print(f"serve: {side}: {shlex.join(command)}", file=sys.stderr, flush=True)
+                progress(f"serve: {side}: {shlex.join(command)}")
             return _serve_run(command, port, env, tmp / "timings" / f"serve-{side}-{r}")
 
         def batch(side: str, r) -> dict:
             out = tmp / f"videos-{side}-{r}"
-            command = ([*_ours(), "batch", str(prompts), "--model", str(model), "--out-dir", str(out), "--nproc",
-                        str(_NPROC)] if side == "ours" else
-                       [*_torchrun(), f"--nproc_per_node={_NPROC}", str(REPO / "bench" / "_peer_batch.py"),
-                        "--model", str(model), str(prompts), "--out-dir", str(out)])
+            command = ([*cp_infer_command(), "batch", str(prompts), "--model", str(model), "--out-dir", str(out),
+                        "--nproc", str(_NPROC)] if side == "ours" else
+                       [*torchrun_command(_NPROC, peers.BATCH), "--model", str(model), str(prompts), "--out-dir",
+                        str(out)])
             if r == "warm":
-                print(f"batch: {side}: {shlex.join(command)}", file=sys.stderr, flush=True)
-            run = _run(command, env, tmp / "timings" / f"batch-{side}-{r}")
+                progress(f"batch: {side}: {shlex.join(command)}")
+            run = run_command(command, env, tmp / "timings" / f"batch-{side}-{r}")
             made = sorted(out.glob("*.mp4"))
             if len(made) != len(_PROMPTS):
                 raise RuntimeError(f"batch {side}: {len(made)} videos in {out}, expected {len(_PROMPTS)}")
@@ -179,14 +180,11 @@ def main() -> int:
         batch_label = f"batch: {len(_PROMPTS)} prompts, 9 frames 128x128, {steps} steps"
         serve_runs = _alternate("serve", serve, args.rounds)
         batch_runs = _alternate("batch", batch, args.rounds)
-        head = [run_header("bench/serve_batch.py", args.rounds), "",
-                "| command | ours s | diffusers s | ours / diffusers | load avg (1 min) | ours runs | diffusers runs |",
-                "| --- | --- | --- | --- | --- | --- | --- |"]
-        report = "\n".join([*head, _row(serve_label, serve_runs), _row(batch_label, batch_runs),
-                            *_phases(serve_label, serve_runs), *_phases(batch_label, batch_runs), ""])
-        print(report)
-        if args.out:
-            args.out.write_text(report)
+        head = [run_header(__file__, nproc=_NPROC, model=MEDIUM_LABEL, rounds=args.rounds), "",
+                *table_head(("command", "ours s", "diffusers s", "ours / diffusers", "load avg (1 min)", "ours runs",
+                             "diffusers runs"))]
+        print_report([*head, _row(serve_label, serve_runs), _row(batch_label, batch_runs),
+                      *_phases(serve_label, serve_runs), *_phases(batch_label, batch_runs)], args.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

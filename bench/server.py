@@ -14,7 +14,6 @@ Both sides use the embedded default model, the same request, seed and rank count
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import subprocess
@@ -26,20 +25,20 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from server.cli.launch import free_port  # noqa: E402
+from bench.harness import (  # noqa: E402 -- path set-up
+    REPO,
+    ServeProcess,
+    command_line,
+    job_end,
+    print_report,
+    subprocess_env,
+    table_head,
+    table_row,
+)
 
-
-def job_end(client: httpx.Client, job_id: str, url: str = "") -> str | None:
-    """The state a job ends in (``completed``, ``failed``, ``cancelled``), read from its server-sent events rather
-    than by polling: no busy requests competing with the job. ``url``: the server's, unless the client has it."""
-    with client.stream("GET", f"{url}/v1/videos/{job_id}/events") as events:
-        for line in events.iter_lines():
-            if line.startswith("event: video.") and line.split(".", 1)[1] in ("completed", "failed", "cancelled"):
-                return line.split(".", 1)[1]
-    return None
+__all__ = ["main"]
 
 
 def _http_one(client: httpx.Client, body: dict) -> float:
@@ -63,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     width, height = (int(v) for v in args.size.split("x"))
     tmp = Path(tempfile.mkdtemp(prefix="cp-infer-bench-"))
-    env = {**os.environ, "CP_INFER_CACHE": str(tmp / "cache"), "PYTHONPATH": str(REPO)}
+    env = subprocess_env({"CP_INFER_CACHE": str(tmp / "cache")})
     body = {"prompt": "a red fox running through fresh snow", "num_frames": args.frames, "width": width,
             "height": height, "num_inference_steps": args.steps, "seed": 3}
     flags = ["--prompt", body["prompt"], "--frames", str(args.frames), "--width", str(width), "--height",
@@ -72,27 +71,16 @@ def main() -> None:
     cli_times = []
     for i in range(args.repeats + 1):  # the first run also builds the default model into the cache
         out = subprocess.run([sys.executable, "-m", "server.cli", "generate", *flags, "--out", str(tmp / f"{i}.mp4")],
-                             env=env, capture_output=True, text=True, check=True).stdout
+                             env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
         m = re.search(r"generate ([\d.]+) s, write ([\d.]+) s", out)
         if i:
             cli_times.append(float(m.group(1)) + float(m.group(2)))
 
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--nproc", str(args.nproc), "--port",
-                               str(port), "--data-dir", str(tmp / "data"), "--max-queue", str(args.clients + 1)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = ServeProcess(["--nproc", str(args.nproc), "--data-dir", str(tmp / "data"), "--max-queue",
+                           str(args.clients + 1)], env=env, log=tmp / "serve.log")
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if client.get("/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("server did not become ready")
-                time.sleep(0.5)
+        with httpx.Client(base_url=server.url, timeout=600) as client:
+            server.wait_ready(client)
             _http_one(client, body)  # warm-up
             http_times = [_http_one(client, body) for _ in range(args.repeats)]
             done: list[float] = []
@@ -105,18 +93,18 @@ def main() -> None:
                 t.join()
             wall = time.perf_counter() - t0
     finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=60)
+        server.close()
     http, cli = statistics.median(http_times), statistics.median(cli_times)
     overhead = http / cli - 1
-    print(f"`python bench/server.py {' '.join(sys.argv[1:])}`: {args.nproc} rank(s), embedded default model, "
-          f"{args.frames} frames at {args.size}, {args.steps} steps, median of {args.repeats}\n")
-    print("| path | median s | runs (s) |\n| --- | --- | --- |")
-    print(f"| HTTP (submit -> events -> download) | {http:.2f} | {', '.join(f'{t:.2f}' for t in http_times)} |")
-    print(f"| `cp-infer generate` (generate + write) | {cli:.2f} | {', '.join(f'{t:.2f}' for t in cli_times)} |")
-    print(f"\nfront-end overhead: {overhead * 100:+.1f}% (target < 3%: {'PASS' if overhead < 0.03 else 'FAIL'})")
-    print(f"{args.clients} clients queued at once: {len(done)} videos in {wall:.1f} s = "
-          f"{60 * len(done) / wall:.1f} requests/minute ({wall / len(done):.2f} s each)")
+    print_report([
+        f"`{command_line(__file__)}`: {args.nproc} rank(s), embedded default model, {args.frames} frames at "
+        f"{args.size}, {args.steps} steps, median of {args.repeats}", "",
+        *table_head(("path", "median s", "runs (s)")),
+        table_row(["HTTP (submit -> events -> download)", f"{http:.2f}", ", ".join(f"{t:.2f}" for t in http_times)]),
+        table_row(["`cp-infer generate` (generate + write)", f"{cli:.2f}", ", ".join(f"{t:.2f}" for t in cli_times)]),
+        "", f"front-end overhead: {overhead * 100:+.1f}% (target < 3%: {'PASS' if overhead < 0.03 else 'FAIL'})",
+        f"{args.clients} clients queued at once: {len(done)} videos in {wall:.1f} s = "
+        f"{60 * len(done) / wall:.1f} requests/minute ({wall / len(done):.2f} s each)"])
 
 
 if __name__ == "__main__":

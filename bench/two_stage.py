@@ -10,9 +10,9 @@ The model is an embedded one, ``tiny-ltx2`` (LTX-2's recipe: 3 unguided refine s
 so the full-size decode, the second prompt encoding and the upsampler weigh more than on a real checkpoint.
 
 ``--medium``: the transformer dominates, as on a real checkpoint: a folder written into a temporary folder with
-``save_pretrained``, the family's benchmark transformer (LTX-Video: ``bench/cli.py``'s 4 layers x 16 heads x 64;
-LTX-2: ``bench/_ltx2.py``'s 2 layers x 8 heads x 64, audio 8 x 32), the embedded model's other components (tiny
-text encoder and VAE) and its tiny latent upsampler.
+``save_pretrained``, the family's benchmark transformer (``bench/_models.py``; LTX-Video: ``bench/cli.py``'s 4
+layers x 16 heads x 64; LTX-2: ``bench/ltx2.py``'s 2 layers x 8 heads x 64, audio 8 x 32), the embedded model's
+other components (tiny text encoder and VAE) and its tiny latent upsampler.
 """
 
 from __future__ import annotations
@@ -26,12 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _procs import RankGroup, free_port  # noqa: E402
-
-_TIMEOUT_S = 900.0
-
+from bench.harness import TIMEOUT_S, WARMUP_STEPS, RankGroup, free_port, load_average, table_head, table_row  # noqa: E402
 
 # What each model's stage 2 runs, for the table; and the request options its benchmark request sets.
 _REFINE = {"tiny-ltx2": "3 unguided steps", "tiny-ltx-video": "4 guided steps (denoise_strength 0.4 of 10)"}
@@ -40,22 +36,21 @@ _OPTIONS = {"tiny-ltx2": dict(max_sequence_length=128), "tiny-ltx-video": {}}
 
 def _write_medium(model_name: str, folder: Path) -> None:
     """The ``--medium`` folder of ``model_name``'s family: the benchmark transformer of ``bench/cli.py`` (LTX-Video)
-    or ``bench/_ltx2.py`` (LTX-2), the embedded components around it, its tiny latent upsampler."""
+    or ``bench/ltx2.py`` (LTX-2), the embedded components around it, its tiny latent upsampler."""
+    from bench._models import build_ltx2_components, write_medium_folder
     from models.embedded import LATENT_UPSAMPLER
 
     if model_name == "tiny-ltx-video":
-        from bench.cli import _write_model
         from models.default import build_latent_upsampler
 
-        _write_model(folder)
+        write_medium_folder(folder)
         upsampler = build_latent_upsampler()
     else:
         from diffusers import LTX2Pipeline
 
-        from bench._ltx2 import _build_components
         from models.default_ltx2 import build_ltx2_latent_upsampler
 
-        LTX2Pipeline(**_build_components()).save_pretrained(folder)
+        LTX2Pipeline(**build_ltx2_components()).save_pretrained(folder)
         upsampler = build_ltx2_latent_upsampler()
     upsampler.save_pretrained(folder / LATENT_UPSAMPLER, safe_serialization=True)
 
@@ -73,7 +68,7 @@ def _worker(rank: int, port: int, model_name: str, model: str, inbox, outbox) ->
         from cp_infer.sampler import SampleControl, sample
         from models.registry import open_model
 
-        state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=_TIMEOUT_S), rank=rank,
+        state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=TIMEOUT_S), rank=rank,
                               world_size=2, local_rank=rank)
         model = open_model(model, dtype="fp32", state=state)
         outbox.put((rank, "ok", "ready"))
@@ -109,13 +104,13 @@ def main() -> None:
             model = str(Path(tmp) / "medium")
             _write_medium(args.model, Path(model))
         port = free_port()
-        group = RankGroup("ours N=2", _worker, [(r, port, args.model, model) for r in range(2)], timeout_s=_TIMEOUT_S)
+        group = RankGroup("ours N=2", _worker, [(r, port, args.model, model) for r in range(2)], timeout_s=TIMEOUT_S)
         try:
             group.replies()
             results: dict[int, list[tuple[float, list[float]]]] = {1: [], 2: []}
-            # Warm-up at the timed size, 2 steps (NOTE(warm-up-steps) in bench/generate.py: not 1).
-            group.call({**size, "num_inference_steps": 2, "stages": 1})
-            group.call({**size, "num_inference_steps": 2, "stages": 2})
+            # Warm-up at the timed size (NOTE(warm-up-steps) in bench/harness.py: 2 steps, not 1).
+            group.call({**size, "num_inference_steps": WARMUP_STEPS, "stages": 1})
+            group.call({**size, "num_inference_steps": WARMUP_STEPS, "stages": 2})
             for _ in range(args.rounds):
                 for stages in (1, 2):
                     results[stages].append(group.call({**size, "stages": stages})[0])
@@ -128,12 +123,13 @@ def main() -> None:
     second = statistics.median(x for _, steps in results[2] for x in steps[args.steps:])
     what = f"medium {args.model.removeprefix('tiny-')} (tiny VAE)" if args.medium else args.model
     print(f"{args.frames} frames {args.width}x{args.height}, {args.steps} steps, {what}, N=2, "
-          f"{args.rounds} rounds alternating, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
-    print("| plan | end to end (median) | step at full size | step at half size (stage 1) | ratio |")
-    print("| --- | --- | --- | --- | --- |")
-    print(f"| 1 stage, {args.steps} steps, guided | {total[1]:.2f} s | {one_step * 1e3:.0f} ms | | 1.00x |")
-    print(f"| 2 stages, {args.steps} guided + {_REFINE[args.model]} | {total[2]:.2f} s | {second * 1e3:.0f} ms "
-          f"(stage 2) | {first * 1e3:.0f} ms | {total[2] / total[1]:.2f}x |")
+          f"{args.rounds} rounds alternating, load average {load_average(load)}")
+    print("\n".join([
+        *table_head(("plan", "end to end (median)", "step at full size", "step at half size (stage 1)", "ratio")),
+        table_row([f"1 stage, {args.steps} steps, guided", f"{total[1]:.2f} s", f"{one_step * 1e3:.0f} ms", "",
+                   "1.00x"]),
+        table_row([f"2 stages, {args.steps} guided + {_REFINE[args.model]}", f"{total[2]:.2f} s",
+                   f"{second * 1e3:.0f} ms (stage 2)", f"{first * 1e3:.0f} ms", f"{total[2] / total[1]:.2f}x"])]))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The peer of ``cp-infer serve --nproc N`` in ``bench/serve_batch.py``: what a diffusers user runs under ``torchrun
 --nproc_per_node N`` to serve ``LTXPipeline`` with diffusers' own context parallelism: every rank loads the pipeline
-and enables its parallelism (``bench/_diffusers_cp.py``), then rank 0 answers ``GET /ready`` with 200 (the standard
+and enables its parallelism (``bench/peers/diffusers_cp.py``), then rank 0 answers ``GET /ready`` with 200 (the standard
 library's ``http.server``) while the other ranks wait for it in a barrier. SIGTERM ends rank 0's server; the barrier
 then lets every rank exit.
 
-    torchrun --nproc_per_node 2 bench/_peer_serve.py --model DIR --port 8000
+    torchrun --nproc_per_node 2 bench/peers/serve.py --model DIR --port 8000
 
 With ``CP_INFER_TIMINGS=DIR`` every rank writes its phase marks as the CLI's ranks do (``server.group.phases``).
 """
@@ -18,7 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 from server.group import phases  # noqa: E402 -- path set-up; json, os and time only
 
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from diffusers import LTXPipeline  # noqa: E402
 
-from bench._diffusers_cp import enable_diffusers_context_parallel  # noqa: E402
+from bench.peers.diffusers_cp import enable_diffusers_context_parallel  # noqa: E402
 
 
 class _Ready(http.server.BaseHTTPRequestHandler):

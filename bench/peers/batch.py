@@ -1,9 +1,9 @@
 """The peer of ``cp-infer batch PROMPTS.jsonl --nproc N`` in ``bench/serve_batch.py``: what a diffusers user runs
 under ``torchrun --nproc_per_node N`` to make a video per line of a prompts file: ``LTXPipeline.from_pretrained``
-once, diffusers' own context parallelism (``bench/_diffusers_cp.py``), then for each line ``pipe(...)`` and, on rank
-0, ``diffusers.utils.export_to_video`` to ``OUT_DIR/NAME.mp4``.
+once, diffusers' own context parallelism (``bench/peers/diffusers_cp.py``), then for each line ``pipe(...)`` and,
+on rank 0, ``diffusers.utils.export_to_video`` to ``OUT_DIR/NAME.mp4``.
 
-    torchrun --nproc_per_node 2 bench/_peer_batch.py --model DIR PROMPTS.jsonl --out-dir DIR
+    torchrun --nproc_per_node 2 bench/peers/batch.py --model DIR PROMPTS.jsonl --out-dir DIR
 
 Each line is the subset of ``cp-infer batch``'s keys the benchmark writes: ``prompt``, ``name``, ``seed``,
 ``num_frames``, ``height``, ``width``, ``num_inference_steps``, ``frame_rate``. With ``CP_INFER_TIMINGS=DIR`` every
@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 from server.group import phases  # noqa: E402 -- path set-up; json, os and time only
 
@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from diffusers import LTXPipeline  # noqa: E402
 from diffusers.utils import export_to_video  # noqa: E402
 
-from bench._diffusers_cp import enable_diffusers_context_parallel  # noqa: E402
+from bench.peers.diffusers_cp import enable_diffusers_context_parallel  # noqa: E402
 
 
 def main() -> int:

@@ -1,9 +1,9 @@
 """The peer of ``cp-infer generate --nproc N --out x.mp4`` in ``bench/cli.py``: what a diffusers user runs under
 ``torchrun --nproc_per_node N``: ``LTXPipeline.from_pretrained``, diffusers' own context parallelism (made to run
-on CPU/gloo by ``bench/_diffusers_cp.py``, nothing else changed), ``pipe(...)`` and, on rank 0,
+on CPU/gloo by ``bench/peers/diffusers_cp.py``, nothing else changed), ``pipe(...)`` and, on rank 0,
 ``diffusers.utils.export_to_video``.
 
-    torchrun --nproc_per_node 2 bench/_peer_cli.py --model DIR --prompt TEXT --frames 25 --height 256 --width 256
+    torchrun --nproc_per_node 2 bench/peers/generate.py --model DIR --prompt TEXT --frames 25 --height 256 --width 256
              --steps 40 --out x.mp4
 
 With ``CP_INFER_TIMINGS=DIR`` every rank writes its phase marks as the CLI's ranks do (``server.group.phases``).
@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 from server.group import phases  # noqa: E402 -- path set-up; json, os and time only
 
@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from diffusers import LTXPipeline  # noqa: E402
 from diffusers.utils import export_to_video  # noqa: E402
 
-from bench._diffusers_cp import enable_diffusers_context_parallel  # noqa: E402
+from bench.peers.diffusers_cp import enable_diffusers_context_parallel  # noqa: E402
 
 
 def main() -> int:

@@ -1,10 +1,11 @@
 """Benchmark: image-to-video on LTX-Video beside text-to-video, ours N=2 against diffusers' ``LTXConditionPipeline``
 under diffusers' own context parallelism (N=2), in one run.
 
-Run from the repository root: ``python bench/generate.py --only i2v [--quick] [--rounds N] [--steps N]``
-(``bench/generate.py`` without ``--only`` runs it after the text-to-video tables). From another script:
-``run(args)`` returns the report as markdown lines; a line starting with ``CHECK FAILED`` means ours and diffusers
-disagree or the run proves nothing.
+Run from the repository root::
+
+    python bench/conditioning.py [--quick] [--rounds N] [--steps N] [--layers N] [--heads N] [--out FILE.md]
+
+A line starting with ``CHECK FAILED`` (and exit status 1) means ours and diffusers disagree or the run proves nothing.
 
 Cases, three requests served by the same loaded processes (the same prompt, seed, steps and CFG as
 ``bench/generate.py``), the conditioned ones with ``LTXConditionPipeline``'s semantics on both sides:
@@ -24,7 +25,7 @@ Configurations, each in its own fresh processes (spawn, gloo on 127.0.0.1, 1 int
 
 - ours N=2: ``cp_infer.sampler.sample`` over ``models.ltx_video.LTXVideoModel`` on 2 ranks (``init_parallel``);
 - diffusers CP N=2: ``LTXPipeline.__call__`` / ``LTXConditionPipeline.__call__`` on 2 ranks after
-  ``enable_parallelism(ContextParallelConfig(ulysses_degree=2))``, with ``bench/_diffusers_cp.py``'s patches: the
+  ``enable_parallelism(ContextParallelConfig(ulysses_degree=2))``, with ``bench/peers/diffusers_cp.py``'s patches: the
   two the text-to-video rows need (device count; per-head text mask narrowed to the local heads) and a third for
   the condition pipeline only: its per-token timestep ``[B, S]`` added to the transformer's ``_cp_plan`` (split on
   dim 1 like the tokens; as shipped it is not split and the first block fails to broadcast a ``[B, S, D]``
@@ -48,7 +49,7 @@ Measured, per generation the slowest rank, then the median over the timed rounds
   step); median over all timed steps. "/ t2v" divides by the same configuration's text-to-video step.
 - collectives / step: tensor all-to-alls and all-gathers per step (rank 0), counted as in ``bench/generate.py``.
 - correctness: the last round's final packed latents (conditioning tokens included) and uint8 frames, diffusers CP
-  N=2 against ours N=2 per case (both must be the reference pipeline's: ``_LATENT_TOL``, 1 frame level).
+  N=2 against ours N=2 per case (both must be the reference pipeline's: ``LATENT_TOL``, 1 frame level).
 
 Procedure, per workload: both configurations load; one 2-step warm-up generation of every case; then ``--rounds``
 rounds, round ``r`` running the cases in an order rotated by ``r``, each case on both configurations back to back
@@ -62,7 +63,6 @@ import argparse
 import contextlib
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -77,30 +77,43 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from bench._procs import RankGroup, free_port, set_malloc  # noqa: E402 -- path set-up
-from bench.generate import (  # noqa: E402 -- the text-to-video bench's model, request and runners
-    _LATENT_TOL,
-    _MALLOC_TIMED,
-    _SEED,
-    _TIMEOUT_S,
-    _WARMUP_STEPS,
-    COMM,
-    DIFF_2,
-    OURS_2,
-    SHORT_WIDE,
+from bench._models import (  # noqa: E402 -- path set-up
+    COMPUTE,
+    GUIDANCE,
+    LATENT_TOL,
+    SEED,
     ModelSize,
-    Setup,
+    OursRunner,
     Workload,
-    _barrier,
-    _build_components,
-    _code_version,
-    _CollectiveClock,
-    _OursRunner,
-    _progress,
-    _request,
+    build_components,
+    make_request,
+    model_sizes,
+    workloads,
+)
+from bench.harness import (  # noqa: E402
+    DIFF_2,
+    MALLOC_TIMED,
+    OURS_2,
+    TIMEOUT_S,
+    WARMUP_STEPS,
+    CollectiveClock,
+    RankGroup,
+    Setup,
+    barrier,
+    command_line,
+    environment,
+    free_port,
+    load_average,
+    print_report,
+    progress,
+    rotated,
+    set_malloc,
+    slowest_steps,
+    table_head,
+    table_row,
 )
 
-__all__ = ["run"]
+__all__ = ["main"]
 
 _SETUPS = (OURS_2, DIFF_2)
 
@@ -119,11 +132,9 @@ _CASES = (T2V, FIRST, LAST)
 
 
 def _workloads(args: argparse.Namespace) -> tuple[Workload, ...]:
-    """The sizes of ``bench/generate.py`` (``--layers``/``--heads`` set the wide model's, as there)."""
-    narrow = ModelSize(layers=4 if args.quick else 8, heads=2)
-    wide = ModelSize(layers=args.layers or (1 if args.quick else 2), heads=args.heads or (8 if args.quick else 16))
-    return (Workload(COMM, frames=25, height=256, width=512, model=narrow),
-            Workload(SHORT_WIDE, frames=25, height=256, width=512, model=wide, target=False))
+    """``bench/generate.py``'s 512-token workloads (``--layers``/``--heads`` set the wide model's, as there)."""
+    every = workloads(*model_sizes(quick=args.quick, layers=args.layers, heads=args.heads))
+    return tuple(w for w in every if w.name != COMPUTE)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -133,7 +144,7 @@ def _workloads(args: argparse.Namespace) -> tuple[Workload, ...]:
 
 def _image(workload: Workload) -> np.ndarray:
     """uint8 ``[1, H, W, 3]``: 16 x 16-pixel blocks of seeded random colours, at the output size."""
-    rng = np.random.default_rng(_SEED)
+    rng = np.random.default_rng(SEED)
     blocks = rng.integers(0, 256, size=(workload.height // 16, workload.width // 16, 3), dtype=np.uint8)
     return np.repeat(np.repeat(blocks, 16, axis=0), 16, axis=1)[None]
 
@@ -142,15 +153,16 @@ def _case_request(workload: Workload, case: _Case, steps: int):
     from cp_infer.request import Condition
 
     if case.frame_index is None:
-        return _request(workload, steps)
-    return _request(workload, steps, conditions=(Condition(frames=_image(workload), frame_index=case.frame_index),))
+        return make_request(workload, steps)
+    condition = Condition(frames=_image(workload), frame_index=case.frame_index)
+    return make_request(workload, steps, conditions=(condition,))
 
 
 def _components(size: ModelSize) -> dict[str, Any]:
     """``bench/generate.py``'s components with dynamic shifting off (NOTE(scheduler) in the module docstring)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    components = _build_components(size)
+    components = build_components(size)
     config = dict(components["scheduler"].config, use_dynamic_shifting=False)
     components["scheduler"] = FlowMatchEulerDiscreteScheduler.from_config(config)
     return components
@@ -181,33 +193,33 @@ def _worker(rank: int, setup: Setup, workload: Workload, steps: int, port: int, 
         # The scheduler warns at every call that is given timesteps without sigmas, which both sides' condition
         # path does (LTXConditionPipeline's linear-quadratic schedule): one line per generation and rank.
         diffusers_logging.set_verbosity_error()
-        set_malloc(*_MALLOC_TIMED)
+        set_malloc(*MALLOC_TIMED)
         torch.set_num_threads(setup.threads)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         components = _components(workload.model)
         if setup.impl == "ours":
             from cp_infer import ParallelConfig, init_parallel
 
-            state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=_TIMEOUT_S),
+            state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=TIMEOUT_S),
                                   rank=rank, world_size=setup.ranks, local_rank=rank)
-            run = _OursRunner(components, state=state)
+            run = OursRunner(components, state=state)
         else:
-            from bench._diffusers_cp import DiffusersRunner
+            from bench.peers.diffusers_cp import DiffusersRunner
 
             dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=setup.ranks,
-                                    timeout=datetime.timedelta(seconds=_TIMEOUT_S))
+                                    timeout=datetime.timedelta(seconds=TIMEOUT_S))
             run = DiffusersRunner(components, ranks=setup.ranks, conditioned=True)
         encode = _CallClock(components["vae"], "encode")
-        clock = _CollectiveClock.install()
+        clock = CollectiveClock.install()
         weights = list(components["transformer"].parameters())
-        _barrier()
+        barrier()
         outbox.put((rank, "ok", dict(checksum=sum(p.double().sum().item() for p in weights),
                                      params=sum(p.numel() for p in weights))))
         while (command := inbox.get()) is not None:
             kind, case = command
-            n_steps = steps if kind == "timed" else _WARMUP_STEPS
+            n_steps = steps if kind == "timed" else WARMUP_STEPS
             request = _case_request(workload, case, n_steps)
-            _barrier()
+            barrier()
             at_start, encode_0, at_last_step = clock.reading(), encode.seconds, []
             started = time.perf_counter()
             record = run(request, lambda mark=at_last_step.append: mark(clock.reading()))
@@ -229,11 +241,6 @@ def _worker(rank: int, setup: Setup, workload: Workload, steps: int, port: int, 
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _rotated(items: tuple[Any, ...] | list[Any], by: int) -> list[Any]:
-    by %= len(items)
-    return [*items[by:], *items[:by]]
-
-
 def _measure(workload: Workload, *, steps: int, rounds: int) -> dict[tuple[str, str], dict[str, Any]]:
     """Both configurations of one workload: load, warm up every case, then the alternated timed rounds."""
     rows: dict[tuple[str, str], dict[str, Any]] = {(c.name, s.label): {"rounds": []} for c in _CASES for s in _SETUPS}
@@ -243,7 +250,7 @@ def _measure(workload: Workload, *, steps: int, rounds: int) -> dict[tuple[str, 
         for setup in _SETUPS:
             port = free_port()
             group = RankGroup(setup.label, _worker, [(r, setup, workload, steps, port) for r in range(setup.ranks)],
-                              timeout_s=_TIMEOUT_S)
+                              timeout_s=TIMEOUT_S)
             stack.callback(group.close)
             groups.append(group)
         params = 0
@@ -255,19 +262,19 @@ def _measure(workload: Workload, *, steps: int, rounds: int) -> dict[tuple[str, 
         for case in _CASES:
             for group in groups:
                 group.call(("warmup", case))
-        _progress(f"[i2v, {workload.name}] loaded; warm-up {time.perf_counter() - started:.0f} s")
+        progress(f"[i2v, {workload.name}] loaded; warm-up {time.perf_counter() - started:.0f} s")
         for round_ in range(rounds):
-            for case in _rotated(_CASES, round_):
-                for group in _rotated(groups, round_):
+            for case in rotated(_CASES, round_):
+                for group in rotated(groups, round_):
                     row = rows[(case.name, group.label)]
                     row.setdefault("load", os.getloadavg()[0])
                     timed = group.call(("timed", case))
                     row["rounds"].append(dict(
                         e2e_s=max(r["e2e_s"] for r in timed), before_s=max(r["before_s"] for r in timed),
                         encode_s=max(r["encode_s"] for r in timed), collectives=timed[0]["collectives"],
-                        steps=[max(r["steps"][i] for r in timed) for i in range(steps)]))
+                        steps=slowest_steps(timed)))
                     row.update(latents=timed[0]["latents"], frames=timed[0]["frames"])
-            _progress(f"[i2v, {workload.name}] round {round_ + 1}/{rounds} (load {os.getloadavg()[0]:.1f})")
+            progress(f"[i2v, {workload.name}] round {round_ + 1}/{rounds} (load {os.getloadavg()[0]:.1f})")
     for row in rows.values():
         rs = row["rounds"]
         row.update({key: statistics.median(r[key] for r in rs) for key in ("e2e_s", "before_s", "encode_s",
@@ -287,8 +294,7 @@ _COLUMNS = ("workload", "transformer: layers x heads x dim", "case", "latent tok
 
 
 def _table(workloads: tuple[Workload, ...], rows: dict[tuple[str, str, str], dict[str, Any]]) -> list[str]:
-    lines = ["| " + " | ".join(_COLUMNS) + " |",
-             "|" + "|".join("---" if i < 6 else "---:" for i in range(len(_COLUMNS))) + "|"]
+    lines = table_head(_COLUMNS, left=6)
     for w in workloads:
         video = w.tokens()
         for c in _CASES:
@@ -305,7 +311,7 @@ def _table(workloads: tuple[Workload, ...], rows: dict[tuple[str, str, str], dic
                          f"{row['step_s'] / t2v['step_s']:.3f}", f"{row['collectives']:.0f}", f"{row['e2e_s']:.2f}",
                          f"{row['d_latents']:.1e}" if s != OURS_2 else "",
                          str(row["d_frames"]) if s != OURS_2 else ""]
-                lines.append("| " + " | ".join(cells) + " |")
+                lines.append(table_row(cells))
     return lines
 
 
@@ -349,9 +355,9 @@ def _compare(rows: dict[tuple[str, str, str], dict[str, Any]], workloads: tuple[
             for row in (ours, diff):
                 row["d_latents"] = float(np.abs(row["latents"] - ours["latents"]).max())
                 row["d_frames"] = int(np.abs(row["frames"].astype(np.int16) - ours["frames"].astype(np.int16)).max())
-            if diff["d_latents"] > _LATENT_TOL or diff["d_frames"] > 1:
+            if diff["d_latents"] > LATENT_TOL or diff["d_frames"] > 1:
                 failures.append(f"{w.name}, {c.name}: diffusers CP N=2 differs from ours N=2 (latents "
-                                f"{diff['d_latents']:.1e} vs tolerance {_LATENT_TOL}, frames {diff['d_frames']} "
+                                f"{diff['d_latents']:.1e} vs tolerance {LATENT_TOL}, frames {diff['d_frames']} "
                                 "levels vs 1)")
             if float(ours["frames"].std()) < 5:
                 failures.append(f"{w.name}, {c.name}: degenerate frames (std {float(ours['frames'].std()):.1f})")
@@ -365,39 +371,48 @@ def _compare(rows: dict[tuple[str, str, str], dict[str, Any]], workloads: tuple[
     return failures
 
 
-def run(args: argparse.Namespace) -> list[str]:
-    """The image-to-video report as markdown lines (``args``: ``quick``, ``steps``, ``rounds``, ``layers``,
-    ``heads``, as ``bench/generate.py`` parses them; None = the default)."""
-    import diffusers
-
-    workloads = _workloads(args)
+def _report(args: argparse.Namespace) -> list[str]:
+    """The report as markdown lines: the environment, the table, the ratios, the checks."""
+    workloads_ = _workloads(args)
     steps = args.steps or (2 if args.quick else 3)
     rounds = args.rounds or (1 if args.quick else 5)
     if steps < 2 or rounds < 1:
         raise ValueError(f"steps={steps} must be >= 2 and rounds={rounds} >= 1")
-    load_start = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    env = environment(_SETUPS)
     started = time.perf_counter()
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for w in workloads:
+    for w in workloads_:
         for (case, label), row in _measure(w, steps=steps, rounds=rounds).items():
             rows[(w.name, case, label)] = row
-    failures = _compare(rows, workloads)
-    load_end = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    lines = [
-        f"python {platform.python_version()}, torch {torch.__version__}, diffusers {diffusers.__version__}; "
-        f"{os.cpu_count()} CPU cores ({cpu}); gloo on 127.0.0.1; fp32; ours N=2 and diffusers CP N=2: 2 ranks x 1 "
-        f"intra-op thread; load average at the start (1/5/15 min): {load_start}; {_code_version()}.", "",
-        f"{rounds} timed round(s) of {steps} denoising steps per row, after one {_WARMUP_STEPS}-step warm-up per case; "
-        f"CFG on (guidance 3.0), text 128 tokens, same seed, weights and image everywhere; scheduler without dynamic "
-        "shifting (LTXConditionPipeline passes no shift). Image: 256x512 RGB, strength 1; at the last frame it adds "
-        "one latent frame of tokens before the video's.", "",
-        *_table(workloads, rows), "",
-        *(line for w in workloads for line in _ratios(w, rows)), "",
-        f"wall time {time.perf_counter() - started:.0f} s; load average at the end (1/5/15 min): {load_end}; diffusers "
-        f"CP N=2 matches ours N=2 in every case (latents within {_LATENT_TOL}, frames within 1 level): "
+    failures = _compare(rows, workloads_)
+    return [
+        env, "",
+        f"{rounds} timed round(s) of {steps} denoising steps per row, after one {WARMUP_STEPS}-step warm-up per case; "
+        f"CFG on (guidance {GUIDANCE}), text 128 tokens, same seed, weights and image everywhere; scheduler without "
+        "dynamic shifting (LTXConditionPipeline passes no shift). Image: 256x512 RGB, strength 1; at the last frame it "
+        "adds one latent frame of tokens before the video's.", "",
+        *_table(workloads_, rows), "",
+        *(line for w in workloads_ for line in _ratios(w, rows)), "",
+        f"wall time {time.perf_counter() - started:.0f} s; load average at the end (1/5/15 min): {load_average()}; "
+        f"diffusers CP N=2 matches ours N=2 in every case (latents within {LATENT_TOL}, frames within 1 level): "
         f"{not failures}.",
         *(f"CHECK FAILED: {failure}" for failure in failures),
     ]
-    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 layer x 8 heads (wide), 4 layers (narrow), 1 round "
+                        "of 2 steps")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5, --quick 1)")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps per generation (default 3, --quick 2)")
+    parser.add_argument("--layers", type=int, default=None, help="wide transformer's layers (default 2, --quick 1)")
+    parser.add_argument("--heads", type=int, default=None, help="wide transformer's heads of 64 dims (default 16, "
+                        "--quick 8)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the report to this markdown file")
+    args = parser.parse_args(argv)
+    return print_report([f"command: `{command_line(__file__, argv)}`", "", *_report(args)], args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """Diffusers' own context parallelism (``enable_parallelism``, Ulysses) made to run on CPU/gloo, for the benchmark.
 
 diffusers 0.42 ships context parallelism for accelerators only. Two patches are needed, and only two, for an
-``LTXVideoTransformer3DModel`` under ``LTXPipeline`` on CPU with gloo, and a third under ``LTXConditionPipeline``; all
-are applied from here, nothing in diffusers is edited:
+``LTXVideoTransformer3DModel`` under ``LTXPipeline`` on CPU with gloo, a third under ``LTXConditionPipeline`` and a
+fourth for ``LTX2VideoTransformer3DModel``; all are applied from here, nothing in diffusers is edited:
 
 1. ``ModelMixin._resolve_parallel_config`` picks the device as
    ``torch.device(accelerator_type, rank % torch.accelerator.device_count())``; on a CPU-only torch the count is
@@ -21,6 +21,12 @@ are applied from here, nothing in diffusers is edited:
    ``[B, S / N, D]`` hidden states and the first block fails to broadcast them. ``per_token_timestep=True`` adds
    ``timestep`` to the plan's root entry on the transformer instance, split on dim 1 like ``hidden_states``
    (``expected_dims=2``: ``LTXPipeline``'s ``[B]`` timestep is left whole, diffusers logs that once).
+4. LTX-2 only (:class:`DiffusersLTX2Runner`): the shipped ``_cp_plan`` splits the video tokens and the
+   self-attention RoPE (``rope``) but not the cross-modal one (``cross_attn_rope``), so audio-to-video attention
+   fails ("The size of tensor a (S/N) must match the size of tensor b (S)"); ``cross_attn_rope``, split like
+   ``rope``, is added on the transformer instance. Audio is not in the plan: every rank holds the whole audio stream
+   and Ulysses all-to-alls it anyway, so each audio attention runs over N copies of every audio key (exact, as
+   duplicated keys leave softmax unchanged; N x the work).
 
 Everything else is diffusers' code path as shipped: the ``_cp_plan`` hooks split the latents, the text states,
 the text mask and the RoPE tables over the ranks and all-gather the output of ``proj_out`` on every step; both
@@ -32,7 +38,9 @@ conditions that is the video's tokens plus the conditioning tokens placed before
 itself, as shipped, recording per-step times from the step's start (the condition pipeline's per-step re-noise of
 the conditioned tokens, else the transformer's forward pre-hook) to ``callback_on_step_end``, and the time from the
 call to the first step's start (text encode, media preprocessing and encode, latents, schedule). Timing wraps the
-re-noise on the pipeline instance and calls it unchanged.
+re-noise on the pipeline instance and calls it unchanged. :class:`DiffusersLTX2Runner` does the same for
+``LTX2Pipeline.__call__`` (every rank runs the whole pipeline, decode included), a step from the first of its
+transformer passes.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-__all__ = ["DiffusersRunner", "enable_diffusers_context_parallel"]
+__all__ = ["DiffusersLTX2Runner", "DiffusersRunner", "enable_diffusers_context_parallel"]
 
 
 def _narrow_mask_to_local_heads(forward_op: Any) -> Any:
@@ -150,6 +158,62 @@ class DiffusersRunner:
             video = self.pipe(**common).frames[0]
         # The same float -> uint8 conversion as models.ltx_video.LTXVideoModel.decode.
         record["frames"] = (np.clip(video, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+        return record
+
+
+class DiffusersLTX2Runner:
+    """``LTX2Pipeline.__call__`` as shipped over the given components, with ``guidance`` (its guidance keyword
+    arguments); context-parallel over ``ranks`` when > 1 (patch 4). A call returns uint8 frames, the waveform, the
+    final packed latents (video, audio) and the step times."""
+
+    def __init__(self, components: dict[str, Any], *, ranks: int, guidance: dict[str, float]) -> None:
+        from diffusers import LTX2Pipeline
+        from diffusers.models._modeling_parallel import ContextParallelInput
+
+        self.pipe = pipe = LTX2Pipeline(**components)
+        self.guidance = dict(guidance)
+        pipe.set_progress_bar_config(disable=True)
+        t = pipe.transformer
+        if ranks > 1:
+            # NOTE(cp-plan): the one plan change: split the cross-modal video RoPE like the self-attention one.
+            split = {i: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True) for i in (0, 1)}
+            t._cp_plan = {**type(t)._cp_plan, "cross_attn_rope": split}
+            enable_diffusers_context_parallel(t, ulysses_degree=ranks)
+        self._start: float | None = None
+        self.record: dict[str, Any] = {}
+        t.register_forward_pre_hook(self._on_pass)
+        denormalize = pipe._denormalize_audio_latents  # the final packed audio latents pass through here once
+
+        def recording_denormalize(latents, *args, **kwargs):
+            self.record["latents"]["audio"] = latents.numpy().copy()
+            return denormalize(latents, *args, **kwargs)
+
+        pipe._denormalize_audio_latents = recording_denormalize
+
+    def _on_pass(self, _module, _args) -> None:
+        if self._start is None:  # the first of the step's transformer passes starts the step
+            self._start = time.perf_counter()
+
+    def __call__(self, request: Any, on_last_step: Callable[[], None]) -> dict[str, Any]:
+        self.record = record = {"steps": [], "latents": {}}
+
+        def on_step_end(_pipe, i: int, _t, kwargs: dict[str, Any]) -> dict[str, Any]:
+            record["steps"].append(time.perf_counter() - self._start)
+            self._start = None
+            if i == request.num_inference_steps - 1:
+                on_last_step()
+                record["latents"]["video"] = kwargs["latents"].numpy().copy()  # B, S, C: gathered by proj_out's hook
+            return {}
+
+        out = self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.num_frames,
+                        height=request.height, width=request.width, num_inference_steps=request.num_inference_steps,
+                        frame_rate=request.fps,
+                        spatio_temporal_guidance_blocks=list(request.options["spatio_temporal_guidance_blocks"]),
+                        max_sequence_length=request.options["max_sequence_length"], output_type="np",
+                        generator=torch.Generator("cpu").manual_seed(request.seed), callback_on_step_end=on_step_end,
+                        **self.guidance)
+        record["frames"] = (np.clip(out.frames[0], 0.0, 1.0) * 255.0).round().astype(np.uint8)
+        record["waveform"] = out.audio[0].float().numpy()
         return record
 
 

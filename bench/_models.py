@@ -1,0 +1,224 @@
+"""The benchmark models the scripts share, their requests and our runner.
+
+- LTX-Video: diffusers' ``LTXVideoTransformer3DModel`` at a :class:`ModelSize`, the embedded default model's other
+  components (``models.default.build_default_components``: a tiny T5 and a tiny VAE with LTX-Video's real
+  compression, 8x time and 32x space) and its scheduler; the workloads of ``bench/generate.py`` and
+  ``bench/conditioning.py``; :class:`OursRunner`, our engine over it, which keeps the final latents.
+- LTX-2: diffusers' ``LTX2VideoTransformer3DModel`` at 2 layers x 8 heads x 64 (audio 8 x 32) with the other
+  components of ``tiny-ltx2``, and ``LTX2Pipeline``'s default guidance.
+
+Invariants: every process builds the same weights (LTX-Video: torch's own init under :data:`SEED`, the global RNG
+forked; LTX-2: ``models.embedded.init_deterministic`` from :data:`SEED`); everything is fp32.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+__all__ = [
+    "COMM", "COMPUTE", "FPS", "GUIDANCE", "LATENT_TOL", "LTX2_GUIDANCE", "LTX2_HEADS", "LTX2_HEAD_DIM", "LTX2_LAYERS",
+    "LTX2_NEGATIVE", "LTX2_PROMPT", "MEDIUM", "MEDIUM_LABEL", "NEGATIVE", "PROMPT", "SEED", "SHORT_WIDE", "ModelSize",
+    "OursRunner", "Workload", "build_components", "build_ltx2_components", "make_request", "model_sizes", "workloads",
+    "write_medium_folder",
+]
+
+SEED = 1234
+FPS = 24
+LATENT_TOL = 1e-3
+"""fp32 throughout. N ranks run the same maths as 1 rank, but matmuls over fewer rows with another thread count
+and SDPA over another head grouping may sum in another order (~1e-6 relative per op); over a few steps of a
+random transformer that stays far below 1e-3 absolute on latents of unit scale."""
+
+PROMPT = "a red fox runs through fresh snow at dawn, cinematic tracking shot"
+NEGATIVE = "blurry, low quality"
+GUIDANCE = 3.0
+
+LTX2_PROMPT = "a drummer plays on a rainy street at night, close-up, cinematic"
+LTX2_NEGATIVE = "silence, blurry, low quality"
+LTX2_GUIDANCE = dict(guidance_scale=3.0, audio_guidance_scale=7.0, stg_scale=1.0, audio_stg_scale=1.0,
+                     modality_scale=3.0, audio_modality_scale=3.0, guidance_rescale=0.7,
+                     audio_guidance_rescale=0.7)
+"""``LTX2Pipeline``'s defaults."""
+LTX2_LAYERS, LTX2_HEADS, LTX2_HEAD_DIM = 2, 8, 64  # the benchmark transformer; audio: heads x head_dim // 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LTX-Video.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The benchmark transformer's shape."""
+
+    layers: int
+    heads: int
+    head_dim: int = 64
+    channels: int = 16
+    """Latent channels: must match the default model's VAE."""
+
+    def __post_init__(self) -> None:
+        if self.layers < 1 or self.heads < 2 or self.heads % 2:
+            raise ValueError(f"layers={self.layers} must be >= 1 and heads={self.heads} even (Ulysses over 2 ranks)")
+
+    def describe(self, params: int) -> str:
+        return (f"`LTXVideoTransformer3DModel`, {self.layers} layers, {self.heads} heads x {self.head_dim} dim "
+                f"(inner {self.heads * self.head_dim}), {self.channels} latent channels, {params / 1e6:.1f} M params")
+
+
+MEDIUM = ModelSize(layers=4, heads=16)
+"""The medium LTX-Video of the whole-process benchmarks (``bench/cli.py``, ``bench/serve_batch.py``) and of
+``bench/compile.py``: the transformer dominates, as on a real checkpoint."""
+MEDIUM_LABEL = f"LTX-Video {MEDIUM.layers} layers x {MEDIUM.heads} heads x {MEDIUM.head_dim}, tiny T5 and VAE"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    frames: int
+    height: int
+    width: int
+    model: ModelSize
+    target: bool = True
+    """Whether the issue's targets are read off this workload (``False``: reported for context only)."""
+
+    def tokens(self) -> int:
+        from cp_infer import VideoGeometry
+
+        return VideoGeometry().latent_shape(self.frames, self.height, self.width).tokens
+
+
+COMM, SHORT_WIDE, COMPUTE = "comm-bound", "short, wide model", "compute-bound"
+
+
+def model_sizes(*, quick: bool, layers: int | None = None, heads: int | None = None) -> tuple[ModelSize, ModelSize]:
+    """(wide, narrow): wide 2 layers x 16 heads (``--quick``: 1 x 8), ``layers``/``heads`` overriding; narrow 8
+    layers x 2 heads (``--quick``: 4 layers). ``bench/generate.py``'s docstring says why these two."""
+    wide = ModelSize(layers=layers or (1 if quick else 2), heads=heads or (8 if quick else 16))
+    return wide, ModelSize(layers=4 if quick else 8, heads=2)
+
+
+def workloads(wide: ModelSize, narrow: ModelSize) -> tuple[Workload, ...]:
+    """comm-bound (narrow model, 512 tokens), the same 512 tokens on the wide model (context, no target),
+    compute-bound (wide model, 4096 tokens)."""
+    return (Workload(COMM, frames=25, height=256, width=512, model=narrow),
+            Workload(SHORT_WIDE, frames=25, height=256, width=512, model=wide, target=False),
+            Workload(COMPUTE, frames=121, height=512, width=512, model=wide))
+
+
+def build_components(size: ModelSize) -> dict[str, Any]:
+    """``LTXPipeline``'s components: the benchmark transformer at ``size`` around the embedded default's others."""
+    import torch
+    from diffusers import LTXVideoTransformer3DModel
+
+    from models.default import build_default_components
+
+    components = build_default_components()
+    inner = size.heads * size.head_dim
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        transformer = LTXVideoTransformer3DModel(
+            in_channels=size.channels, out_channels=size.channels, patch_size=1, patch_size_t=1,
+            num_attention_heads=size.heads, attention_head_dim=size.head_dim, cross_attention_dim=inner,
+            num_layers=size.layers, caption_channels=components["text_encoder"].config.d_model,
+        )
+    components["transformer"] = transformer.eval()
+    return components
+
+
+def write_medium_folder(folder: Path) -> None:
+    """An LTX-Video folder (``LTXPipeline.save_pretrained``) with the :data:`MEDIUM` transformer."""
+    from diffusers import LTXPipeline
+
+    LTXPipeline(**build_components(MEDIUM)).save_pretrained(folder)
+
+
+def make_request(workload: Workload, steps: int, **values: Any):
+    """The workload's request, resolved against LTX-Video's declared options (diffusers' runner reads them all)."""
+    from cp_infer.request import GenerationRequest, resolve_request
+    from models.ltx_video_options import ltx_video_options
+
+    options = ltx_video_options()
+    # NOTE(one-window): one sequence, as LTXPipeline makes it. Ours makes a video longer than temporal_tile_size
+    # window by window, so a longer workload gets a window as long as the video ((frames + 7) // 8 latent frames).
+    tile = next(o.default for o in options if o.name == "temporal_tile_size")
+    values = {"temporal_tile_size": max(tile, workload.frames + 7), **values}
+    req = GenerationRequest.of(prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=workload.frames,
+                               height=workload.height, width=workload.width, num_inference_steps=steps,
+                               guidance_scale=GUIDANCE, seed=SEED, fps=FPS, max_sequence_length=128, **values)
+    return resolve_request(req, options)
+
+
+class _Recording:
+    """Our model adapter, unchanged, except that it keeps the full latents the sampler hands to the decode."""
+
+    def __init__(self, model: Any) -> None:
+        self._model, self.latents = model, None
+
+    def __getattr__(self, name: str) -> Any:  # geometry, prepare, predict, step: the adapter's own
+        return getattr(self._model, name)
+
+    def decoder(self, latents, prepared):
+        self.latents = latents["video"].clone()
+        return self._model.decoder(latents, prepared)
+
+
+class OursRunner:
+    """``cp_infer.sampler.sample`` over ``models.ltx_video.LTXVideoModel``; a call returns the uint8 frames, the
+    final packed latents, the step times and the time from the call to the first step's start."""
+
+    def __init__(self, components: dict[str, Any], *, state: Any) -> None:
+        from models.ltx_video import LTXVideoModel
+
+        self.state = state
+        self.model = _Recording(LTXVideoModel(SimpleNamespace(**components), state=state))
+
+    def __call__(self, request: Any, on_last_step: Any) -> dict[str, Any]:
+        from cp_infer.sampler import SampleControl, sample
+
+        record: dict[str, Any] = {"steps": []}
+        called = time.perf_counter()
+
+        def on_step(done: int, total: int, seconds: float) -> None:
+            if done == 1:  # from the call to the first step's start: checks, prepare (text and media encode), shard
+                record["before_first_step_s"] = time.perf_counter() - seconds - called
+            record["steps"].append(seconds)
+            if done == total:
+                on_last_step()
+
+        self.model.latents = None
+        record["frames"] = sample(self.model, request, state=self.state, control=SampleControl(on_step=on_step))
+        record["latents"] = None if self.model.latents is None else self.model.latents.numpy()
+        return record
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LTX-2.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def build_ltx2_components() -> dict[str, Any]:
+    """``LTX2Pipeline``'s components: the benchmark transformer (RoPE "interleaved") around ``tiny-ltx2``'s
+    others."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from models.default_ltx2 import build_ltx2_components as build_tiny
+    from models.embedded import init_deterministic
+
+    c = build_tiny(rope_type="interleaved")
+    tiny = c["transformer"].config
+    heads, head_dim = LTX2_HEADS, LTX2_HEAD_DIM
+    # Audio heads = video heads: the cross-modal attentions use the audio head count on both streams.
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=tiny.in_channels, out_channels=tiny.out_channels, num_attention_heads=heads,
+        attention_head_dim=head_dim, cross_attention_dim=heads * head_dim, audio_in_channels=tiny.audio_in_channels,
+        audio_out_channels=tiny.audio_out_channels, audio_num_attention_heads=heads,
+        audio_attention_head_dim=head_dim // 2, audio_cross_attention_dim=heads * head_dim // 2,
+        num_layers=LTX2_LAYERS, caption_channels=tiny.caption_channels, rope_type="interleaved")
+    init_deterministic(transformer, SEED)
+    c["transformer"] = transformer.eval()
+    return c
