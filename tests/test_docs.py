@@ -1,6 +1,6 @@
 """The README and docs/ hold together: the README stays a short front door, every relative link (and its
 ``#anchor``) leads somewhere, every page of docs/ is in its index, and every path of this repository a page names
-exists (bench/ aside: its scripts are named as the benchmarks ran them). Reads files only."""
+exists. Reads files only."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ README_MAX_LINES = 300
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _CODE_SPAN = re.compile(r"`([^`\n]+)`")
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
-_TOP = ("cp_infer/", "models/", "server/", "tests/", "docs/", ".ci/")
+_TOP = ("cp_infer/", "models/", "server/", "tests/", "docs/", ".ci/", "bench/")
 
 
 def _slug(heading: str) -> str:
