@@ -27,6 +27,7 @@ __all__ = [
     "gather_passes",
     "broadcast_object",
     "all_reduce_max_int",
+    "all_reduce_max_ints",
     "all_reduce_sum",
     "warmup",
 ]
@@ -159,6 +160,16 @@ def all_reduce_max_int(value: int, *, state: ParallelState) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=state.cpu_group)
     return int(t.item())
+
+
+def all_reduce_max_ints(values: list[int], *, state: ParallelState) -> list[int]:
+    """The elementwise maximum of a list of integers (the same length on every rank) over the replica group's ranks
+    (CPU group)."""
+    if state.cpu_group is None:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=state.cpu_group)
+    return t.tolist()
 
 
 def warmup(state: ParallelState) -> None:

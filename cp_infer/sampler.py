@@ -20,6 +20,8 @@ Invariants:
   An audio-video model's soundtrack goes before the frames: piece by piece, each window's before that window's
   frames (``SampleControl.on_audio_piece``, ``Decoder.audio_piece``), or whole (``on_audio``), in which case the
   frames wait for the last window. Which of the two is the delivering rank's choice, agreed on by the whole mesh.
+- A step cache (``cp_infer.step_cache``) is the model's, made per pass; the sampler only adds up what each step
+  saved (``DenoiseModel.cache_stats``, the same on every rank) and reports the request's totals (``on_cache``).
 - Models plug in through :class:`DenoiseModel`; this module knows no model and no HTTP.
 """
 
@@ -43,6 +45,7 @@ from .request import GenerationLimits, GenerationRequest, check_request, resolve
 from .shapes import LatentShape, VideoGeometry
 from .shard import ShardPlan
 from .state import ParallelState
+from .step_cache import CacheStats
 
 __all__ = [
     "DenoiseModel",
@@ -125,6 +128,9 @@ class DenoiseModel(Protocol):
     # ``checkpoint(state) -> dict[str, np.ndarray] | None``: that state, to go on from (``None``: a pass the job cannot
     # go on from); ``restore(request, arrays) -> (state, final)``: the state back (the next pass's
     # ``previous_state``) and its final latent frames (or ``None``).
+    # Optional, for models with a step cache: ``cache_stats(prepared) -> CacheStats | None``, called on every rank after
+    # every step (collectives inside, the same on every rank): what the pass's cache saved in that step (``None``: the
+    # pass has none).
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,9 @@ class SampleControl:
     return CANCEL, or raise: an exception counts as ERROR with its message."""
     on_step: Callable[[int, int, float], None] | None = None
     """``(steps_done, total, seconds_of_this_step)`` after every step, on every rank."""
+    on_cache: Callable[[CacheStats], None] | None = None
+    """A cached request's totals so far (steps computed and skipped, block evaluations saved), on every rank after
+    every step, before ``on_step``; never called for a request without a step cache."""
     on_phase: Callable[[str], None] | None = None
     """Phase changes: ``"denoise"``, ``"decode"``, ``"done"``."""
     on_audio: Callable[[np.ndarray, int], None] | None = None
@@ -214,9 +223,16 @@ def _agree(status: StepStatus, message: str, *, state: ParallelState) -> None:
     raise JobFailed("; ".join(messages))
 
 
+class _CacheTotals:
+    """A request's step-cache totals over its passes."""
+
+    def __init__(self) -> None:
+        self.value = CacheStats()
+
+
 def _run_pass(model: DenoiseModel, pass_: DenoisePass, previous: dict[str, torch.Tensor] | None,
               previous_state: Any, *, done: int, total: int, limits: GenerationLimits, control: SampleControl,
-              state: ParallelState) -> tuple[dict[str, torch.Tensor], Prepared]:
+              state: ParallelState, cached: _CacheTotals) -> tuple[dict[str, torch.Tensor], Prepared]:
     """One pass of a plan: prepare (agreed on), the sharded loop, the gather. Returns the full latents."""
     shape = check_request(pass_.request, geometry=model.geometry, limits=limits, options=model.options)
     # Preparing (text encoding, media encoding, noise, schedule) is local to each rank: agreed on like a step, so
@@ -233,6 +249,7 @@ def _run_pass(model: DenoiseModel, pass_: DenoisePass, previous: dict[str, torch
     prepared = prepared_box[0]
     plans = {name: ShardPlan(orig_len=x.shape[1], world=state.cp_size) for name, x in prepared.latents.items()}
     latents = {name: plans[name].shard(x, state.cp_rank).to(state.device) for name, x in prepared.latents.items()}
+    cache_stats = getattr(model, "cache_stats", None)
     for i, t in enumerate(prepared.timesteps):
         _agree(*_poll(control, done + i), state=state)
         started = time.perf_counter()
@@ -241,6 +258,11 @@ def _run_pass(model: DenoiseModel, pass_: DenoisePass, previous: dict[str, torch
         for name, plan in plans.items():
             # Padding rows carry no meaning; keep them at zero so they can never grow without bound.
             latents[name][:, plan.valid_len(state.cp_rank):] = 0
+        saved = None if cache_stats is None else cache_stats(prepared)
+        if saved is not None:
+            cached.value = cached.value + saved
+            if control.on_cache:
+                control.on_cache(cached.value)
         if control.on_step:
             control.on_step(done + i + 1, total, time.perf_counter() - started)
     full = {name: gather_sequence(x, plan=plans[name], group=state.cp_group) for name, x in latents.items()}
@@ -297,12 +319,14 @@ def sample(
     if control.on_phase:
         control.on_phase("denoise")
     finish = getattr(model, "finish_pass", None)
+    cached = _CacheTotals()
     for index in range(start, len(plan.passes)):
         pass_ = plan.passes[index]
         if control.on_pass:
             control.on_pass(index, plan)
         full, prepared = _run_pass(model, pass_, full or None, None if prepared is None else prepared.state,
-                                   done=done, total=total, limits=limits, control=control, state=state)
+                                   done=done, total=total, limits=limits, control=control, state=state,
+                                   cached=cached)
         done += pass_.steps
         if finish is None:
             continue

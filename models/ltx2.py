@@ -17,6 +17,10 @@ sequence-wide quantity, the rescale's standard deviation, is reduced over the gr
 Conditioning (``request.image``: LTX2ImageToVideoPipeline; ``request.conditions``: LTX2ConditionPipeline) is
 prepared by :mod:`models.ltx2_conditions`; its keyframe tokens, per-token timesteps and masks are part of the video
 stream, cut by the stream's plan.
+A request's step cache (``cp_infer.step_cache``) keeps one state per context of LTX2Pipeline (``cond_uncond``,
+``uncond_stg``, ``uncond_modality``): the video stream's first-block residual decides, and the video and audio tails
+are cached together (diffusers' First-Block Cache hook does not take LTX-2's two-stream blocks; the reference is
+the unsharded loop).
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ from cp_infer.mesh import pass_shares
 from cp_infer.plan import Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
+from cp_infer.step_cache import CacheContext, CacheStats, StepCache, cache_blocks
 
 from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
+from ._step_cache import cached_call, pass_cache, pass_cache_stats
 from ._text_kv import KeptPerText, keep_per_text, kept_text_attention
 from ._windows import two_stage_window_plan, window_plan, windows_of
 from .geometry import min_latent_side
@@ -166,7 +172,9 @@ class _TextKVProcessor:
 
 def parallelize_ltx2_transformer(transformer: torch.nn.Module, ctx: _ShardContext) -> None:
     """Apply sequence parallelism to a diffusers ``LTX2VideoTransformer3DModel`` in place (and keep the text's
-    cross-attention keys and values through a request: :class:`_TextKVProcessor`)."""
+    cross-attention keys and values through a request: :class:`_TextKVProcessor`; iterate its blocks through a step
+    cache: ``cp_infer.step_cache.cache_blocks``, the two streams in the blocks' output order)."""
+    cache_blocks(transformer, streams=("hidden_states", "audio_hidden_states"))
     for block in transformer.transformer_blocks:
         for name, (q_stream, kv_stream) in _SHARDED_ATTENTIONS.items():
             getattr(block, name).set_processor(_UlyssesAVProcessor(ctx, q_stream, kv_stream))
@@ -228,6 +236,24 @@ class LTX2Settings:
         """The transformer passes a step runs (``LTX2Model._passes``)."""
         return (2 if self.cfg else 1) + self.stg + self.modality
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The step's passes in order: CFG's ``uncond`` and ``cond`` (or ``cond`` alone), ``stg``, ``modality``."""
+        prompt = ("uncond", "cond") if self.cfg else ("cond",)
+        return prompt + ("stg",) * self.stg + ("modality",) * self.modality
+
+    @property
+    def cache_contexts(self) -> tuple[CacheContext, ...]:
+        """LTX2Pipeline's cache contexts over the step's passes (``kinds``)."""
+        kinds = self.kinds
+        prompt = tuple(k for k, kind in enumerate(kinds) if kind in ("uncond", "cond"))
+        extra = tuple(CacheContext(_CONTEXTS[kind], (k,)) for k, kind in enumerate(kinds) if kind in _CONTEXTS)
+        return (CacheContext("cond_uncond", prompt), *extra)
+
+
+# The step's passes other than CFG's pair, each in its own cache context (LTX2Pipeline's names).
+_CONTEXTS = {"stg": "uncond_stg", "modality": "uncond_modality"}
+
 
 def plan_request(request: GenerationRequest) -> Plan:
     """One pass (text-to-video, image-to-video or conditions: keyframe tokens in the pass's video stream), or with
@@ -271,6 +297,8 @@ class _RequestState:
     audio_conditioning: VideoConditioning | None = None
     """A long video's window: its first audio tokens conditioned on the soundtrack made so far."""
     step: int = 0
+    cache: StepCache | None = None
+    """The pass's step cache (``cache="none"``: none)."""
 
 
 def _sharded_std(x_local: torch.Tensor, valid: int, *, state: ParallelState) -> torch.Tensor:
@@ -522,7 +550,8 @@ class LTX2Model:
             audio_ctx=audio_ctx, ctx_mask=ctx_mask, coords={"video": video_coords.to(device),
                                                             "audio": audio_coords.to(device)},
             batch=batch, generator=generator, audio_frames=audio_frames, fps=fps, conditioning=conditioning,
-            audio_conditioning=audio_conditioning)
+            audio_conditioning=audio_conditioning,
+            cache=pass_cache(request, state=self.state, contexts=settings.cache_contexts, layers=self.layers))
         return Prepared(latents={"video": video.to(device), "audio": audio.to(device)}, timesteps=list(timesteps),
                         state=state)
 
@@ -611,22 +640,31 @@ class LTX2Model:
         (``cp_infer.mesh.pass_shares`` over the guidance group; CFG's two in one batch where both are in it, as
         LTX2Pipeline runs them), then one exchange over the guidance group gives every rank all of them."""
         s: LTX2Settings = x.settings
-        kinds = ("uncond", "cond") if s.cfg else ("cond",)
-        cond_row = len(kinds) - 1  # the conditional prompt's row of the contexts
-        kinds += ("stg",) * s.stg + ("modality",) * s.modality
+        kinds = s.kinds
+        cond_row = int(s.cfg)  # the conditional prompt's row of the contexts
         share = pass_shares(len(kinds), self.state.guidance_size)[self.state.guidance_rank]
         mine = [kinds[k] for k in share]
         outputs: list[dict[str, torch.Tensor]] = []
         prompt = [k for k in mine if k in ("uncond", "cond")]
+        blocks, rank = self.transformer.transformer_blocks, self.state.cp_rank
+
+        def cached(context: str) -> contextlib.AbstractContextManager[None]:
+            return cached_call(x.cache, blocks, context, plans["video"], rank)
+
         if prompt:
             first = 0 if prompt[0] == "uncond" else cond_row
-            outputs.append(self._forward(latents_local, t, x, plans, rows=slice(first, first + len(prompt))))
+            with cached("cond_uncond"):
+                outputs.append(self._forward(latents_local, t, x, plans, rows=slice(first, first + len(prompt))))
         if "stg" in mine:
-            outputs.append(self._forward(latents_local, t, x, plans, rows=slice(cond_row, cond_row + 1),
-                                         stg_blocks=s.stg_blocks))
+            with cached(_CONTEXTS["stg"]):
+                outputs.append(self._forward(latents_local, t, x, plans, rows=slice(cond_row, cond_row + 1),
+                                             stg_blocks=s.stg_blocks))
         if "modality" in mine:
-            outputs.append(self._forward(latents_local, t, x, plans, rows=slice(cond_row, cond_row + 1),
-                                         isolate=True))
+            with cached(_CONTEXTS["modality"]):
+                outputs.append(self._forward(latents_local, t, x, plans, rows=slice(cond_row, cond_row + 1),
+                                             isolate=True))
+        if x.cache is not None:
+            x.cache.end_step()
         # N_LOCAL, S_LOCAL, C per stream (this rank's passes in order); none: an empty share that joins the exchange
         local = {name: torch.cat([o[name] for o in outputs]) if outputs
                  else latents_local[name].new_empty((0, *latents_local[name].shape[1:]), dtype=torch.float32)
@@ -642,6 +680,10 @@ class LTX2Model:
         std_cond = _sharded_std(cond, valid, state=self.state)
         std_guided = _sharded_std(guided, valid, state=self.state)
         return rescale * (guided * (std_cond / std_guided)) + (1 - rescale) * guided
+
+    def cache_stats(self, prepared: Prepared) -> CacheStats | None:
+        """What the step just ended saved (``cp_infer.step_cache.StepCache.step_stats``)."""
+        return pass_cache_stats(_pass_state(prepared.state).cache)
 
     def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
              latents_local: dict[str, torch.Tensor], prepared: Prepared,

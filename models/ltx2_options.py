@@ -4,6 +4,7 @@ Imports no model code, so front ends read it cheaply."""
 from __future__ import annotations
 
 from cp_infer.options import ModelOptions, Option
+from cp_infer.step_cache import cache_options
 
 from ._stages import STAGE_SIZE_STEP, check_two_stage_size, stages_option
 from ._standard_options import decode_options, standard_options
@@ -46,6 +47,7 @@ def ltx2_options(*, layers: int = 48, latent_upsampler: bool = True, stages: int
                       where="diffusers keeps it in latent_upsampler/, e.g. Lightricks/LTX-2's"),
         # 16 latent frames a window: LTX2Pipeline's own 121 frames are one.
         *window_options(default_tile=128, default_overlap=24, image=False),
+        *cache_options(model="LTX-2"),
     ), check=_check, window_frames=window_frames, window_media=())
 
 

@@ -13,7 +13,10 @@ outside by :func:`parallelize_ltx_transformer`:
   keys and values depend on the prompt alone, so they are projected once per request and block, not at every step
   (:class:`_TextKVProcessor`, diffusers' processor with the same ops in the same order: bit for bit; the caption
   projection they are made from is kept too). Everything else in
-  a block is per token.
+  a block is per token;
+- the block list iterates through the request's step cache (``cp_infer.step_cache``: First-Block Cache or TaylorSeer
+  over the one ``cond_uncond`` context of LTXPipeline's batched CFG pass, its decision agreed over the Ulysses group
+  and, CFG's two passes on two guidance ranks, the mesh); with no cache every block runs, as diffusers'.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit, video_index
 from cp_infer.plan import Plan
 from cp_infer.request import Condition, GenerationRequest, resolve_frame_index
 from cp_infer.sampler import Decoder, Prepared
+from cp_infer.step_cache import CacheContext, CacheStats, StepCache, cache_blocks
 
 from ._adapter_common import (
     DecodeNoise,
@@ -45,6 +49,7 @@ from ._adapter_common import (
     noise_for_decode,
     refuse_stochastic_sampling,
 )
+from ._step_cache import cached_call, pass_cache, pass_cache_stats
 from ._text_kv import KeptPerText, keep_per_text, kept_text_attention
 from ._windows import two_stage_window_plan, window_plan, windows_of
 from .loading import recommended_stages
@@ -134,7 +139,9 @@ class _TextKVProcessor:
 
 def parallelize_ltx_transformer(transformer: torch.nn.Module, ctx: _ShardContext) -> None:
     """Apply sequence parallelism to a diffusers ``LTXVideoTransformer3DModel`` in place (and keep the text's
-    cross-attention keys and values through a request: :class:`_TextKVProcessor`)."""
+    cross-attention keys and values through a request: :class:`_TextKVProcessor`; iterate its blocks through a step
+    cache: ``cp_infer.step_cache.cache_blocks``)."""
+    cache_blocks(transformer, streams=("hidden_states",))
     for block in transformer.transformer_blocks:
         block.attn1.set_processor(_UlyssesSelfAttnProcessor(ctx))
         block.attn2.set_processor(_TextKVProcessor())
@@ -204,6 +211,8 @@ class _RequestState:
     init_latents: torch.Tensor | None = None
     video_coords: torch.Tensor | None = None
     noise_scale: float = 0.0
+    cache: StepCache | None = None
+    """The pass's step cache (``cache="none"``: none)."""
     # Set by ``predict`` for the ``step`` that follows it (this rank's shard).
     timestep_local: torch.Tensor | None = None
     cond_mask_local: torch.Tensor | None = None
@@ -328,7 +337,7 @@ class LTXVideoModel:
         s_ratio = self.geometry.spatial_compression
         x = _RequestState(request=request, shape=shape, mode="text", embeds=embeds, mask=mask, cfg_on=cfg_on,
                           guidance=request.guidance_scale, generator=generator,
-                          rope_scale=(t_ratio / request.fps, s_ratio, s_ratio))
+                          rope_scale=(t_ratio / request.fps, s_ratio, s_ratio), cache=self.step_cache(request))
         if follows_condition:
             upsampled = None if kind != "refine" else self._upsampled(request, previous, previous_state)
             return self._prepare_conditions(request, shape, x, conditions, upsampled=upsampled)
@@ -347,6 +356,17 @@ class LTXVideoModel:
         timesteps, _ = retrieve_timesteps(self.scheduler, request.num_inference_steps, device, sigmas=sigmas,
                                           mu=self._shift(shape))
         return Prepared(latents={"video": latents}, timesteps=list(timesteps), state=x)
+
+    def step_cache(self, request: GenerationRequest) -> StepCache | None:
+        """A pass's step cache: LTXPipeline's one context, ``cond_uncond`` (CFG's ``[uncond, cond]`` batch, or the
+        conditional pass alone)."""
+        passes = tuple(range(step_passes(request)))
+        return pass_cache(request, state=self.state, contexts=(CacheContext("cond_uncond", passes),),
+                          layers=self.layers)
+
+    def cache_stats(self, prepared: Prepared) -> CacheStats | None:
+        """What the step just ended saved (``cp_infer.step_cache.StepCache.step_stats``)."""
+        return pass_cache_stats(prepared.state.cache)
 
     def _shift(self, shape: LatentShape) -> float:
         cfg = self.scheduler.config
@@ -433,13 +453,16 @@ class LTXVideoModel:
                           rope_interpolation_scale=x.rope_scale)
         if n:
             model_in = torch.cat([latents_local] * n).to(x.embeds.dtype)
-            with self.sharded(plan):
+            with self.sharded(plan), cached_call(x.cache, self.transformer.transformer_blocks, "cond_uncond", plan,
+                                                 rank):
                 noise_pred = self.transformer(
                     hidden_states=model_in, encoder_hidden_states=x.embeds[rows], timestep=timestep[:n],
                     encoder_attention_mask=x.mask[rows], return_dict=False, **kwargs,
                 )[0]
         else:  # more guidance ranks than passes: this one runs none, but joins the exchange
             noise_pred = latents_local.new_empty((0, *latents_local.shape[1:]), dtype=x.embeds.dtype)
+        if x.cache is not None:
+            x.cache.end_step()
         if mode != "conditions":
             noise_pred = noise_pred.float()  # LTXConditionPipeline keeps the transformer's dtype
         noise_pred = gather_passes({"video": noise_pred}, passes=batch, state=self.state)["video"]

@@ -5,6 +5,7 @@ model code, so front ends read it cheaply."""
 from __future__ import annotations
 
 from cp_infer.options import ModelOptions, Option
+from cp_infer.step_cache import cache_options
 
 from ._stages import check_two_stage_size, stages_option
 from ._standard_options import decode_options, standard_options
@@ -34,6 +35,7 @@ def ltx_video_options(*, latent_upsampler: bool = False, stages: int | None = No
         Option("tone_map_compression_ratio", float, 0.0, "with stages=2: tone mapping of the upsampled latents "
                "(LTXLatentUpsamplePipeline; 0.6 in diffusers' LTX-Video 0.9.8 recipe)", lo=0, hi=1),
         *window_options(default_tile=80, default_overlap=24),
+        *cache_options(model="LTX-Video"),
     ), check=_check, window_frames=window_frames)
 
 

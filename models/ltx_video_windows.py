@@ -37,7 +37,9 @@ from cp_infer import ShardPlan, pass_shares
 from cp_infer.collectives import gather_passes
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Prepared
+from cp_infer.step_cache import StepCache
 
+from ._step_cache import cached_call
 from ._windows import Windows, windows_of
 from .ltx_video_stages import REFINE_STEPS, refine_pass_steps
 
@@ -126,6 +128,8 @@ class WindowPass:
     """Stage 2: stage 1's whole video upsampled ``[1, C, F, H, W]``, which its windows refine."""
     video: Video | None = None
     """The video made with this window (``finish_window``)."""
+    cache: StepCache | None = None
+    """The window's step cache (``cache="none"``: none): each window starts afresh."""
 
 
 def prepare_window(model, request: GenerationRequest, previous_state, *, kind: str = "window") -> Prepared:
@@ -206,7 +210,7 @@ def prepare_window(model, request: GenerationRequest, previous_state, *, kind: s
     state = WindowPass(request=request, windows=windows, window=w, embeds=embeds, mask=mask, cfg_on=cfg_on,
                        generator=generator, clean=pipe._pack_latents(window, p, pt),
                        cond=pipe._pack_latents(cond, p, pt), coords=coords, size=tuple(window.shape[2:]), tail=tail,
-                       before=before, stage=stage, upsampled=upsampled)
+                       before=before, stage=stage, upsampled=upsampled, cache=model.step_cache(request))
     return Prepared(latents={"video": pipe._pack_latents(mixed, p, pt)}, timesteps=timesteps, state=state)
 
 
@@ -255,7 +259,8 @@ def predict_window(model, latents_local: dict[str, torch.Tensor], t: torch.Tenso
     if n:
         timestep = t.expand(n)[:, None, None] * torch.cat([cond] * n)
         s_ratio = model.geometry.spatial_compression
-        with model.sharded(plan):
+        with model.sharded(plan), cached_call(x.cache, model.transformer.transformer_blocks, "cond_uncond", plan,
+                                              rank):
             noise_pred = model.transformer(
                 hidden_states=model_in.to(x.embeds.dtype), encoder_hidden_states=x.embeds[rows], timestep=timestep,
                 encoder_attention_mask=x.mask[rows], num_frames=1, height=1, width=1,
@@ -263,6 +268,8 @@ def predict_window(model, latents_local: dict[str, torch.Tensor], t: torch.Tenso
                 video_coords=x.coords, return_dict=False)[0]
     else:  # more guidance ranks than passes: this one runs none, but joins the exchange
         noise_pred = latents.new_empty((0, *latents.shape[1:]), dtype=x.embeds.dtype)
+    if x.cache is not None:
+        x.cache.end_step()
     noise_pred = gather_passes({"video": noise_pred}, passes=batch, state=model.state)["video"]
     if x.cfg_on:
         uncond, text = noise_pred.chunk(2)

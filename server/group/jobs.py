@@ -5,10 +5,22 @@ Invariants:
   contains client text; :func:`valid_job_id` gates every id that arrives in a URL.
 - FIFO: the leader claims the oldest queued job (by insertion order); a claim and a cancel of a queued job
   are serialised by one lock, so a job is either claimed or deleted, never both.
-- The database survives restarts of the worker group: :meth:`JobStore.recover` (run once by each new leader) puts
-  jobs that were ``in_progress`` back at the head of the queue (they run again, a long video from its last finished
-  window's checkpoint, ``<id>.resume.npz``), unless they have already been started ``MAX_ATTEMPTS`` times: a job
-  that takes the group down every time it runs is failed instead of taking it down forever.
+- The database survives restarts of the worker group and the death of the whole server (``kill -9`` of every
+  process at any moment; not a power loss): it is in WAL mode, where a transaction is in the log once it returns
+  (``synchronous=NORMAL`` syncs only at checkpoints, which is enough while the kernel outlives the process), and each
+  change of a job is one transaction (:meth:`JobStore._transaction` around those of several statements). Files are
+  removed only once the change that orphans them is committed, so a crash leaves extra files, never a live job
+  without its lead or checkpoint.
+- Outputs are written to ``<name>.tmp`` and renamed into place whole (``server.outputs``, the leader's encoder), and
+  only then is the job marked ``completed``: a job's content is never a half-written MP4.
+- :meth:`JobStore.recover` (run once by each new leader, before any job runs) puts jobs that were ``in_progress``
+  back at the head of the queue (they run again, a long video from its last finished window's checkpoint,
+  ``<id>.resume.npz``), unless they have already been started ``MAX_ATTEMPTS`` times: a job that takes the group
+  down every time it runs is failed instead of taking it down forever. It fails a ``completed`` job whose MP4 is
+  missing or cut short (``output_lost``) and sweeps what interrupted writes left (``*.tmp``, files of no job).
+- ``progress`` never decreases while a job can go on from a checkpoint: a requeued job keeps the progress it had
+  (at least its checkpoint's) from the requeue through its resume, whose steps only raise it again once past it. A
+  job that starts over (no checkpoint, or an unreadable one: :meth:`JobStore.start_over`) goes back to 0.
 - Every change of a job's visible state appends a snapshot to an in-memory event log (per job, bounded), which
   the SSE endpoint tails, so no progress change is missed however slowly a client reads.
 """
@@ -16,14 +28,18 @@ Invariants:
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
+import logging
 import re
 import secrets
 import sqlite3
+import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +49,8 @@ import numpy as np
 from cp_infer.request import Condition, GenerationRequest
 
 __all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
+
+log = logging.getLogger("cp_infer.jobs")
 
 TERMINAL = ("completed", "failed", "cancelled")
 MAX_ATTEMPTS = 3
@@ -58,11 +76,44 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq);
 """
 # Columns added after the first schema (an older database gets them on open).
-_ADDED_COLUMNS = {"window": "INTEGER", "windows": "INTEGER", "attempts": "INTEGER NOT NULL DEFAULT 0"}
+_ADDED_COLUMNS = {"window": "INTEGER", "windows": "INTEGER", "attempts": "INTEGER NOT NULL DEFAULT 0",
+                  "lead_frames": "INTEGER NOT NULL DEFAULT 0", "steps_computed": "INTEGER", "steps_skipped": "INTEGER"}
 
 
 def valid_job_id(job_id: str) -> bool:
     return bool(_ID_RE.match(job_id))
+
+
+def _mp4_complete(path: Path) -> bool:
+    """Whether ``path`` is a whole MP4: its top-level boxes tile the file exactly, starting with ``ftyp`` and
+    holding ``moov`` and ``mdat``, and a fragmented one ends with its ``mfra`` (its muxer's last box); a file cut
+    anywhere fails (reads the box headers only)."""
+    try:
+        size = path.stat().st_size
+        kinds = []
+        with open(path, "rb") as f:
+            pos = 0
+            while pos < size:
+                f.seek(pos)
+                header = f.read(16)
+                if len(header) < 8:
+                    return False
+                length, kind = struct.unpack(">I4s", header[:8])
+                if length == 1:  # a 64-bit size follows the type
+                    if len(header) < 16:
+                        return False
+                    length = struct.unpack(">Q", header[8:16])[0]
+                elif length == 0:  # the box runs to the end of the file
+                    length = size - pos
+                if length < 8:
+                    return False
+                kinds.append(kind)
+                pos += length
+    except OSError:
+        return False
+    if pos != size or not kinds or kinds[0] != b"ftyp" or not {b"moov", b"mdat"} <= set(kinds):
+        return False
+    return b"moof" not in kinds or kinds[-1] == b"mfra"
 
 
 class QueueFull(Exception):
@@ -88,6 +139,12 @@ class Job:
     """A long video's window being made (from 0), ``None`` before the first or for one made at once."""
     windows: int | None = None
     attempts: int = 0
+    lead_frames: int = 0
+    """Frames the video starts with before the ones made (an extension's: the video it extends)."""
+    steps_computed: int | None = None
+    """A request with a step cache (``cache``): the steps so far that ran every transformer block; ``None``: none."""
+    steps_skipped: int | None = None
+    """A request with a step cache: the steps so far that used it (``cp_infer.step_cache.CacheStats``)."""
 
     @property
     def terminal(self) -> bool:
@@ -96,12 +153,14 @@ class Job:
     def public(self) -> dict[str, Any]:
         """The API's job object (see ``schemas.VideoJob``)."""
         r = self.request
+        frames = r.num_frames if not self.lead_frames else self.lead_frames + r.num_frames - 1
         error = None if self.error_code is None else {"code": self.error_code, "message": self.error_message or ""}
         return {
             "id": self.id, "object": "video", "status": self.status, "progress": self.progress,
             "created_at": self.created_at, "completed_at": self.completed_at, "model": self.model,
-            "seconds": f"{r.num_frames / r.fps:.3g}", "size": f"{r.width}x{r.height}", "prompt": r.prompt,
+            "seconds": f"{frames / r.fps:.3g}", "size": f"{r.width}x{r.height}", "prompt": r.prompt,
             "error": error, "window": self.window, "windows": self.windows,
+            "steps_computed": self.steps_computed, "steps_skipped": self.steps_skipped,
             "negative_prompt": r.negative_prompt, "num_frames": r.num_frames, "width": r.width,
             "height": r.height, "fps": r.fps, "num_inference_steps": r.num_inference_steps,
             "guidance_scale": r.guidance_scale, "seed": r.seed,
@@ -159,7 +218,8 @@ def _row_to_job(row: sqlite3.Row) -> Job:
         seq=row["seq"], id=row["id"], status=row["status"], progress=row["progress"], created_at=row["created_at"],
         completed_at=row["completed_at"], model=row["model"], request=_request_from_json(row["request"]),
         error_code=row["error_code"], error_message=row["error_message"], deleting=bool(row["deleting"]),
-        window=row["window"], windows=row["windows"], attempts=row["attempts"],
+        window=row["window"], windows=row["windows"], attempts=row["attempts"], lead_frames=row["lead_frames"],
+        steps_computed=row["steps_computed"], steps_skipped=row["steps_skipped"],
     )
 
 
@@ -186,6 +246,34 @@ class JobStore:
                 self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
         self._event_seq = 0
         self._events: OrderedDict[str, list[tuple[int, dict[str, Any]]]] = OrderedDict()
+        self._after_commit: list[Callable[[], None]] = []
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """The statements inside commit together (the caller holds the lock); nested ones join the outer one. File
+        removals asked for inside (:meth:`_remove`) run once it has committed."""
+        if self._db.in_transaction:
+            yield
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            self._after_commit.clear()
+            raise
+        self._db.execute("COMMIT")
+        pending, self._after_commit = self._after_commit, []
+        for remove in pending:
+            remove()
+
+    def _remove(self, remove: Callable[[], None]) -> None:
+        """Remove files now, or once the transaction in progress has committed (so that a crash before its commit
+        cannot leave the job it keeps without its files)."""
+        if self._db.in_transaction:
+            self._after_commit.append(remove)
+        else:
+            remove()
 
     # -- files -------------------------------------------------------------------------------------------------
     def path(self, job_id: str, suffix: str) -> Path:
@@ -217,9 +305,28 @@ class JobStore:
             return None
         return int(arrays.pop("passes_done")), arrays
 
-    def _remove_files(self, job_id: str) -> None:
-        for file in self.videos_dir.glob(f"{job_id}.*"):
-            file.unlink(missing_ok=True)
+    def _remove_files(self, job_id: str, *suffixes: str) -> None:
+        """The job's files with these suffixes (none given: all of them), after the commit in progress."""
+        def remove() -> None:
+            files = [self.path(job_id, s) for s in suffixes] if suffixes else self.videos_dir.glob(f"{job_id}.*")
+            for file in files:
+                file.unlink(missing_ok=True)
+
+        self._remove(remove)
+
+    def _sweep(self) -> None:
+        """Files that interrupted writes left (caller holds the lock; no job runs): temporary files, files of jobs
+        that no longer exist, and the checkpoint and lead of ended jobs."""
+        states = dict(self._db.execute("SELECT id, status FROM jobs").fetchall())
+        for file in self.videos_dir.iterdir():
+            job_id, _, suffix = file.name.partition(".")
+            if not valid_job_id(job_id):
+                continue  # not the store's
+            status = states.get(job_id)
+            if (suffix.endswith("tmp") or status is None
+                    or (status in TERMINAL and suffix in ("resume.npz", "lead.npy"))):
+                log.info("removing %s, left by an interrupted write", file.name)
+                file.unlink(missing_ok=True)
 
     # -- queries -----------------------------------------------------------------------------------------------
     def _get(self, job_id: str) -> Job | None:
@@ -300,8 +407,9 @@ class JobStore:
                 # Written before the job is visible, so that the leader never claims it without them.
                 np.save(self.path(job_id, ".lead.npy"), np.ascontiguousarray(lead, dtype=np.uint8))
             self._db.execute(
-                "INSERT INTO jobs (id, status, created_at, model, request) VALUES (?, 'queued', ?, ?, ?)",
-                (job_id, int(time.time()), model, _request_to_json(request)))
+                "INSERT INTO jobs (id, status, created_at, model, request, lead_frames) "
+                "VALUES (?, 'queued', ?, ?, ?, ?)",
+                (job_id, int(time.time()), model, _request_to_json(request), 0 if lead is None else len(lead)))
             job = self._get(job_id)
             self._log(job)
             self._work.notify_all()
@@ -317,6 +425,7 @@ class JobStore:
             if job.status == "in_progress":
                 self._db.execute("UPDATE jobs SET deleting = 1 WHERE id = ?", (job_id,))
                 return job, True
+            # Committed before the files go: a crash in between leaves files of no job, which recover() sweeps.
             self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             final = replace(job, status="cancelled" if job.status == "queued" else job.status)
             self._log(final)
@@ -337,25 +446,46 @@ class JobStore:
 
     # -- the leader side ---------------------------------------------------------------------------------------
     def recover(self) -> list[str]:
-        """Run once by a new leader: jobs a previous group was running go back to the head of the queue (failed
-        after ``MAX_ATTEMPTS`` starts); returns their ids."""
+        """Run once by a new leader, before it runs any job: jobs a previous group was running go back to the head
+        of the queue (failed after ``MAX_ATTEMPTS`` starts); returns their ids.
+
+        A requeued job with a checkpoint keeps its ``progress`` (it goes on from there, so a progress bar never runs
+        backwards); one without starts again at 0. Completed jobs whose MP4 is missing or cut short are failed
+        (``output_lost``: their record cannot promise a video that is not there), deletes that a crash interrupted
+        are finished, and the files interrupted writes left are removed."""
         with self._lock:
-            rows = self._db.execute("SELECT id, deleting, attempts, cancel_requested FROM jobs WHERE status = "
-                                    "'in_progress'").fetchall()
-            for row in rows:
-                if row["deleting"]:
+            with self._transaction():
+                rows = self._db.execute("SELECT id, deleting, attempts, cancel_requested FROM jobs WHERE status = "
+                                        "'in_progress'").fetchall()
+                for row in rows:
+                    if row["deleting"]:
+                        continue  # removed below, with the other interrupted deletes
+                    if row["cancel_requested"]:
+                        self._finish_locked(row["id"], "cancelled", "cancelled",
+                                            "cancelled while the group restarted")
+                    elif row["attempts"] >= MAX_ATTEMPTS:
+                        self._finish_locked(row["id"], "failed", "worker_group_restarted",
+                                            f"the worker group failed and restarted each of the {row['attempts']} "
+                                            "times this job ran; it is not run again")
+                    else:
+                        # Back to queued with its place in the queue (the oldest seq runs first).
+                        resumes = self.path(row["id"], ".resume.npz").is_file()
+                        self._db.execute("UPDATE jobs SET status = 'queued', progress = CASE WHEN ? THEN progress "
+                                         "ELSE 0 END WHERE id = ?", (resumes, row["id"]))
+                        self._log(self._get(row["id"]))
+                for row in self._db.execute("SELECT id FROM jobs WHERE deleting = 1").fetchall():
                     self._db.execute("DELETE FROM jobs WHERE id = ?", (row["id"],))
                     self._remove_files(row["id"])
-                elif row["cancel_requested"]:
-                    self._finish_locked(row["id"], "cancelled", "cancelled", "cancelled while the group restarted")
-                elif row["attempts"] >= MAX_ATTEMPTS:
-                    self._finish_locked(row["id"], "failed", "worker_group_restarted",
-                                        f"the worker group failed and restarted each of the {row['attempts']} times "
-                                        "this job ran; it is not run again")
-                else:
-                    # Back to queued with its place in the queue (the oldest seq runs first).
-                    self._db.execute("UPDATE jobs SET status = 'queued' WHERE id = ?", (row["id"],))
-                    self._log(self._get(row["id"]))
+                for row in self._db.execute("SELECT id FROM jobs WHERE status = 'completed'").fetchall():
+                    mp4 = self.path(row["id"], ".mp4")
+                    if not _mp4_complete(mp4):
+                        state = "cut short" if mp4.exists() else "missing"
+                        log.warning("job %s is completed but its video is %s; failing it", row["id"], state)
+                        self._finish_locked(row["id"], "failed", "output_lost",
+                                            f"the server restarted and this job's video is {state} on its disk; "
+                                            "submit it again")
+                        self._remove_files(row["id"])
+            self._sweep()
             self._work.notify_all()
         return [r["id"] for r in rows]
 
@@ -379,8 +509,9 @@ class JobStore:
                 row = self._db.execute(
                     "SELECT * FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1").fetchone()
                 if row is not None:
-                    self._db.execute("UPDATE jobs SET status = 'in_progress', progress = 0, attempts = attempts + 1 "
-                                     "WHERE id = ?", (row["id"],))
+                    # Its progress as queued: 0, or a requeued job's, which its checkpoint goes on from.
+                    self._db.execute("UPDATE jobs SET status = 'in_progress', attempts = attempts + 1 WHERE id = ?",
+                                     (row["id"],))
                     job = self._get(row["id"])
                     self._log(job)
                     return job
@@ -393,7 +524,24 @@ class JobStore:
             row = self._db.execute("SELECT deleting, cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return row is None or bool(row["deleting"]) or bool(row["cancel_requested"])
 
+    def start_over(self, job_id: str) -> None:
+        """A claimed job runs from its start (its checkpoint could not be read): its progress goes back to 0."""
+        with self._lock:
+            cur = self._db.execute("UPDATE jobs SET progress = 0 WHERE id = ? AND progress > 0 AND status = "
+                                   "'in_progress'", (job_id,))
+            if cur.rowcount:
+                self._log(self._get(job_id))
+
+    def set_cache_steps(self, job_id: str, computed: int, skipped: int) -> None:
+        """A running job's step-cache totals so far. Logged with the job's next change (its progress, at most a
+        step later, or its end), not as an event of their own."""
+        with self._lock:
+            self._db.execute("UPDATE jobs SET steps_computed = ?, steps_skipped = ? WHERE id = ? AND status = "
+                             "'in_progress'", (computed, skipped, job_id))
+
     def set_progress(self, job_id: str, progress: int) -> None:
+        """Raise a running job's progress (a lower value, such as a resumed job's steps before its checkpoint's
+        progress, changes nothing)."""
         with self._lock:
             cur = self._db.execute("UPDATE jobs SET progress = ? WHERE id = ? AND progress < ? AND status = "
                                    "'in_progress'", (progress, job_id, progress))
@@ -407,20 +555,21 @@ class JobStore:
 
     def _finish_locked(self, job_id: str, status: str, code: str | None, message: str | None) -> Job | None:
         assert status in TERMINAL, status
-        job = self._get(job_id)
-        if job is None:
-            return None
-        progress = 100 if status == "completed" else job.progress
-        self._db.execute("UPDATE jobs SET status = ?, progress = ?, completed_at = ?, error_code = ?, "
-                         "error_message = ? WHERE id = ?",
-                         (status, progress, int(time.time()), code, message, job_id))
-        job = self._get(job_id)
+        with self._transaction():
+            job = self._get(job_id)
+            if job is None:
+                return None
+            progress = 100 if status == "completed" else job.progress
+            self._db.execute("UPDATE jobs SET status = ?, progress = ?, completed_at = ?, error_code = ?, "
+                             "error_message = ? WHERE id = ?",
+                             (status, progress, int(time.time()), code, message, job_id))
+            job = self._get(job_id)
+            if job.deleting:
+                self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+                self._remove_files(job_id)
+            else:
+                self._remove_files(job_id, ".resume.npz", ".lead.npy")  # an ended job goes on from nowhere
         self._log(job)
-        for suffix in (".resume.npz", ".lead.npy"):  # an ended job goes on from nowhere
-            self.path(job_id, suffix).unlink(missing_ok=True)
-        if job.deleting:
-            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-            self._remove_files(job_id)
         return job
 
     def close(self) -> None:

@@ -57,7 +57,8 @@ __all__ = ["GroupLeader", "LeaderConfig", "Histogram", "group_pids", "FATAL_EXIT
 log = logging.getLogger("cp_infer.leader")
 
 FATAL_EXIT_CODE = 1
-# Progress: denoising fills 0..90, the decode 90..97, encoding the MP4 the rest.
+# Progress: denoising fills 0..90 (by steps, over every window of a long video), the decode 90..97 (by frames
+# delivered once the denoising is done), encoding the MP4 the rest.
 _DENOISE_SHARE, _DECODED = 90, 97
 
 
@@ -187,6 +188,8 @@ class GroupLeader:
         self.jobs_done: dict[str, int] = dict.fromkeys(_DONE_STATES, 0)
         self.step_seconds = Histogram((0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.generation_seconds = Histogram((0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
+        self.blocks_saved = 0
+        """Transformer block evaluations the step caches of this leader's jobs saved (``/metrics``)."""
         self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     # -- the HTTP side -----------------------------------------------------------------------------------------
@@ -447,6 +450,14 @@ class GroupLeader:
             self.step_seconds.observe(seconds)
             self.store.set_progress(job.id, _DENOISE_SHARE * done // total)
 
+        saved = {"blocks": 0}
+
+        def on_cache(stats) -> None:  # cp_infer.step_cache.CacheStats: the job's totals so far
+            self.store.set_cache_steps(job.id, stats.steps_computed, stats.steps_skipped)
+            with self._counts_lock:
+                self.blocks_saved += stats.blocks_saved - saved["blocks"]
+            saved["blocks"] = stats.blocks_saved
+
         def on_phase(name: str) -> None:
             phase["name"] = name
             progress = {"decode": _DENOISE_SHARE, "done": _DECODED}.get(name)
@@ -473,8 +484,11 @@ class GroupLeader:
                 if self.store.cancel_requested(job.id):
                     outputs.stop()  # the job ends cancelled: encode nothing more
                 outputs.write(frames, first)
-            decoded = (first - offset + len(frames)) / max(total, 1)
-            self.store.set_progress(job.id, _DENOISE_SHARE + int((_DECODED - _DENOISE_SHARE) * decoded))
+            if phase["name"] == "decode":
+                # A long video's earlier windows are decoded while later ones denoise: their frames count once the
+                # denoising is done, so that progress keeps to the steps until then (90 means all of them ran).
+                decoded = (first - offset + len(frames)) / max(total, 1)
+                self.store.set_progress(job.id, _DENOISE_SHARE + int((_DECODED - _DENOISE_SHARE) * decoded))
 
         def deferred(hook):
             """``hook`` with its exceptions kept for after the sampler: raising inside it would leave rank 0
@@ -502,14 +516,17 @@ class GroupLeader:
         resume = self.store.load_checkpoint(job.id)
         if resume is not None:
             log.info("job %s goes on from its checkpoint after pass %d", job.id, resume[0])
+        elif job.progress:
+            self.store.start_over(job.id)  # requeued with a checkpoint that cannot be read: it runs from its start
         # Encoded as they come, a long LTX-2 video's soundtrack comes piece by piece too, each before its frames.
-        control = SampleControl(poll=poll, on_step=on_step, on_phase=on_phase, on_frames=on_frames,
+        control = SampleControl(poll=poll, on_step=on_step, on_cache=on_cache, on_phase=on_phase, on_frames=on_frames,
                                 on_audio=on_audio, on_audio_piece=None if outputs is None else outputs.add_audio,
                                 on_pass=on_pass, on_checkpoint=on_checkpoint, resume=resume,
                                 collect=outputs is None)
         if lane.driver.local:
             control = with_faults(control, request, rank=runtime.state.rank, rules=self._faults)
-        control = replace(control, on_step=deferred(control.on_step), on_phase=deferred(control.on_phase),
+        control = replace(control, on_step=deferred(control.on_step), on_cache=deferred(control.on_cache),
+                          on_phase=deferred(control.on_phase),
                           on_frames=deferred(control.on_frames), on_pass=deferred(control.on_pass))
         log.info("job %s on replica %d: %d frames %dx%d, %d steps%s", job.id, lane.replica, request.num_frames,
                  request.width, request.height, request.num_inference_steps,

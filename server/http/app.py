@@ -14,7 +14,9 @@ Invariants:
   files
   (``server.http.playground.PageFiles``, in front of the guard and not routes). Bodies over the cap are refused with
   413, from their Content-Length before they are read, and while streaming otherwise.
-- Every error is a 4xx/5xx JSON ``{"error": {"code", "message", "param"}}``; nothing fails with 200.
+- Every error is a 4xx/5xx JSON ``{"error": {"code", "message", "param"}}``; nothing fails with 200. A request
+  that fails FastAPI's own validation is answered 400 as well, and the OpenAPI document says so
+  (``server.http.openapi``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.http import health, playground, videos
 from server.http.config import AppConfig
 from server.http.engine import Engine
+from server.http.openapi import install_openapi
 from server.http.schemas import ApiError
 
 __all__ = ["AppConfig", "create_app"]
@@ -103,23 +106,6 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(500, "internal_error", f"{type(exc).__name__}: the server failed; see its log")
 
 
-def _derive_openapi(app: FastAPI, engine: Engine) -> None:
-    """The OpenAPI document with the create body of the served model: its declared options as fields."""
-    from fastapi.openapi.utils import get_openapi
-
-    from server.http.schemas import params_model
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            body = schema["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]
-            body["schema"] = params_model(engine.options).model_json_schema()
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi
-
-
 def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     """The FastAPI app over ``engine`` (a :class:`server.group.leader.GroupLeader`, or any other :class:`Engine`)."""
     @asynccontextmanager
@@ -144,7 +130,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     app.include_router(health.router)
     app.include_router(videos.router)
     app.include_router(playground.router)
-    _derive_openapi(app, engine)
+    install_openapi(app, engine, config, public=_PUBLIC_PATHS)
     # Routes cap their own bodies (those that carry media higher); the guard only stops what no route takes.
     app.add_middleware(_GuardMiddleware, api_key=config.api_key,
                        max_body_bytes=config.max_body_bytes + 2 * config.max_upload_bytes)

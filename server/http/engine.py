@@ -106,6 +106,10 @@ class Engine(Protocol):
         """Denoising step latency on rank 0."""
 
     @property
+    def blocks_saved(self) -> int:
+        """Transformer block evaluations the requests' step caches saved so far."""
+
+    @property
     def generation_seconds(self) -> Histogram:
         """Time from a job's broadcast to its written video."""
 

@@ -8,24 +8,48 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel
 
 from server.http.engine import Engine, EngineDep
-from server.http.schemas import ApiError
+from server.http.schemas import ApiError, ErrorBody
 
 __all__ = ["router"]
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/health")
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Ready(BaseModel):
+    status: Literal["ready", "not_ready"]
+    reason: str
+    world_size: int | None
+    heartbeat_rtt_ms: float | None
+    replicas: list[dict[str, Any]]
+    """Each replica group (``Engine.replica_status``)."""
+
+
+class NotReady(Ready):
+    """``/ready``'s 503: the error, and the same fields as when ready."""
+
+    error: ErrorBody
+
+
+@router.get("/health", response_model=Health)
 async def health() -> dict:
     """The process lives (no authentication)."""
     return {"status": "ok"}
 
 
-@router.get("/ready")
+@router.get("/ready", response_model=Ready, responses={503: {
+    "model": NotReady, "description": "The worker group is not up (yet); retry after Retry-After seconds",
+    "headers": {"Retry-After": {"schema": {"type": "integer"}}}}})
 async def ready(engine: EngineDep) -> JSONResponse:
     """The worker group is up and answered the last heartbeat collective (or is running a job)."""
     ok, reason = engine.ready()
@@ -64,6 +88,8 @@ def _metrics_text(engine: Engine, rejected: dict[int, int]) -> str:
            engine.step_seconds.lines("cp_infer_step_seconds"))
     metric("cp_infer_generation_seconds", "histogram", "Time from broadcast to a written video.",
            engine.generation_seconds.lines("cp_infer_generation_seconds"))
+    metric("cp_infer_cache_blocks_saved_total", "counter", "Transformer block evaluations step caches saved.",
+           [f"cp_infer_cache_blocks_saved_total {engine.blocks_saved}"])
     ok, _ = engine.ready()
     metric("cp_infer_group_ready", "gauge", "1 when the worker group answers.", [f"cp_infer_group_ready {int(ok)}"])
     metric("cp_infer_group_world_size", "gauge", "Ranks in the group.",

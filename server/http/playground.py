@@ -1,6 +1,7 @@
 """The playground: one page at ``GET /`` (``server/http/playground/``: plain HTML, CSS and JS, no build step,
-nothing from another origin) that drives the ``/v1/videos`` API from a browser, and ``GET /playground/options``,
-the served model's declared options with this deployment's ranges, which the page builds its form from.
+nothing from another origin) that drives the ``/v1/videos`` API from a browser, the site's icon
+(``GET /favicon.ico``), and ``GET /playground/options``, the served model's declared options with this deployment's
+ranges, which the page builds its form from.
 
 Invariants:
 - The page's files (:data:`PAGES`) are public: a browser's navigation cannot send a bearer token, and they hold
@@ -29,6 +30,7 @@ PAGES: dict[str, tuple[str, str]] = {
     "/": ("index.html", "text/html; charset=utf-8"),
     "/playground/playground.js": ("playground.js", "text/javascript; charset=utf-8"),
     "/playground/playground.css": ("playground.css", "text/css; charset=utf-8"),
+    "/favicon.ico": ("favicon.ico", "image/x-icon"),  # where browsers look for a site's icon
 }
 """URL path -> (file in ``server/http/playground/``, media type)."""
 

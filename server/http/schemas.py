@@ -33,6 +33,7 @@ __all__ = [
     "VideoJob",
     "VideoList",
     "build_request",
+    "error_responses",
     "frames_for_seconds",
     "params_from_form",
     "params_from_json",
@@ -60,13 +61,37 @@ class ApiError(Exception):
 
 class ErrorBody(BaseModel):
     code: str
+    """A short snake_case reason to switch on (``invalid_value``, ``video_not_found``, ``queue_full``)."""
     message: str
-    param: str | None = None
-    type: str = "invalid_request_error"
+    """What is wrong and what to do instead."""
+    param: str | None
+    """The request field at fault, if one is."""
+    type: Literal["invalid_request_error", "server_error"]
 
 
 class ErrorResponse(BaseModel):
+    """Every error's body (:meth:`ApiError.body`)."""
+
     error: ErrorBody
+
+
+_STATUS_TEXT = {
+    400: "A parameter is missing, malformed, out of range or conflicts with another (``param`` names it)",
+    401: "The API key is missing or wrong (send ``Authorization: Bearer <key>``)",
+    404: "No such video (or its file is missing on the server)",
+    409: "The video exists but has not completed",
+    413: "The body (or one of its media) is over the server's limit",
+    415: "The body's Content-Type is not accepted",
+    429: "The queue is full; retry after ``Retry-After`` seconds",
+    503: "The worker group is still starting; retry after ``Retry-After`` seconds",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}}
+
+
+def error_responses(*statuses: int) -> dict[int, dict[str, Any]]:
+    """The ``responses=`` of a route that answers ``statuses`` (each an :class:`ApiError`), for its OpenAPI entry."""
+    return {status: {"model": ErrorResponse, "description": _STATUS_TEXT[status],
+                     **({"headers": _RETRY_AFTER} if status in (429, 503) else {})} for status in statuses}
 
 
 class MediaRef(BaseModel):
@@ -155,6 +180,7 @@ class VideoJob(BaseModel):
     completed_at: int | None = None
     model: str
     seconds: str
+    """The video's duration (an extension's: the video it extends and the frames made after it)."""
     size: str
     prompt: str
     error: VideoError | None = None
@@ -163,6 +189,11 @@ class VideoJob(BaseModel):
     video made at once."""
     windows: int | None = None
     """A long video: how many windows it is made in."""
+    steps_computed: int | None = None
+    """With a step cache (``cache``): the denoising steps so far that ran every transformer block; ``None`` without
+    one."""
+    steps_skipped: int | None = None
+    """With a step cache: the steps so far whose every pass reused the cache (ran the first block only, or none)."""
     negative_prompt: str
     num_frames: int
     width: int
@@ -383,10 +414,12 @@ def _parse_seconds(value: str | int | float) -> float:
     return seconds
 
 
-def frames_for_seconds(seconds: float, fps: int, temporal_compression: int) -> int:
-    """The valid frame count (``t*k + 1``) nearest to ``seconds * fps``."""
-    k = max(0, round((seconds * fps - 1) / temporal_compression))
-    return temporal_compression * k + 1
+def frames_for_seconds(seconds: float, fps: int, temporal_compression: int, *, extension: bool = False) -> int:
+    """The valid frame count (``t*k + 1``) nearest to ``seconds * fps``; for an ``extension``, whose ``t*k`` frames
+    after the first (the ones an extension adds to the video it extends) are nearest to it."""
+    t = temporal_compression
+    k = max(1, round(seconds * fps / t)) if extension else max(0, round((seconds * fps - 1) / t))
+    return t * k + 1
 
 
 def _param_of(message: str, options: ModelOptions) -> str | None:
@@ -398,10 +431,11 @@ def _param_of(message: str, options: ModelOptions) -> str | None:
 
 def build_request(params: VideoCreateParams, *, options: ModelOptions, geometry: VideoGeometry,
                   limits: GenerationLimits, served_model: str, seed: int, image: Condition | None = None,
-                  conditions: tuple[Condition, ...] = ()) -> GenerationRequest:
+                  conditions: tuple[Condition, ...] = (), extension: bool = False) -> GenerationRequest:
     """Resolve the OpenAI-style fields and the model's options (unset: its declared defaults) and validate;
     ``seed`` is used when the client gave none. ``image`` and ``conditions``: the request's media, already decoded
-    (``server.http.conditions``)."""
+    (``server.http.conditions``). ``extension``: ``seconds`` is the length added to a video (``num_frames - 1``
+    frames), not the length of one."""
     if params.model is not None and params.model != served_model:
         raise ApiError(400, "model_not_found", f"model={params.model!r} is not served here; use {served_model!r} "
                        "or leave model out", "model")
@@ -417,12 +451,16 @@ def build_request(params: VideoCreateParams, *, options: ModelOptions, geometry:
             raise ApiError(400, "invalid_value", f"frame_rate={fps} is out of range; use a value in "
                            f"[1, {limits.max_fps}]", "frame_rate")
         t = geometry.temporal_compression
-        values["num_frames"] = frames_for_seconds(seconds, fps, t)
-        if values["num_frames"] > limits.max_frames:
-            longest = (limits.max_frames - 1) // t * t + 1
+        # NOTE(overflow): a duration far past the limit is refused before it is rounded (1e308 s would overflow).
+        frames = frames_for_seconds(seconds, fps, t, extension=extension) \
+            if seconds * fps <= limits.max_frames + t else None
+        if frames is None or frames > limits.max_frames:
+            longest = (limits.max_frames - 1) // t * t + (0 if extension else 1)  # an extension's: after the first
             raise ApiError(400, "invalid_value",
-                           f"seconds={params.seconds} is {values['num_frames']} frames at {fps} fps; the limit is "
-                           f"{limits.max_frames} frames: use seconds <= {longest / fps:.3g}", "seconds")
+                           f"seconds={params.seconds} is {frames or 'over ' + str(limits.max_frames)} frames at {fps} "
+                           f"fps; the limit is {limits.max_frames} frames: use seconds <= {longest / fps:.3g}",
+                           "seconds")
+        values["num_frames"] = frames
     if params.size is not None:
         match = _SIZE_RE.match(params.size)
         if not match:

@@ -22,7 +22,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 from urllib.parse import parse_qsl
 
 import anyio
@@ -45,12 +45,13 @@ from server.http.config import AppConfig, ConfigDep
 from server.http.engine import EngineDep
 from server.http.schemas import (
     ApiError,
-    ErrorResponse,
+    JobStatus,
     VideoCreateParams,
     VideoDeleted,
     VideoJob,
     VideoList,
     build_request,
+    error_responses,
     params_from_form,
     params_from_json,
 )
@@ -68,11 +69,11 @@ _STREAM_CHUNK = 64 * 1024
 
 
 def multipart_available() -> bool:
-    try:
-        import multipart  # noqa: F401  (python-multipart, which Starlette's form parser needs)
-    except ImportError:
-        return False
-    return True
+    """Whether python-multipart (which Starlette's form parser needs) is installed (``python_multipart`` since 0.0.13,
+    ``multipart`` before)."""
+    from importlib.util import find_spec
+
+    return find_spec("python_multipart") is not None or find_spec("multipart") is not None
 
 
 def _reject_constant(name: str) -> float:
@@ -268,11 +269,11 @@ class _MP4StreamResponse(StreamingResponse):
             return False
 
 
-def _submit(engine, generation, *, streamed: bool):
+def _submit(engine, generation, *, streamed: bool = False, lead: np.ndarray | None = None):
     try:
         if streamed:
             return engine.submit_streamed(generation, model=engine.served_model)
-        return engine.store.submit(generation, model=engine.served_model), None
+        return engine.store.submit(generation, model=engine.served_model, lead=lead), None
     except QueueFull as exc:
         raise ApiError(429, "queue_full", f"{exc}; retry later", headers={
             "Retry-After": str(engine.retry_after_s())}) from None
@@ -284,10 +285,10 @@ def _require_ready(engine) -> None:
                        headers={"Retry-After": "5"})
 
 
-def _build(engine, params: VideoCreateParams, resolved: Resolved):
+def _build(engine, params: VideoCreateParams, resolved: Resolved, *, extension: bool = False):
     return build_request(params, options=engine.options, geometry=engine.geometry,
                          limits=engine.limits, served_model=engine.served_model, seed=secrets.randbelow(2**31),
-                         image=resolved.image, conditions=resolved.conditions)
+                         image=resolved.image, conditions=resolved.conditions, extension=extension)
 
 
 def _edit_defaults(body: _Body, frames, source: Job | None, engine) -> _Body:
@@ -320,16 +321,17 @@ def _body_caps(config: AppConfig) -> dict[str, int]:
     return dict(max_body_bytes=config.max_body_bytes, max_upload_bytes=config.max_upload_bytes)
 
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 413, 415, 429, 503)}
-_BODY_SCHEMA = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": VideoCreateParams.model_json_schema()}}}}
-
+# The request bodies' schemas are the served model's: ``server.http.openapi`` adds them to the document.
+_BODY_ERRORS = error_responses(400, 404, 409, 413, 415, 429, 503)
+_MP4 = {"schema": {"type": "string", "format": "binary"}}
 _CREATED = {200: {"description": "The job; with stream=true, the MP4 itself (fragmented, chunked) as it is made, "
                                 "with the job id in X-Video-Id",
-                 "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}}}
+                  "content": {"video/mp4": _MP4},
+                  "headers": {"X-Video-Id": {"description": "The job's id (with stream=true)",
+                                             "schema": {"type": "string"}}}}}
 
 
-@router.post("", response_model=VideoJob, responses={**_CREATED, **_ERRORS}, openapi_extra=_BODY_SCHEMA)
+@router.post("", response_model=VideoJob, responses={**_CREATED, **_BODY_ERRORS})
 async def create_video(request: Request, engine: EngineDep, config: ConfigDep, stream: bool | None = Query(
         None, description="respond with the MP4 itself, sent while it is made (or give stream in the body)")):
     """Queue a text-to-video job (JSON, urlencoded, or multipart when python-multipart is installed)."""
@@ -367,7 +369,13 @@ async def _source_video(data: dict, body: _Body, engine, config: AppConfig) -> t
                    "video")
 
 
-@router.post("/edits", response_model=VideoJob, responses=_ERRORS)
+def _not_streamed(data: dict, what: str) -> None:
+    if "stream" in data:
+        raise ApiError(400, "unknown_parameter", f"stream: {what} is not streamed; remove stream and follow "
+                       "GET /v1/videos/{video_id}/events", "stream")
+
+
+@router.post("/edits", response_model=VideoJob, responses=_BODY_ERRORS)
 async def edit_video(request: Request, engine: EngineDep, config: ConfigDep) -> dict:
     """A new job that redoes a video with a new prompt: ``video`` (an upload, a data URL, or ``{"id": ...}`` of
     a completed job) conditions every frame from frame 0 at ``strength`` (default 0.6: how much of the source
@@ -377,6 +385,7 @@ async def edit_video(request: Request, engine: EngineDep, config: ConfigDep) -> 
     body = await _read_media_body(request, **_body_caps(config))
     data = dict(body.data)
     frames, source = await _source_video(data, body, engine, config)
+    _not_streamed(data, "an edit")
     strength = data.pop("strength", 0.6)
     if body.form:
         try:
@@ -396,16 +405,16 @@ async def edit_video(request: Request, engine: EngineDep, config: ConfigDep) -> 
             exc.message = exc.message.replace("conditions[0].media", "video").replace(
                 "conditions[0].strength", "strength")
         raise
-    job, _ = _submit(engine, generation, streamed=False)
+    job, _ = _submit(engine, generation)
     return job.public()
 
 
-@router.post("/extensions", response_model=VideoJob, responses=_ERRORS)
+@router.post("/extensions", response_model=VideoJob, responses=_BODY_ERRORS)
 async def extend_video(request: Request, engine: EngineDep, config: ConfigDep) -> dict:
     """A new job: ``video`` (an upload, a data URL, or ``{"id": ...}`` of a completed job) followed by ``seconds``
-    (or ``num_frames - 1`` frames) more, made window by window from its last frames (the ``openai`` SDK's
-    ``videos.extend``). Size and frame rate are the source's (an upload's size down to the model's size step);
-    other fields as for ``POST /v1/videos``."""
+    more (the nearest multiple of the model's frame step; or ``num_frames - 1`` frames), made window by window from
+    its last frames (the ``openai`` SDK's ``videos.extend``). Size and frame rate are the source's (an upload's size
+    down to the model's size step); other fields as for ``POST /v1/videos``."""
     _require_ready(engine)
     body = await _read_media_body(request, **_body_caps(config))
     data = dict(body.data)
@@ -413,24 +422,21 @@ async def extend_video(request: Request, engine: EngineDep, config: ConfigDep) -
     if len(frames) < EXTEND_TAIL:
         raise ApiError(400, "invalid_value", f"video has {len(frames)} frames; an extension continues from the "
                        f"last {EXTEND_TAIL}: extend a longer video", "video")
-    if "seconds" not in data and "num_frames" not in data:
+    _not_streamed(data, "an extension")
+    if data.get("seconds") is None and data.get("num_frames") is None:
         raise ApiError(400, "missing_required_parameter", "seconds is required: how long the extension is", "seconds")
     params = _create_params(_edit_defaults(dataclasses.replace(body, data=data), frames, source, engine), engine)
     if params.input_reference is not None or params.conditions:
         raise ApiError(400, "conflicting_parameters", "an extension is conditioned on its video alone; remove "
                        "input_reference and conditions", "video")
-    generation = _build(engine, params, Resolved())
+    generation = _build(engine, params, Resolved(), extension=True)
     lead = await anyio.to_thread.run_sync(lambda: _fit(frames, generation.width, generation.height))
     generation = dataclasses.replace(generation, extends=Condition(np.ascontiguousarray(lead[-EXTEND_TAIL:])))
     try:
         check_request(generation, geometry=engine.geometry, limits=engine.limits, options=engine.options)
     except ValueError as exc:
         raise ApiError(400, "invalid_value", str(exc), "video") from None
-    try:
-        job = engine.store.submit(generation, model=engine.served_model, lead=lead)
-    except QueueFull as exc:
-        raise ApiError(429, "queue_full", f"{exc}; retry later", headers={
-            "Retry-After": str(engine.retry_after_s())}) from None
+    job, _ = _submit(engine, generation, lead=lead)
     return job.public()
 
 
@@ -443,9 +449,10 @@ def _fit(frames: np.ndarray, width: int, height: int) -> np.ndarray:
     return np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.BICUBIC)) for f in frames])
 
 
-@router.post("/{video_id}/remix", response_model=VideoJob, responses=_ERRORS)
+@router.post("/{video_id}/remix", response_model=VideoJob, responses=_BODY_ERRORS)
 async def remix_video(video_id: str, request: Request, engine: EngineDep, config: ConfigDep) -> dict:
-    """A new job with the settings and media of ``video_id`` and a new ``prompt``."""
+    """A new job with the settings and media of ``video_id`` and a new ``prompt``; an extension's is the video it
+    extended, extended again (so ``video_id`` must then have completed)."""
     source = _job_or_404(engine, video_id)
     body = await _body(request, await _read_body(request, config.max_body_bytes))
     if set(body.data) - {"prompt"}:
@@ -461,11 +468,18 @@ async def remix_video(video_id: str, request: Request, engine: EngineDep, config
         check_request(generation, geometry=engine.geometry, limits=engine.limits, options=engine.options)
     except ValueError as exc:
         raise ApiError(400, "invalid_value", str(exc), "prompt") from None
-    job, _ = _submit(engine, generation, streamed=False)
+    lead = None
+    if source.lead_frames:  # the video it extended: the start of its own
+        store = engine.store
+        completed_job(store, video_id, field="video_id")
+        limits = media_limits(config.max_upload_bytes, engine.limits)
+        frames = await anyio.to_thread.run_sync(lambda: job_frames(store, source, field="video_id", limits=limits))
+        lead = np.ascontiguousarray(frames[:source.lead_frames])
+    job, _ = _submit(engine, generation, lead=lead)
     return job.public()
 
 
-@router.get("", response_model=VideoList)
+@router.get("", response_model=VideoList, responses=error_responses(400))
 async def list_videos(engine: EngineDep, limit: int = Query(20, ge=1, le=100), after: str | None = None,
                       order: Literal["asc", "desc"] = "desc") -> dict:
     """Jobs, newest first by default; ``after`` is the last id of the previous page."""
@@ -480,12 +494,12 @@ async def list_videos(engine: EngineDep, limit: int = Query(20, ge=1, le=100), a
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
 
-@router.get("/{video_id}", response_model=VideoJob)
+@router.get("/{video_id}", response_model=VideoJob, responses=error_responses(404))
 async def get_video(video_id: str, engine: EngineDep) -> dict:
     return _job_or_404(engine, video_id).public()
 
 
-@router.delete("/{video_id}", response_model=VideoDeleted)
+@router.delete("/{video_id}", response_model=VideoDeleted, responses=error_responses(404))
 async def delete_video(video_id: str, engine: EngineDep) -> dict:
     """Delete a job; a running one is first cancelled on every rank at the next step boundary."""
     _job_or_404(engine, video_id)
@@ -500,7 +514,7 @@ async def delete_video(video_id: str, engine: EngineDep) -> dict:
     return {"id": video_id, "object": "video.deleted", "deleted": True}
 
 
-@router.post("/{video_id}/cancel", response_model=VideoJob)
+@router.post("/{video_id}/cancel", response_model=VideoJob, responses=error_responses(404))
 async def cancel_video(video_id: str, engine: EngineDep) -> dict:
     """Extension: stop a job but keep its record (status ``cancelled``); a finished job is unchanged."""
     _job_or_404(engine, video_id)
@@ -510,7 +524,10 @@ async def cancel_video(video_id: str, engine: EngineDep) -> dict:
     return job.public()
 
 
-@router.get("/{video_id}/content")
+@router.get("/{video_id}/content", response_class=FileResponse, responses={
+    200: {"description": "The file of the variant", "content": {
+        "video/mp4": _MP4, "image/jpeg": _MP4, "application/octet-stream": _MP4}},
+    **error_responses(400, 404, 409)})
 async def download_video(video_id: str, engine: EngineDep, variant: str = "video") -> FileResponse:
     """The MP4 (``variant=video``), a JPEG of the middle frame (``thumbnail``), or, when the server keeps
     them, the raw uint8 frames as ``.npy`` (``frames``, lossless)."""
@@ -529,7 +546,16 @@ async def download_video(video_id: str, engine: EngineDep, variant: str = "video
     return FileResponse(path, media_type=media_type, filename=f"{video_id}{suffix}")
 
 
-@router.get("/{video_id}/events")
+@router.get("/{video_id}/events", response_class=StreamingResponse, responses={
+    200: {"description": "Server-sent events, each of the job's changes (``event: video.<status>``, ``data``: the job "
+                         "object), the last one its final state",
+          "content": {"text/event-stream": {"schema": {  # each event (OpenAPI 3.1 has no itemSchema)
+              "type": "object", "required": ["id", "event", "data"],
+              "properties": {"id": {"type": "string", "pattern": "^[0-9]+$"},
+                             "event": {"enum": [f"video.{status}" for status in get_args(JobStatus)]},
+                             "data": {"type": "string", "contentMediaType": "application/json",
+                                      "contentSchema": {"$ref": "#/components/schemas/VideoJob"}}}}}}},
+    **error_responses(404)})
 async def video_events(video_id: str, request: Request, engine: EngineDep) -> StreamingResponse:
     """Server-sent events: the job's history so far (or what follows ``Last-Event-ID``), then every change of
     status or progress, ending with the final state (``event: video.<status>``, ``data``: the job object)."""

@@ -12,6 +12,7 @@ from diffusers import (
     LTXLatentUpsamplePipeline,
     LTXPipeline,
 )
+from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
 from diffusers.pipelines.ltx.pipeline_ltx_i2v_long_multi_prompt import LTXI2VLongMultiPromptPipeline
 
 from models.registry import model_options
@@ -44,8 +45,13 @@ _FROM = {("ltx-video", "image_cond_noise_scale"): LTXConditionPipeline,
          **{("ltx2", name): LTXI2VLongMultiPromptPipeline for name in (
              "temporal_tile_size", "temporal_overlap", "temporal_overlap_cond_strength", "prompt_segments")}}
 # Options of a recipe over several pipelines, an argument of none (stages: models.ltx2_stages,
-# models.ltx_video_stages).
-_RECIPE = {("ltx2", "stages"), ("ltx-video", "stages")}
+# models.ltx_video_stages; cache: which of diffusers' cache configs, cp_infer.step_cache).
+_RECIPE = {("ltx2", "stages"), ("ltx-video", "stages"), ("ltx2", "cache"), ("ltx-video", "cache")}
+# The step cache's settings: fields of diffusers' cache configs (transformer.enable_cache(config)), not pipeline
+# arguments; declared option -> (config, field).
+_CACHE_FIELDS = {"cache_threshold": (FirstBlockCacheConfig, "threshold"),
+                 **{name: (TaylorSeerCacheConfig, name) for name in ("cache_interval", "disable_cache_before_step",
+                                                                    "max_order")}}
 
 
 @pytest.mark.parametrize("family,pipeline", [("ltx-video", LTXPipeline), ("ltx2", LTX2Pipeline)])
@@ -53,6 +59,10 @@ def test_names_and_defaults_are_the_reference_pipelines(family, pipeline):
     options = model_options(family, layers=48)
     for option in options:
         if (family, option.name) in _RECIPE:
+            continue
+        if option.name in _CACHE_FIELDS:
+            config, name = _CACHE_FIELDS[option.name]
+            assert option.default == getattr(config(), name), (option.name, config.__name__)
             continue
         reference = _FROM.get((family, option.name), pipeline)
         parameters = inspect.signature(reference.__call__).parameters
@@ -76,10 +86,25 @@ def test_the_condition_pipelines_take_the_same_names(family, base, conditioned):
     pipeline too (with the same default, except the text length LTXConditionPipeline raises to 256)."""
     parameters = inspect.signature(conditioned.__call__).parameters
     for option in model_options(family, layers=48):
-        assert option.name in parameters or (family, option.name) in {*_RECIPE, *_FROM}, (conditioned.__name__,
-                                                                                          option.name)
+        assert option.name in parameters or (family, option.name) in {*_RECIPE, *_FROM} \
+            or option.name in _CACHE_FIELDS, (conditioned.__name__, option.name)
 
 
 def test_small_ltx2_models_perturb_their_last_block():
     assert model_options("ltx2", layers=2)["spatio_temporal_guidance_blocks"].default == (1,)
     assert model_options("ltx2", layers=2)["spatio_temporal_guidance_blocks"].hi == 1
+
+
+@pytest.mark.parametrize("family", ["ltx-video", "ltx2"])
+def test_a_cache_the_model_cannot_honour_is_refused_naming_cache(family):
+    from cp_infer.step_cache import cache_options
+
+    options = model_options(family, layers=48)
+    assert options.resolve({})["cache"] == "none"
+    assert options.resolve({"cache": "first_block", "cache_threshold": 0.1})["cache_threshold"] == 0.1
+    with pytest.raises(ValueError, match="cache='teacache' is not a step cache of"):
+        options.resolve({"cache": "teacache"})
+    (only_fbc, *_) = cache_options(model="X", kinds=("none", "first_block"))
+    with pytest.raises(ValueError, match="cache='taylorseer' is not a step cache of X models; use one of none, "
+                                         "first_block"):
+        only_fbc.check("taylorseer")

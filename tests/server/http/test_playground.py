@@ -324,3 +324,27 @@ def test_without_a_key_the_page_and_its_options_need_none(tmp_path):
         options = client.get("/playground/options")
         assert options.status_code == 200 and options.json()["options"], options.text
         assert client.post("/", json={}).status_code in (404, 405)  # only GET and HEAD of the files are served
+
+
+@pytest.mark.parametrize("api_key", [None, "unit-test-key-0123456789"])
+def test_the_site_icon_is_served_with_and_without_a_key(tmp_path, api_key):
+    # Browsers ask for /favicon.ico on their own (no token): the page's icon, public as the page is.
+    import io
+
+    from fastapi.testclient import TestClient
+
+    from server.http.app import AppConfig, create_app
+
+    from ..http.test_server_app import _stub
+
+    with TestClient(create_app(AppConfig(api_key=api_key), _stub(tmp_path))) as client:
+        r = client.get("/favicon.ico")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("image/"), r.headers
+        assert r.content == (REPO / "server" / "http" / "playground" / "favicon.ico").read_bytes()
+        icon = Image.open(io.BytesIO(r.content))
+        assert icon.format == "ICO" and (32, 32) in icon.info["sizes"]
+        assert client.head("/favicon.ico").status_code == 200
+        page = client.get("/").text
+        assert '<link rel="icon" href="/favicon.ico"' in page
+        if api_key is not None:
+            assert client.get("/v1/videos").status_code == 401  # the icon opened nothing else

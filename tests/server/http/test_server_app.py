@@ -37,6 +37,7 @@ class StubEngine:
         self.jobs_done = {"completed": 0, "failed": 0, "cancelled": 0}
         self.step_seconds = Histogram((0.1, 1.0))
         self.generation_seconds = Histogram((1.0, 10.0))
+        self.blocks_saved = 0
 
     def ready(self):
         return True, "idle"
@@ -183,3 +184,13 @@ def test_jobs_survive_a_new_store_and_running_ones_run_again(tmp_path):
 @pytest.mark.parametrize("seconds,fps,frames", [(4, 24, 97), (0.7, 24, 17), (0.01, 24, 1), (5, 8, 41), (1, 12, 9)])
 def test_seconds_become_the_nearest_valid_frame_count(seconds, fps, frames):
     assert frames_for_seconds(seconds, fps, 8) == frames
+
+
+@pytest.mark.parametrize("seconds,fps,added", [(4, 24, 96), (8, 25, 200), (2, 25, 48), (1, 25, 24), (0.68, 25, 16),
+                                               (0.01, 24, 8), (4, 25, 96)])
+def test_an_extensions_seconds_are_the_frames_it_adds(seconds, fps, added):
+    # num_frames - 1 frames follow the extended video's last: those are the ones nearest to seconds * fps (4 s at
+    # 25 fps, 100 frames, is 96 or 104: the nearest 8k either way; at least 8).
+    frames = frames_for_seconds(seconds, fps, 8, extension=True)
+    assert frames - 1 == added and (frames - 1) % 8 == 0
+    assert abs(added - seconds * fps) <= 4 or added == 8

@@ -77,6 +77,9 @@ BODIES = [
      "[1, 1024]"),
     ("decode-timestep-as-string", tiny(decode_timestep="0.05"), 400, "invalid_type", "decode_timestep",
      "a number in [0, 1]"),
+    # A step cache the model cannot honour: refused naming `cache`, with the ones it can.
+    ("unknown-cache", tiny(cache="teacache"), 400, "invalid_value", "cache",
+     "cache='teacache' is not a step cache of LTX-Video models; use one of none, first_block, taylorseer"),
     # Two stages run stage 1 at half the size, a multiple of the VAE's 32: 96 does not halve to one, so the request
     # is refused before any broadcast (test_no_bad_request_reached_a_worker), naming the side, stages and the fixes.
     # (The embedded tiny-ltx-video ships an upsampler, so the other refusal, no upsampler, is not reachable here.)

@@ -100,6 +100,26 @@ def test_submit_follow_download_list_delete(api_server, tmp_path):
     assert s.client.delete(f"/v1/videos/{job['id']}").status_code == 404
 
 
+def test_a_cached_request_reports_its_steps(api_server):
+    """``cache=first_block`` at threshold 1 (the tiny model's residual changes by less between steps): the first step
+    runs every block, the other three only the first; the job object and its events report it, ``/metrics`` counts
+    the block evaluations saved (CFG's two passes x the tiny model's second block, three times)."""
+    s = api_server
+    saved_before = s.metric("cp_infer_cache_blocks_saved_total")
+    job = s.submit(tiny(num_inference_steps=4, cache="first_block", cache_threshold=1.0, seed=5))
+    assert (job["cache"], job["cache_threshold"], job["steps_computed"], job["steps_skipped"]) == (
+        "first_block", 1.0, None, None)
+    events = read_events(s, job["id"])
+    final = events[-1][1]
+    assert final["status"] == "completed" and (final["steps_computed"], final["steps_skipped"]) == (1, 3)
+    running = [(e["steps_computed"], e["steps_skipped"]) for _, e in events if e["steps_computed"] is not None]
+    assert running == sorted(running) and running[-1] == (1, 3), running
+    assert s.metric("cp_infer_cache_blocks_saved_total") == saved_before + 6
+    plain = s.submit(tiny(num_inference_steps=2))
+    read_events(s, plain["id"])
+    assert s.client.get(f"/v1/videos/{plain['id']}").json()["steps_skipped"] is None
+
+
 def test_seconds_and_size_as_openai_sends_them_in_a_form(api_server):
     s = api_server
     r = s.client.post("/v1/videos", data={"prompt": "a kite over a beach", "seconds": "0.7", "size": "96x64",
