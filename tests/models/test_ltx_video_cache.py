@@ -202,10 +202,10 @@ def _compare(seed, expected, got, what):
             assert diff.max() <= 1 and diff.mean() < 0.01, f"{case}: max {diff.max()} mean {diff.mean()}"
 
 
-@pytest.mark.parametrize("world,guidance", [(3, None), (4, 2)], ids=["U3", "G2xU2"])
+@pytest.mark.parametrize("world,guidance", [(2, None), (3, None), (2, 2), (4, 2)], ids=["U2", "U3", "G2", "G2xU2"])
 def test_ranks_decide_as_one_rank(folder, one_rank, world, guidance):
-    """U3: uneven shards, and garbage in their padding rows (bit-identical to the clean run); G2xU2: Ulysses over 2
-    ranks and CFG's two passes on two guidance ranks, the decision reduced over the mesh."""
+    """U2 and U3: uneven shards (35 tokens), U3 also with garbage in their padding rows (bit-identical to the clean
+    run); G2: CFG's two passes on two guidance ranks; G2xU2: both, the decision reduced over the mesh."""
     seed, threshold, expected = one_rank
     group = WorkerGroup(world, guidance_degree=guidance)
     try:
