@@ -42,6 +42,7 @@ from server.cli.batch import add_batch_parser, run_batch
 from server.cli.common import (
     PROG,
     USAGE_ERROR,
+    Generated,
     Leader,
     MediaRef,
     UsageError,
@@ -165,6 +166,14 @@ def _media_refs(args: argparse.Namespace) -> tuple[MediaRef | None, tuple[MediaR
     return image, tuple(conditions)
 
 
+def _cache_note(result: Generated) -> str:
+    """The summary line's part for a step cache, ``"2 steps computed, 8 skipped; "``; empty without one."""
+    if result.cache is None:
+        return ""
+    computed, skipped = result.cache.steps_computed, result.cache.steps_skipped
+    return f"{computed} step{'s' if computed != 1 else ''} computed, {skipped} skipped; "
+
+
 def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     video_out = _claim_stdout() if args.out == "-" else None
     config = runtime_config_from_args(args)
@@ -226,33 +235,34 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         phases.mark("encode")
         num_frames, height, width, _ = result.frames.shape
         print(f"wrote {path} ({num_frames} frames, {width}x{height} @ {request.fps} fps; "
-              f"{leader.runtime.state.world_size} rank(s); load {t_loaded - started:.1f} s, generate "
-              f"{t_generated - t_loaded:.1f} s, write {time.perf_counter() - t_generated:.1f} s, total "
+              f"{leader.runtime.state.world_size} rank(s); {_cache_note(result)}load {t_loaded - started:.1f} s, "
+              f"generate {t_generated - t_loaded:.1f} s, write {time.perf_counter() - t_generated:.1f} s, total "
               f"{time.perf_counter() - args.t0:.1f} s)", flush=True)
         return 0
 
-    def generate_into(leader: Leader, video: PieceVideo) -> bool:
-        """Run the job with ``video`` encoding each decoded piece; False (reported) when it failed on the group."""
+    def generate_into(leader: Leader, video: PieceVideo) -> Generated | None:
+        """Run the job with ``video`` encoding each decoded piece; None (reported) when it failed on the group."""
         from cp_infer.sampler import JobFailed
 
         try:
-            leader.generate(request, "steps", on_frames=video.write, on_audio=video.set_audio,
-                            on_audio_piece=video.add_audio)
+            result = leader.generate(request, "steps", on_frames=video.write, on_audio=video.set_audio,
+                                     on_audio_piece=video.add_audio)
         except JobFailed as exc:
             video.abort()
             leader.stop()
             print(f"{PROG} generate: generation failed: {exc}", file=sys.stderr)
-            return False
+            return None
         except BaseException:
             video.abort()
             raise
         leader.stop()
-        return True
+        return result
 
     def lead_to_file(leader: Leader) -> int:
         t_loaded = time.perf_counter()
         video = FileVideo(args.out, request)
-        if not generate_into(leader, video):
+        result = generate_into(leader, video)
+        if result is None:
             return 1
         t_generated = time.perf_counter()
         try:
@@ -262,15 +272,16 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
             return 1
         phases.mark("encode")
         print(f"wrote {path} ({num_frames} frames, {request.width}x{request.height} @ {request.fps} fps; "
-              f"{leader.runtime.state.world_size} rank(s); load {t_loaded - started:.1f} s, generate "
-              f"{t_generated - t_loaded:.1f} s, write {time.perf_counter() - t_generated:.1f} s, total "
+              f"{leader.runtime.state.world_size} rank(s); {_cache_note(result)}load {t_loaded - started:.1f} s, "
+              f"generate {t_generated - t_loaded:.1f} s, write {time.perf_counter() - t_generated:.1f} s, total "
               f"{time.perf_counter() - args.t0:.1f} s)", flush=True)
         return 0
 
     def lead_to_stdout(leader: Leader) -> int:
         t_loaded = time.perf_counter()
         video = StdoutVideo(video_out, request)
-        if not generate_into(leader, video):
+        result = generate_into(leader, video)
+        if result is None:
             return 1
         try:
             num_frames = video.close()
@@ -279,7 +290,8 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
             return 1
         phases.mark("encode")
         print(f"wrote stdout ({num_frames} frames, {request.width}x{request.height} @ {request.fps} fps, "
-              f"fragmented MP4; {leader.runtime.state.world_size} rank(s); load {t_loaded - started:.1f} s, generate "
+              f"fragmented MP4; {leader.runtime.state.world_size} rank(s); {_cache_note(result)}load "
+              f"{t_loaded - started:.1f} s, generate "
               f"and write {time.perf_counter() - t_loaded:.1f} s, total {time.perf_counter() - args.t0:.1f} s)",
               file=sys.stderr, flush=True)
         return 0

@@ -38,6 +38,7 @@ from server.group import phases
 from server.outputs.piece_video import WriteError
 
 if TYPE_CHECKING:
+    from cp_infer.step_cache import CacheStats
     from server.group.runtime import GroupDriver, Runtime
 
 __all__ = [
@@ -457,6 +458,8 @@ class Generated:
     latents: dict[str, Any] | None = None
     """The final latents (``SampleControl.on_latents``: ``latents``, and ``audio_latents`` for LTX-2), float32
     arrays in the layout the reference pipeline returns for ``output_type="latent"``."""
+    cache: CacheStats | None = None
+    """The step cache's totals over the job's passes (``SampleControl.on_cache``); ``None`` without a cache."""
 
 
 @dataclass
@@ -493,7 +496,11 @@ class Leader:
         def keep_latents(latents: dict) -> None:
             result.latents = latents
 
-        control = phases.timed_control(replace(progress.control(), on_audio=keep_audio, on_latents=keep_latents))
+        def keep_cache(stats: CacheStats) -> None:
+            result.cache = stats
+
+        control = phases.timed_control(replace(progress.control(), on_audio=keep_audio, on_latents=keep_latents,
+                                               on_cache=keep_cache))
         if on_audio_piece is not None:
             control = replace(control, on_audio_piece=on_audio_piece)
         if on_frames is not None:

@@ -41,7 +41,9 @@ BATCH_DEFAULTS = ["--height", "64", "--width", "96", "--steps", "2", "--frames",
 
 COMMANDS = {
     "mp4-1": ("generate", *PROMPT, *SHAPE, "--nproc", "1", "--out", "{out}/mp4-1/clip.mp4"),
-    "mp4-2": ("generate", *PROMPT, *SHAPE, "--nproc", "2", "--out", "{out}/mp4-2/clip.mp4"),
+    # With a step cache (no other test compares its frames): at threshold 1.0 step 1 reuses step 0's cached tail.
+    "mp4-2": ("generate", *PROMPT, *SHAPE, "--nproc", "2", "--cache", "first_block", "--cache-threshold", "1.0",
+              "--out", "{out}/mp4-2/clip.mp4"),
     "frames-1": ("generate", *PROMPT, *SHAPE, "--out", "{out}/frames-1/"),
     "frames-2": ("generate", *PROMPT, *SHAPE, "--nproc", "2", "--out", "{out}/frames-2/"),  # the default: G=2
     "frames-u2": ("generate", *PROMPT, *SHAPE, "--nproc", "2", "--guidance-degree", "1", "--out", "{out}/frames-u2/"),
@@ -97,6 +99,11 @@ def test_generate_mp4(commands, out, nproc):
     assert frames.std() > 1, "decoded frames are flat: the video holds no picture"
     # The leader alone prints the result line; the bar shows the steps, then the decode.
     assert proc.stdout.count("wrote ") == 1 and f"{nproc} rank(s)" in proc.stdout
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("wrote ")]
+    if nproc == 1:  # no cache: the line says nothing of one
+        assert re.search(r"1 rank\(s\); load \d+\.\d s, generate ", line), line
+    else:  # first_block over CFG's pair on both guidance ranks: every rank's totals, agreed, reach the line
+        assert re.search(r"2 rank\(s\); 1 step computed, 1 skipped; load \d+\.\d s, generate ", line), line
     assert "2/2" in proc.stderr and "[decode]" in proc.stderr
 
 
