@@ -209,6 +209,15 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         video_out.close()  # rank 0 alone writes the video
         video_out = None
 
+    def ran(leader: Leader, result: Generated, t_loaded: float, t_generated: float | None = None) -> str:
+        """The summary line's tail: ranks, the step cache, the seconds of each phase (``t_generated`` None: the
+        video was written while it was generated)."""
+        now = time.perf_counter()
+        phase_s = (f"generate and write {now - t_loaded:.1f} s" if t_generated is None
+                   else f"generate {t_generated - t_loaded:.1f} s, write {now - t_generated:.1f} s")
+        return (f"{leader.runtime.state.world_size} rank(s); {_cache_note(result)}load {t_loaded - started:.1f} s, "
+                f"{phase_s}, total {now - args.t0:.1f} s")
+
     def lead(leader: Leader) -> int:
         if video_out is not None:
             return lead_to_stdout(leader)
@@ -235,9 +244,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         phases.mark("encode")
         num_frames, height, width, _ = result.frames.shape
         print(f"wrote {path} ({num_frames} frames, {width}x{height} @ {request.fps} fps; "
-              f"{leader.runtime.state.world_size} rank(s); {_cache_note(result)}load {t_loaded - started:.1f} s, "
-              f"generate {t_generated - t_loaded:.1f} s, write {time.perf_counter() - t_generated:.1f} s, total "
-              f"{time.perf_counter() - args.t0:.1f} s)", flush=True)
+              f"{ran(leader, result, t_loaded, t_generated)})", flush=True)
         return 0
 
     def generate_into(leader: Leader, video: PieceVideo) -> Generated | None:
@@ -272,9 +279,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
             return 1
         phases.mark("encode")
         print(f"wrote {path} ({num_frames} frames, {request.width}x{request.height} @ {request.fps} fps; "
-              f"{leader.runtime.state.world_size} rank(s); {_cache_note(result)}load {t_loaded - started:.1f} s, "
-              f"generate {t_generated - t_loaded:.1f} s, write {time.perf_counter() - t_generated:.1f} s, total "
-              f"{time.perf_counter() - args.t0:.1f} s)", flush=True)
+              f"{ran(leader, result, t_loaded, t_generated)})", flush=True)
         return 0
 
     def lead_to_stdout(leader: Leader) -> int:
@@ -290,10 +295,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
             return 1
         phases.mark("encode")
         print(f"wrote stdout ({num_frames} frames, {request.width}x{request.height} @ {request.fps} fps, "
-              f"fragmented MP4; {leader.runtime.state.world_size} rank(s); {_cache_note(result)}load "
-              f"{t_loaded - started:.1f} s, generate "
-              f"and write {time.perf_counter() - t_loaded:.1f} s, total {time.perf_counter() - args.t0:.1f} s)",
-              file=sys.stderr, flush=True)
+              f"fragmented MP4; {ran(leader, result, t_loaded)})", file=sys.stderr, flush=True)
         return 0
 
     started = time.perf_counter()
