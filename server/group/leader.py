@@ -180,7 +180,8 @@ class GroupLeader:
         self._streams_lock = threading.Lock()
         # Read by the HTTP thread.
         self.geometry = None
-        self._options: ModelOptions | None = None
+        self._model_info = None
+        self._loaded_options: ModelOptions | None = None
         self.world_size: int | None = None
         self.pids: list[int] = []
         self.loaded = False
@@ -204,11 +205,23 @@ class GroupLeader:
     @property
     def options(self) -> ModelOptions:
         """The loaded model's declared options; before it is loaded, read from its config files."""
-        if self._options is None:
+        return self._loaded_options or self._info.options
+
+    @property
+    def family(self) -> str:
+        return self._info.family
+
+    @property
+    def _info(self):
+        """The served model's ``models.registry.ModelInfo`` (its config files; read once)."""
+        if self._model_info is None:
             from models.registry import describe_model
 
-            self._options = describe_model(self.config.runtime.model).options
-        return self._options
+            self._model_info = describe_model(self.config.runtime.model)
+        return self._model_info
+
+    def adapters(self) -> list[dict]:
+        return []
 
     @property
     def keep_frames(self) -> bool:
@@ -316,7 +329,7 @@ class GroupLeader:
             state = runtime.state
             self.pids = group_pids(state)
             self.world_size = state.world_size
-            self._options = runtime.model.options
+            self._loaded_options = runtime.model.options
             self.geometry = runtime.model.geometry
             self.lanes = [Lane(0, state.replica_ranks, GroupDriver(runtime))]
             if state.replicas > 1:

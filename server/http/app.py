@@ -4,7 +4,7 @@ leader).
 Invariants:
 - The app never touches the process group: it reads and writes the engine's job store, and the engine's
   leader thread alone talks to the other ranks. ``lifespan`` starts and stops that thread.
-- The routers (``server.http.health``, ``server.http.videos``, ``server.http.playground``) are declared at module
+- The routers (``server.http.health``, ``server.http.videos``, ``server.http.models``, ``server.http.playground``) are declared at module
   level; a route
   reaches the engine (``app.state.engine``, a :class:`server.http.engine.Engine`) and this config (``app.state.config``)
   through the dependencies :func:`server.http.engine.get_engine` and
@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.http import health, playground, videos
+from server.http import health, models, playground, videos
 from server.http.config import AppConfig
 from server.http.engine import Engine
 from server.http.openapi import install_openapi
@@ -129,6 +129,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     _install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(videos.router)
+    app.include_router(models.router)
     app.include_router(playground.router)
     install_openapi(app, engine, config, public=_PUBLIC_PATHS)
     # Routes cap their own bodies (those that carry media higher); the guard only stops what no route takes.

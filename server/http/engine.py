@@ -72,6 +72,14 @@ class Engine(Protocol):
     def options(self) -> ModelOptions:
         """The request options the served model declares (from its config files: known before it is loaded)."""
 
+    @property
+    def family(self) -> str:
+        """The served model's family (``ltx-video``, ``ltx2``), from its config files."""
+
+    def adapters(self) -> list[dict]:
+        """The LoRA adapters requests may name (``name``, ``bytes``, ``loaded``); empty without an adapter
+        directory."""
+
     # -- health and metrics ------------------------------------------------------------------------------------
     def ready(self) -> tuple[bool, str]:
         """Whether the group is up and answering, with the reason (``/ready``)."""

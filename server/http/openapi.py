@@ -255,6 +255,13 @@ _BODIES = {
 }
 
 
+def option_schemas(engine: Engine) -> dict[str, dict[str, Any]]:
+    """Each option the served model declares -> its JSON schema in a JSON body (the same as the document's), by
+    name; ``GET /v1/models`` lists them."""
+    bodies = _Bodies(engine)
+    return {option.name: bodies._option(option, form=False) for option in engine.options}
+
+
 def openapi_document(app: FastAPI, engine: Engine, config: AppConfig, *, public: Collection[str]) -> dict[str, Any]:
     """The document of ``app`` serving ``engine`` under ``config``; ``public``: the paths no API key guards."""
     from fastapi.openapi.utils import get_openapi

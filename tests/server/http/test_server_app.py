@@ -32,6 +32,7 @@ class StubEngine:
         self.geometry = VideoGeometry()
         self.options = ltx_video_options()
         self.served_model = "tiny-ltx-video"
+        self.family = "ltx-video"
         self.keep_frames = False
         self.world_size, self.last_ping_rtt_s, self.broadcasts, self.restart_count = 2, 0.001, 0, 0
         self.jobs_done = {"completed": 0, "failed": 0, "cancelled": 0}
@@ -48,6 +49,9 @@ class StubEngine:
 
     def retry_after_s(self) -> int:
         return 1
+
+    def adapters(self):
+        return []
 
     def submit_streamed(self, request, *, model: str):
         job = self.store.submit(request, model=model)

@@ -194,3 +194,10 @@ def test_openai_sdk(api_server, tmp_path):
     client.videos.delete(video.id)
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve(video.id)
+    # Discovery: the model list names what `model` takes, with the family and its options.
+    (card,) = client.models.list().data
+    assert card.id == "tiny-ltx-video" and card.object == "model"
+    assert card.model_extra["family"] == "ltx-video" and "num_inference_steps" in card.model_extra["options"]
+    assert client.models.retrieve("tiny-ltx-video").id == "tiny-ltx-video"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("someone/else")
