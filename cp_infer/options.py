@@ -40,8 +40,8 @@ class Option:
 
     name: str
     kind: type
-    """``int``, ``float``, ``str``, ``bool``, ``tuple`` (a list of integers) or ``list`` (a list of JSON objects,
-    each checked by ``check``)."""
+    """``int``, ``float``, ``str``, ``bool``, ``tuple`` (a list of numbers, of type ``item``) or ``list`` (a list of
+    JSON objects, each checked by ``check``)."""
     default: Any
     help: str
     """One line: what it does (the default and range are added where it is shown)."""
@@ -59,11 +59,14 @@ class Option:
     """Short command-line flags besides the derived ``--name-with-dashes``."""
     max_items: int = 256
     """For a list: at most this many items."""
+    item: type = int
+    """For ``tuple``: ``int`` (a list of integers) or ``float`` (a list of numbers)."""
     check: Callable[[Any], None] | None = field(default=None, compare=False)
     """A further check of a resolved value (raises ``ValueError`` naming the option)."""
 
     def __post_init__(self) -> None:
         assert self.kind in _KINDS, f"{self.name}: kind {self.kind} is not one of {_KINDS}"
+        assert self.item in (int, float), f"{self.name}: item {self.item} is not int or float"
 
     @property
     def flag(self) -> str:
@@ -81,7 +84,8 @@ class Option:
         if hi is None and self.limit is not None:
             hi = self.limit  # named: the deployment sets it
         what = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-                tuple: "a list of integers", list: "a list of objects"}[self.kind]
+                tuple: "a list of integers" if self.item is int else "a list of numbers",
+                list: "a list of objects"}[self.kind]
         if self.multiple_of:
             what += f" multiple of {self.multiple_of}"
         if lo is not None or hi is not None:
@@ -99,9 +103,10 @@ class Option:
         lo, hi = self.bounds(limits)
         if self.kind is tuple:
             if not isinstance(value, (list, tuple)) or not value or len(value) > self.max_items:
+                what = "integers" if self.item is int else "numbers"
                 raise ValueError(f"{self.name}={value!r} must be a non-empty list of at most {self.max_items} "
-                                 f"integers, e.g. [{_fmt(lo if lo is not None else 0, '0')}]")
-            return tuple(_number(f"{self.name}[]", item, int, lo, hi, self.multiple_of) for item in value)
+                                 f"{what}, e.g. [{_fmt(lo if lo is not None else 0, '0')}]")
+            return tuple(_number(f"{self.name}[]", item, self.item, lo, hi, self.multiple_of) for item in value)
         if self.kind is list:
             if not isinstance(value, (list, tuple)) or not value or len(value) > self.max_items \
                     or not all(isinstance(item, Mapping) for item in value):

@@ -45,6 +45,7 @@ __all__ = [
     "LTXVideoComponents",
     "ModelLoadError",
     "detect_family",
+    "is_distilled",
     "load_ltx2",
     "load_ltx_video",
     "parse_dtype",
@@ -175,6 +176,16 @@ def recommended_stages(path: str | os.PathLike) -> int:
     if not (root / LATENT_UPSAMPLER).is_dir():
         return 1
     return 1 if (root / MARKER_FILE).is_file() else 2
+
+
+def is_distilled(path: str | os.PathLike) -> bool:
+    """Whether a folder holds a distilled checkpoint, whose requests default to its fixed few-step schedule without
+    guidance. A diffusers folder does not record it in its configs; its name does, as the distilled repositories are
+    named (``diffusers/LTX-2.3-Distilled-Diffusers``): the folder's own name, or for a hub snapshot
+    (``models--org--name/snapshots/<commit>``) the repository's."""
+    root = Path(path).absolute()
+    names = [root.name, *(p.name for p in root.parents if p.name.startswith("models--"))]
+    return any("distilled" in name.lower() for name in names)
 
 
 _DEFAULT_MODELS = {DEFAULT_MODEL_NAME: ensure_default_model, DEFAULT_LTX2_NAME: ensure_default_ltx2_model}

@@ -54,10 +54,10 @@ from ._step_cache import cached_call, pass_cache, pass_cache_stats
 from ._text_kv import KeptPerText, keep_per_text, kept_text_attention
 from ._windows import two_stage_window_plan, window_plan, windows_of
 from .geometry import min_latent_side
-from .loading import recommended_stages
+from .loading import is_distilled, recommended_stages
 from .ltx2_conditions import VideoConditioning, prepare_conditions, prepare_image
 from .ltx2_options import ltx2_options
-from .ltx2_stages import REFINE_SETTINGS, REFINE_SIGMAS, refine_scheduler, two_stage_plan
+from .ltx2_stages import REFINE_OPTIONS, REFINE_SIGMAS, pass_sigmas, refine_scheduler, two_stage_plan
 from .ltx2_windows import WindowState, finish_window, prepare_window, restore_state, window_decoder
 from .ltx2_windows import checkpoint as window_checkpoint
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
@@ -262,7 +262,7 @@ def plan_request(request: GenerationRequest) -> Plan:
     if windows is not None:
         if request.options.get("stages", 1) == 2:
             return two_stage_window_plan(request, windows, steps=request.num_inference_steps,
-                                         refine_steps=len(REFINE_SIGMAS), refine_options=REFINE_SETTINGS,
+                                         refine_steps=len(REFINE_SIGMAS), refine_options=REFINE_OPTIONS,
                                          num_inference_steps=len(REFINE_SIGMAS), guidance_scale=1.0)
         return window_plan(request, windows, steps=request.num_inference_steps)  # models.ltx2_windows
     if request.options.get("stages", 1) == 2:
@@ -364,7 +364,8 @@ class LTX2Model:
                               else LTX2LatentUpsamplePipeline(vae=components.vae, latent_upsampler=upsampler))
         path = getattr(components, "path", None)
         self.options = ltx2_options(layers=self.layers, latent_upsampler=upsampler is not None,
-                                    stages=None if path is None else recommended_stages(path))
+                                    stages=None if path is None else recommended_stages(path),
+                                    distilled=path is not None and is_distilled(path))
 
     decode_frames_per_rank: int | str | None = DEFAULT_FRAMES_PER_RANK
     """Latent frames each rank decodes per streamed round; ``"auto"``: by frame size
@@ -447,7 +448,7 @@ class LTX2Model:
                                                  audio_latent_length=audio_frames, num_mel_bins=mel_bins,
                                                  noise_scale=0.0, dtype=torch.float32, device=cpu,
                                                  generator=generator)
-        sigmas = np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps)
+        sigmas = pass_sigmas(request)
         return self.prepared_pass(request, shape, settings, (video_ctx, audio_ctx, ctx_mask), video, audio,
                                   sigmas=sigmas, generator=generator, conditioning=conditioning,
                                   keyframe_coords=keyframe_coords, audio_frames=audio_frames)

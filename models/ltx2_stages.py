@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import numpy as np
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
 
@@ -25,16 +26,26 @@ from cp_infer.plan import Plan
 from cp_infer.request import GenerationRequest
 
 from ._stages import two_stage_plan as shared_two_stage_plan
+from .ltx2_options import GUIDANCE_OFF
 
-__all__ = ["REFINE_SIGMAS", "REFINE_SETTINGS", "refine_scheduler", "two_stage_plan"]
+__all__ = ["REFINE_OPTIONS", "REFINE_SIGMAS", "REFINE_SETTINGS", "pass_sigmas", "refine_scheduler", "two_stage_plan"]
 
 REFINE_SIGMAS: tuple[float, ...] = tuple(STAGE_2_DISTILLED_SIGMA_VALUES)
 """Stage 2's sigmas; the first is also the noise its latents are renoised to."""
-REFINE_SETTINGS = dict(stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0,
-                       audio_guidance_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
-"""Stage 2's guidance options besides ``guidance_scale=1.0``: every guidance off (LTX2Pipeline's 0 for an audio
-scale means "as the video's", so the audio CFG scale is set to 1 outright), the CFG rescale too (without guidance
-it is the identity, up to rounding)."""
+REFINE_SETTINGS = dict(GUIDANCE_OFF)
+"""Stage 2's guidance besides ``guidance_scale=1.0``: every guidance off (``GUIDANCE_OFF``), as LTX2Pipeline is
+called for it."""
+REFINE_OPTIONS = dict(REFINE_SETTINGS, sigmas=None)
+"""Stage 2's request options: its guidance, and no ``sigmas`` of stage 1's (it runs ``REFINE_SIGMAS``)."""
+
+
+def pass_sigmas(request: GenerationRequest) -> list[float] | np.ndarray:
+    """A denoising pass's sigmas, as LTX2Pipeline takes them: the request's ``sigmas`` (a list), else its
+    ``linspace(1, 1/steps, steps)``."""
+    sigmas = request.options.get("sigmas")
+    if sigmas is not None:
+        return list(sigmas)
+    return np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps)
 
 
 def refine_scheduler(scheduler) -> FlowMatchEulerDiscreteScheduler:
@@ -47,5 +58,5 @@ def refine_scheduler(scheduler) -> FlowMatchEulerDiscreteScheduler:
 def two_stage_plan(request: GenerationRequest) -> Plan:
     """Stage 1 at half size with the request's steps and guidance, stage 2 (``refine``) at the request's size with
     the distilled sigmas and no guidance (``models._stages.two_stage_plan``)."""
-    return shared_two_stage_plan(request, refine_steps=len(REFINE_SIGMAS), refine_options=REFINE_SETTINGS,
+    return shared_two_stage_plan(request, refine_steps=len(REFINE_SIGMAS), refine_options=REFINE_OPTIONS,
                                  num_inference_steps=len(REFINE_SIGMAS), guidance_scale=1.0)

@@ -35,7 +35,7 @@ from ._adapter_common import DecodeNoise, decode_round_uint8, decode_split
 from ._windows import Windows, windows_of
 from .ltx2_audio import progressive_soundtrack
 from .ltx2_conditions import VideoConditioning
-from .ltx2_stages import REFINE_SIGMAS, refine_scheduler
+from .ltx2_stages import REFINE_SIGMAS, pass_sigmas, refine_scheduler
 from .ltx_vae_parallel import decode_reads
 from .ltx_video import _scoped
 
@@ -154,8 +154,7 @@ def prepare_window(model, request: GenerationRequest, previous_state, *, kind: s
         shared = max(0, min(before.audio.shape[1] - a0, audio.shape[1]))
         if shared:
             audio, audio_cond = _conditioned(audio, before.audio[:, a0:a0 + shared], strength)
-    sigmas = (REFINE_SIGMAS if stage == 2
-              else np.linspace(1.0, 1 / request.num_inference_steps, request.num_inference_steps))
+    sigmas = REFINE_SIGMAS if stage == 2 else pass_sigmas(request)
     prepared = model.prepared_pass(wreq, shape, settings, contexts, video, audio, sigmas=sigmas, generator=generator,
                                    scheduler=scheduler, conditioning=video_cond, audio_conditioning=audio_cond,
                                    audio_frames=audio_frames)

@@ -24,7 +24,7 @@ from cp_infer.request import GenerationRequest
 from ._folder_problems import component_problem, error_line
 from .embedded import LATENT_UPSAMPLER
 from .geometry import min_latent_side
-from .loading import ModelLoadError, detect_family, parse_dtype, recommended_stages, resolve_model
+from .loading import ModelLoadError, detect_family, is_distilled, parse_dtype, recommended_stages, resolve_model
 
 __all__ = ["ModelInfo", "compile_transformer_blocks", "describe_model", "model_options",
            "open_model"]
@@ -58,17 +58,17 @@ class ModelInfo:
 
 
 def model_options(family: str, *, layers: int, latent_upsampler: bool = True,
-                  stages: int | None = None) -> ModelOptions:
+                  stages: int | None = None, distilled: bool = False) -> ModelOptions:
     """The request options of a ``family`` model with ``layers`` transformer blocks, with or without a
     ``latent_upsampler`` (two-stage generation), whose requests get ``stages`` by default (unset: what a folder with
-    or without an upsampler is recommended)."""
+    or without an upsampler is recommended); ``distilled`` (LTX-2): a distilled checkpoint's defaults."""
     if family == "ltx-video":
         from .ltx_video_options import ltx_video_options
 
         return ltx_video_options(latent_upsampler=latent_upsampler, stages=stages)
     from .ltx2_options import ltx2_options
 
-    return ltx2_options(layers=layers, latent_upsampler=latent_upsampler, stages=stages)
+    return ltx2_options(layers=layers, latent_upsampler=latent_upsampler, stages=stages, distilled=distilled)
 
 
 def _classes(family: str):
@@ -107,7 +107,8 @@ def describe_model(model: str | os.PathLike | None) -> ModelInfo:
     stages = recommended_stages(path)
     upsampler = (path / LATENT_UPSAMPLER).is_dir()
     return ModelInfo(path=path, family=family, geometry=geometry, layers=layers,
-                     options=model_options(family, layers=layers, latent_upsampler=upsampler, stages=stages))
+                     options=model_options(family, layers=layers, latent_upsampler=upsampler, stages=stages,
+                                           distilled=is_distilled(path)))
 
 
 _RECOMPILE_LIMIT = 64

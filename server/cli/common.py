@@ -181,7 +181,7 @@ def option_keys(options: ModelOptions) -> dict[str, str]:
 
 def _option_type(option: Option):
     if option.kind is tuple:
-        return _block_list
+        return _block_list if option.item is int else _number_list
     if option.kind is list:
         return _json_list
     return option.kind
@@ -270,6 +270,15 @@ def _block_list(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of block indices, "
                                          "e.g. 20,28") from None
+
+
+def _number_list(text: str) -> tuple[float, ...]:
+    """``--sigmas 1.0,0.99375,0.725``."""
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers, e.g. "
+                                         "1.0,0.725,0.4") from None
 
 
 # -------------------------------------------------------------------------------------- checks before a group

@@ -31,7 +31,9 @@ JOB_ID_PATTERN = "^video_[0-9a-f]{32}$"
 _DATA_URL = "^data:[^,]*;base64,"
 _POSITIVE = r"^(0*[1-9][0-9]*(\.[0-9]*)?|0*\.[0-9]*[1-9][0-9]*)$"
 _SIZE = "^[0-9]{1,6}[xX][0-9]{1,6}$"
-_INT_LIST = "^[0-9]{1,6}(,[0-9]{1,6})*$"
+_FORM_LISTS = {int: "^[0-9]{1,6}(,[0-9]{1,6})*$",
+               float: r"^[0-9]{1,6}(\.[0-9]{1,12})?(,[0-9]{1,6}(\.[0-9]{1,12})?)*$"}
+"""A list option in a form, written as on the command line: integers (``20,28``) or numbers (``1.0,0.725``)."""
 _REF = "#/components/schemas/"
 _JSON, _FORM, _MULTIPART = "application/json", "application/x-www-form-urlencoded", "multipart/form-data"
 _MAX_CONDITIONS = 16
@@ -105,7 +107,7 @@ class _Bodies:
             step = self.geometry.spatial_step
             lo, multiple = max(lo or 0, step * self.geometry.min_latent_side), step
         number: dict[str, Any] = {}
-        cast = int if option.kind in (int, tuple) else float
+        cast = int if option.kind is int or (option.kind is tuple and option.item is int) else float
         if lo is not None:
             number["minimum"] = cast(lo)
         if hi is not None:
@@ -122,10 +124,11 @@ class _Bodies:
         elif kind is bool:
             schema = {"type": "boolean"}
         elif form:  # a list, written as on the command line ("20,28") or as JSON
-            schema = {"type": "string", "pattern": _INT_LIST} if kind is tuple else \
+            schema = {"type": "string", "pattern": _FORM_LISTS[option.item]} if kind is tuple else \
                 {"type": "string", "contentMediaType": "application/json"}
         else:
-            items = {"type": "integer", **number} if kind is tuple else {"type": "object"}
+            items = {"type": "integer" if option.item is int else "number", **number} if kind is tuple else \
+                {"type": "object"}
             schema = {"type": "array", "items": items, "minItems": 1, "maxItems": option.max_items}
         default = list(option.default) if isinstance(option.default, tuple) else option.default
         shown = "unset" if default is None else repr(default)

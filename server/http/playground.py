@@ -70,7 +70,8 @@ async def playground_options(engine: EngineDep) -> dict:
     for option in engine.options:
         lo, hi = option.bounds(limits)
         default = list(option.default) if isinstance(option.default, tuple) else option.default
-        options.append({"name": option.name, "type": _KINDS[option.kind], "default": default, "minimum": lo,
+        kind = "numbers" if option.kind is tuple and option.item is float else _KINDS[option.kind]
+        options.append({"name": option.name, "type": kind, "default": default, "minimum": lo,
                         "maximum": hi, "multiple_of": option.multiple_of, "nullable": option.nullable,
                         "help": option.help, "accepts": option.describe(limits)})
     geometry = engine.geometry

@@ -149,7 +149,8 @@ def _option_field(option: Option) -> tuple[Any, Any]:
     default = list(option.default) if isinstance(option.default, tuple) else option.default
     # A list of objects: pydantic takes the shape, the option's own check the content (so errors name the item).
     shown = "unset" if default is None else repr(default)
-    return (_PY_TYPES[option.kind] | None,
+    kind = list[float] if option.kind is tuple and option.item is float else _PY_TYPES[option.kind]
+    return (kind | None,
             Field(None, description=f"{option.help} (default {shown}: the reference pipeline's; {option.describe()})",
                   json_schema_extra={"x-default": default}))
 
@@ -332,13 +333,19 @@ def params_from_json(data: Any, *, options: ModelOptions, limits: GenerationLimi
     return params
 
 
-def _int_list(name: str, text: object, limits, geometry, options) -> list[int]:
+_FORM_ITEMS = {int: r"\d{1,6}", float: r"\d{1,6}(\.\d{1,12})?"}
+"""A form list's items: integers, or decimal numbers (``1.0,0.725``)."""
+
+
+def _number_list(name: str, text: object, limits, geometry, options) -> list[int] | list[float]:
     # NOTE(forms): pydantic's string validation has no list syntax, so a list is written as on the command line.
-    if not isinstance(text, str) or not re.fullmatch(r"\s*\d{1,6}\s*(,\s*\d{1,6}\s*)*", text):
+    item = options[name].item
+    pattern = rf"\s*{_FORM_ITEMS[item]}\s*(,\s*{_FORM_ITEMS[item]}\s*)*"
+    if not isinstance(text, str) or not re.fullmatch(pattern, text):
         shown = repr(text[:80]) if isinstance(text, str) else "not a string"
         raise ApiError(400, "invalid_value", f"{name}={shown} is invalid; expected "
                        f"{_field_hint(name, limits, geometry, options)}", name)
-    return [int(b) for b in text.split(",")]
+    return [item(b) for b in text.split(",")]
 
 
 def params_from_form(data: dict[str, Any], *, options: ModelOptions, limits: GenerationLimits,
@@ -379,7 +386,7 @@ def _form_params(data: dict[str, Any], *, options: ModelOptions, limits: Generat
     except ValidationError as exc:
         raise _from_validation_error(exc, **kw) from None
     # NOTE(forms): pydantic's string validation takes no nested lists: each item is validated on its own.
-    update: dict[str, Any] = {name: _int_list(name, data[name], **kw) for name in lists}
+    update: dict[str, Any] = {name: _number_list(name, data[name], **kw) for name in lists}
     update.update({name: _json_list(name, data[name], **kw) for name in objects})
     if isinstance(nested.get("input_reference"), dict):
         try:

@@ -195,7 +195,7 @@ function parsed(option, text) {
     return Number.isFinite(n) ? n : text;
   }
   if (option.type === "boolean") return text === "true";
-  if (option.type === "integers" || option.type === "objects") {
+  if (option.type === "integers" || option.type === "numbers" || option.type === "objects") {
     try { return JSON.parse(text); } catch (_) { return text; }
   }
   return text;
