@@ -5,11 +5,16 @@ Invariants:
   frozen and holds only plain Python values, so broadcasting it (pickle) carries nothing a client wrote
   except validated field values.
 - ``check_request`` raises ``ValueError`` naming the field and the fix; callers map it to a 4xx.
+- ``loras`` names adapters and their scales only (:class:`LoraWeight`): what a name resolves to (a file of the
+  deployment's adapter directory) is the front end's and the model's business; the engine checks the names' form,
+  the count, the scales' range and that no name is given twice.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -18,8 +23,8 @@ import numpy as np
 from .options import STANDARD, ModelOptions
 from .shapes import LatentShape, VideoGeometry
 
-__all__ = ["EXTEND_TAIL", "Condition", "GenerationRequest", "GenerationLimits", "check_request", "resolve_frame_index",
-           "resolve_request"]
+__all__ = ["EXTEND_TAIL", "LORA_NAME", "LORA_SCALE", "MAX_LORAS", "Condition", "GenerationRequest", "GenerationLimits",
+           "LoraWeight", "check_request", "loras_from", "resolve_frame_index", "resolve_request"]
 
 @dataclass(frozen=True)
 class Condition:
@@ -36,6 +41,60 @@ class Condition:
     @property
     def is_image(self) -> bool:
         return self.frames.shape[0] == 1
+
+
+MAX_LORAS = 4
+"""Adapters one request may name."""
+LORA_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+"""An adapter's name (its file's stem in the deployment's adapter directory): never a path."""
+LORA_SCALE = (-4.0, 4.0)
+"""The range of an adapter's scale (diffusers' ``set_adapters`` weight; 1 is the adapter as trained)."""
+
+
+@dataclass(frozen=True)
+class LoraWeight:
+    """One adapter a request applies: its name and the scale of its update (``set_adapters(names, weights)``)."""
+
+    name: str
+    scale: float = 1.0
+
+
+def loras_from(value: object) -> tuple[LoraWeight, ...]:
+    """``[{"name": "a", "scale": 0.8}, ...]`` (mappings with ``name`` and an optional ``scale``, or
+    :class:`LoraWeight` items) as request values; ``ValueError`` naming ``loras[i]`` for anything else. The values are
+    checked by :func:`check_request`."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"loras must be a list of {{\"name\": ..., \"scale\": ...}} objects, got "
+                         f"{type(value).__name__}")
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, LoraWeight):
+            out.append(item)
+            continue
+        if not isinstance(item, Mapping) or "name" not in item or set(item) - {"name", "scale"}:
+            raise ValueError(f"loras[{i}] must be an object with a name and an optional scale, e.g. "
+                             '{"name": "style", "scale": 0.8}')
+        out.append(LoraWeight(item["name"], item.get("scale", 1.0)))
+    return tuple(out)
+
+
+def _check_loras(loras: object) -> None:
+    if not isinstance(loras, tuple) or not all(isinstance(item, LoraWeight) for item in loras):
+        raise ValueError("loras must be a list of {\"name\": ..., \"scale\": ...} objects")
+    if len(loras) > MAX_LORAS:
+        raise ValueError(f"loras names {len(loras)} adapters; a request applies at most {MAX_LORAS}")
+    seen: set[str] = set()
+    for i, lora in enumerate(loras):
+        if not isinstance(lora.name, str) or not LORA_NAME.fullmatch(lora.name):
+            shown = lora.name if not isinstance(lora.name, str) or len(lora.name) < 80 else lora.name[:77] + "..."
+            raise ValueError(f"loras[{i}].name={shown!r} is not an adapter name: 1-64 of A-Z a-z 0-9 . _ - (the "
+                             "stem of a .safetensors file in the server's adapter directory, never a path)")
+        _check_number(f"loras[{i}].scale", lora.scale, *LORA_SCALE)
+        if lora.name in seen:
+            raise ValueError(f"loras[{i}].name={lora.name!r} is given twice; name each adapter once")
+        seen.add(lora.name)
 
 
 def resolve_frame_index(frame_index: int, num_frames: int) -> int:
@@ -70,15 +129,20 @@ class GenerationRequest:
     """An extension: the last frames of the video this one continues (at least ``EXTEND_TAIL`` of them, at the
     request's size). The ``num_frames - 1`` frames made follow that video's last frame; the models that make long
     videos window by window take it (``ModelOptions.window_frames``)."""
+    loras: tuple[LoraWeight, ...] = ()
+    """The adapters applied, in order, with their scales (``MAX_LORAS`` at most); empty: the base weights alone."""
 
     @classmethod
     def of(cls, **values: Any) -> GenerationRequest:
-        """A request from flat keyword values: fields by name (``frame_rate`` for ``fps``), any other key an
-        option of the model's (checked when the request is resolved)."""
+        """A request from flat keyword values: fields by name (``frame_rate`` for ``fps``; ``loras`` as
+        :func:`loras_from` takes them), any other key an option of the model's (checked when the request is
+        resolved)."""
         names = {f.name for f in fields(cls)} - {"options"}
         if "frame_rate" in values:
             values["fps"] = values.pop("frame_rate")
         own = {k: values.pop(k) for k in list(values) if k in names}
+        if "loras" in own:
+            own["loras"] = loras_from(own["loras"])
         return cls(**own, options=values)
 
     def option(self, name: str) -> Any:
@@ -219,6 +283,7 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     if not request.prompt.strip():
         raise ValueError("prompt is empty; describe the video to generate")
     _check_int("seed", request.seed, 0, 2**63 - 1)
+    _check_loras(request.loras)
     values = _given(request)
     unset = [name for name in options.names if values.get(name) is None and options[name].default is not None]
     assert not unset, f"check_request needs a resolved request (unset: {unset}); call resolve_request first"

@@ -24,7 +24,9 @@ Invariants:
   are visited in one order on every rank: before a rank's next call, and at the step's end, :meth:`StepCache.end_step`).
   What a step saved (:meth:`StepCache.step_stats`) is agreed, for First-Block Cache where the guidance ranks hold
   different contexts, with one maximum over the replica's CPU group (each context's holders report its decision, the
-  others 0); TaylorSeer's is the schedule's.
+  others 0); TaylorSeer's is the schedule's. With weights sharded over the replica group (``cp_infer.weights``), a
+  First-Block call whose context some guidance rank does not hold joins the all-gathers of the blocks it skips
+  (a peer deciding for another context may run them); where every rank decides alike nothing is joined.
 - The cache is applied from outside: :func:`cache_blocks` swaps a transformer's block list for a
   :class:`CachedBlocks` over the same modules (the state dict's keys and the blocks' own forwards unchanged, compiled
   or not), which yields the blocks to the transformer's own loop, or fewer of them, as the call in flight decides.
@@ -46,6 +48,7 @@ from .collectives import all_reduce_max_ints
 from .mesh import pass_shares
 from .options import Option
 from .state import ParallelState
+from .weights import join_blocks
 
 __all__ = ["CACHE_KINDS", "CACHE_OPTIONS", "CacheConfig", "CacheContext", "CacheStats", "CachedBlocks", "Decision",
            "StepCache", "cache_blocks", "cache_options", "fixed_point_sum"]
@@ -423,9 +426,18 @@ class _Call:
 
         yield head_block
         if self._skip:
+            if not self._decided_everywhere:
+                join_blocks([*middle, last])  # NOTE(sharded-weights): a peer with another context may run them
             return  # the head's output already holds the cached tail: the transformer's loop ends here
         yield from middle
         yield last_block
+
+    @property
+    def _decided_everywhere(self) -> bool:
+        """Every rank of the replica group takes this call's decision in the same call (its context is held by every
+        guidance rank, or there is one): none of them runs blocks this call skips. Otherwise, with weights sharded
+        over the replica group (``cp_infer.weights``), the blocks a call skips are joined: their all-gathers run."""
+        return len(self.held.holders) == self.cache.state.guidance_size
 
     def _decide(self, residual: torch.Tensor) -> bool:
         cache, state = self.cache, self._state
@@ -460,6 +472,7 @@ class _Call:
             return
         cache._record(self.held, False, None)
         assert state.last_update is not None, "TaylorSeer predicts only after a step that ran every block"
+        # NOTE(sharded-weights): the schedule is every context's, so every rank skips the same blocks: none to join.
         yield lambda *args, **kwargs: self._pack(self._predict(step))
 
     def _update(self, outputs: tuple[torch.Tensor, ...], step: int) -> None:

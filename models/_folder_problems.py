@@ -1,5 +1,6 @@
 """What is wrong with one component subfolder of a model folder, in words: the file that is missing, empty,
-truncated, unreadable or not valid JSON. Used to explain a failed load; reads headers and JSON, never weights.
+truncated, unreadable or not valid JSON. Used to explain a failed load; reads headers and JSON, never weights. Also
+the error every model-loading module raises (`ModelLoadError`), defined here, below all of them.
 
 Invariants:
 - `component_problem` returns None when it finds nothing; it never raises for a bad file (that is what it reports).
@@ -13,10 +14,14 @@ import json
 import struct
 from pathlib import Path
 
-__all__ = ["component_problem", "error_line"]
+__all__ = ["ModelLoadError", "component_problem", "error_line", "safetensors_problem"]
 
 # Bigger than any real safetensors header (a few MB for thousands of tensors): a larger length is garbage.
 _MAX_HEADER = 100 * 2**20
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded; the message names the path, subfolder or hub id and the fix."""
 
 
 def error_line(exc: BaseException) -> str:
@@ -48,6 +53,14 @@ def _safetensors_problem(path: Path, rel: str) -> str | None:
     if size > expected:
         return f"{rel} has {size - expected} bytes past the end its header describes"
     return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with the safetensors file ``path`` (unreadable, truncated, not safetensors), or None."""
+    try:
+        return _safetensors_problem(path, str(path))
+    except OSError as exc:
+        return f"{path} is unreadable ({error_line(exc)})"
 
 
 def _file_problem(path: Path, rel: str) -> str | None:

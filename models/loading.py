@@ -1,9 +1,11 @@
-"""Load a diffusers-format model folder (LTX-Video or LTX-2) into its components, with errors that say what
-is wrong.
+"""Load a diffusers-format model folder (LTX-Video or LTX-2; Wan's through `models.wan_loading`, on the same helpers)
+into its components, with errors that say what is wrong; find the folder first (`resolve_model`, `resolve_files`):
+an embedded default, a local folder, a hub id (`models.hub`), a single-file checkpoint with its config folder
+(`models.single_file`), a paired latent upsampler.
 
 Invariants:
-- Local only: every `from_pretrained` gets `local_files_only=True`, so a bad path never turns into a hub
-  download attempt.
+- Loading is local only: every `from_pretrained` gets `local_files_only=True`, so a bad path never turns into a hub
+  download attempt; only `resolve_model` reaches the hub, for a name that is no local path and reads as a hub id.
 - Every failure a user can cause (wrong path, wrong folder, missing component, broken weights) is a
   `ModelLoadError`, a `ValueError` whose message names the path or subfolder, what is wrong with it (the file
   that is missing, truncated or unreadable, where it can tell) and the underlying error in one line. For an
@@ -35,21 +37,27 @@ from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from transformers import Gemma3ForConditionalGeneration, GemmaTokenizer, T5EncoderModel, T5Tokenizer
 
-from models._folder_problems import component_problem, error_line
+from models._folder_problems import ModelLoadError, component_problem, error_line
 from models.default import DEFAULT_MODEL_NAME, ensure_default_model
 from models.default_ltx2 import DEFAULT_LTX2_NAME, ensure_default_ltx2_model
+from models.default_wan import DEFAULT_WAN_NAME, ensure_default_wan_model
 from models.embedded import LATENT_UPSAMPLER, MARKER_FILE, check_folder
+from models.hub import ALL_FILES, FileSelection, fetch, parse_hub_ref
+from models.single_file import check_checkpoint, checkpoint_contents, load_from_checkpoint
 
 __all__ = [
     "LTX2Components",
     "LTXVideoComponents",
+    "ModelFiles",
     "ModelLoadError",
     "detect_family",
     "is_distilled",
+    "model_name",
     "load_ltx2",
     "load_ltx_video",
     "parse_dtype",
     "recommended_stages",
+    "resolve_files",
     "resolve_model",
 ]
 
@@ -61,11 +69,14 @@ _PIPELINE_FAMILIES = {
     "LTXConditionPipeline": "ltx-video",
     "LTX2Pipeline": "ltx2",
     "LTX2ImageToVideoPipeline": "ltx2",
+    "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan",
 }
 # transformer/config.json `_class_name` -> family, for folders without a model_index.json.
 _TRANSFORMER_FAMILIES = {
     "LTXVideoTransformer3DModel": "ltx-video",
     "LTX2VideoTransformer3DModel": "ltx2",
+    "WanTransformer3DModel": "wan",
 }
 _LTX_VIDEO_SUBFOLDERS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
 _LTX2_SUBFOLDERS = (
@@ -79,7 +90,7 @@ _LTX2_SUBFOLDERS = (
     "tokenizer",
 )
 # The loader for each family, named in the error when a folder of the other family is passed.
-_FAMILY_LOADERS = {"ltx-video": "load_ltx_video", "ltx2": "load_ltx2"}
+_FAMILY_LOADERS = {"ltx-video": "load_ltx_video", "ltx2": "load_ltx2", "wan": "models.wan_loading.load_wan"}
 # Either one carries the vocabulary: tokenizer.json (tokenizers) or spiece.model (SentencePiece).
 _TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
 # The same for Gemma, whose SentencePiece file is tokenizer.model.
@@ -96,10 +107,6 @@ _DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
-
-
-class ModelLoadError(ValueError):
-    """A model folder that cannot be loaded; the message names the path or subfolder and the fix."""
 
 
 @dataclass(frozen=True)
@@ -168,12 +175,13 @@ class LTX2Components:
     `dtype`, `device`; ``None`` when the folder has none."""
 
 
-def recommended_stages(path: str | os.PathLike) -> int:
+def recommended_stages(path: str | os.PathLike, *, upsampler: bool | None = None) -> int:
     """How many denoising stages a folder's requests get by default: 2 (half size, the latent upsampler, a short
-    refine at full size: Lightricks' recommended recipe) when it holds ``latent_upsampler/``; 1 without one, and for
+    refine at full size: Lightricks' recommended recipe) when it has a latent upsampler (``upsampler``: whether one
+    is loaded with it, a paired one included; None: whether it holds ``latent_upsampler/``); 1 without one, and for
     the embedded defaults (toy models whose reference is the one-pass pipeline, at sizes too small to halve)."""
     root = Path(path)
-    if not (root / LATENT_UPSAMPLER).is_dir():
+    if not ((root / LATENT_UPSAMPLER).is_dir() if upsampler is None else upsampler):
         return 1
     return 1 if (root / MARKER_FILE).is_file() else 2
 
@@ -188,30 +196,131 @@ def is_distilled(path: str | os.PathLike) -> bool:
     return any("distilled" in name.lower() for name in names)
 
 
-_DEFAULT_MODELS = {DEFAULT_MODEL_NAME: ensure_default_model, DEFAULT_LTX2_NAME: ensure_default_ltx2_model}
+_DEFAULT_MODELS = {DEFAULT_MODEL_NAME: ensure_default_model, DEFAULT_LTX2_NAME: ensure_default_ltx2_model,
+                   DEFAULT_WAN_NAME: ensure_default_wan_model}
 
 
-def resolve_model(path_or_none: str | os.PathLike | None) -> Path:
-    """Return the model folder to load: the embedded default for None or "tiny-ltx-video", the embedded
-    LTX-2 default for "tiny-ltx2", else `path`."""
-    if path_or_none is None:
+def resolve_model(model: str | os.PathLike | None, *, files: FileSelection = ALL_FILES) -> Path:
+    """The local folder (or single file) that ``model`` names, in this order:
+
+    - None or "tiny-ltx-video", "tiny-ltx2", "tiny-wan": the embedded defaults, built on first use;
+    - an existing local path: a diffusers folder, or a single-file ``.safetensors`` checkpoint (checked readable);
+      it wins over a hub id of the same spelling;
+    - ``org/name`` or ``org/name@revision``: that repo's snapshot folder in the hub cache (``models.hub.fetch``: the
+      files ``files`` selects, downloaded once per node; ``HF_HUB_OFFLINE=1``: from the cache alone).
+
+    Anything else is a :class:`ModelLoadError` naming it and the fix."""
+    if model is None:
         return ensure_default_model()
-    if str(path_or_none) in _DEFAULT_MODELS:
-        return _DEFAULT_MODELS[str(path_or_none)]()
-    return _require_dir(path_or_none)
+    if str(model) in _DEFAULT_MODELS:
+        return _DEFAULT_MODELS[str(model)]()
+    path = Path(model).expanduser()
+    if not path.exists() and (ref := parse_hub_ref(str(model))) is not None:
+        return fetch(ref, files)
+    if path.is_file():
+        return check_checkpoint(path)
+    return _require_dir(path)
+
+
+def model_name(model: str | os.PathLike | None) -> str:
+    """The name a model is served under (the ``model`` clients pass) by default: an embedded default's name, a hub
+    id as written (``Lightricks/LTX-Video``, with ``@revision`` when one is given), a local folder's name, a single
+    file's stem."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if str(model) not in _DEFAULT_MODELS and not path.exists() and (ref := parse_hub_ref(str(model))) is not None:
+        return str(ref)
+    return path.stem if path.suffix == ".safetensors" else path.name
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where one model's files are on this node (:func:`resolve_files`)."""
+
+    folder: Path
+    """The diffusers folder: model_index.json, every component's config, and the weights of every component that
+    ``checkpoint`` does not hold."""
+    checkpoint: Path | None = None
+    """A single-file checkpoint in Lightricks' layout holding the transformer and the VAE(s) (``models.single_file``);
+    None: every component comes from ``folder``."""
+    upsampler: Path | None = None
+    """The folder holding the latent upsampler's config.json and weights (a paired one, else
+    ``folder/latent_upsampler``); None: the model has none."""
+
+
+# latent upsampler config `_class_name` -> the family whose latents it upsamples.
+_UPSAMPLER_FAMILIES = {"LTXLatentUpsamplerModel": "ltx-video", "LTX2LatentUpsamplerModel": "ltx2"}
+
+
+def resolve_files(model: str | os.PathLike | None, *, config: str | os.PathLike | None = None,
+                  upsampler: str | os.PathLike | None = None, weights: bool = True) -> ModelFiles:
+    """:func:`resolve_model` for ``model``, for ``config`` (the diffusers folder or hub id that a single-file
+    ``model`` takes its configs and every component the file does not hold from: ``--config``) and for ``upsampler``
+    (a latent-upsampler folder or hub id to pair with the model: ``--upsampler``), checked against each other. A
+    model that is a :class:`ModelFiles` already is returned as it is. ``weights=False`` fetches a hub repo's configs
+    alone (enough to describe the model); a local path is used as it is either way."""
+    if isinstance(model, ModelFiles):
+        return model
+    selection = FileSelection(weights=weights)
+    path = resolve_model(model, files=selection)
+    checkpoint = None
+    if path.is_file():
+        if config is None:
+            raise ModelLoadError(
+                f"{str(path)!r} is a single-file checkpoint: name the diffusers folder or hub id its configs and its "
+                "other components come from with --config (e.g. Lightricks/LTX-Video, Lightricks/LTX-2)")
+        contents = checkpoint_contents(path)
+        checkpoint, path = path, resolve_model(config, files=FileSelection(weights=weights,
+                                                                             skip_weights=contents.components))
+        family = detect_family(path)
+        if family != contents.family:
+            raise ModelLoadError(f"single-file checkpoint {str(checkpoint)!r} is an {contents.family} model, but "
+                                 f"its --config {str(config)!r} is an {family} folder; pass a config of its family")
+    elif config is not None:
+        raise ModelLoadError(f"--config {str(config)!r} is for a single-file checkpoint, but the model "
+                             f"{str(path)!r} is a folder, which holds its own configs; drop --config")
+    if upsampler is None:
+        paired = path / LATENT_UPSAMPLER if (path / LATENT_UPSAMPLER).is_dir() else None
+    else:
+        paired = _upsampler_folder(
+            resolve_model(upsampler, files=FileSelection(weights=weights, only=frozenset({LATENT_UPSAMPLER}))),
+            family=detect_family(path), spec=upsampler)
+    return ModelFiles(folder=path, checkpoint=checkpoint, upsampler=paired)
+
+
+def _upsampler_folder(root: Path, *, family: str, spec: str | os.PathLike) -> Path:
+    """The folder of ``--upsampler``'s latent upsampler (its root's config.json, or ``latent_upsampler/``), checked
+    to be an upsampler of ``family``'s latents."""
+    if root.is_file():
+        raise ModelLoadError(f"--upsampler {str(spec)!r} is a file; pass the folder or hub id that holds the "
+                             "upsampler's config.json and weights (at its root or in latent_upsampler/)")
+    folder = next((f for f in (root / LATENT_UPSAMPLER, root) if (f / "config.json").is_file()), None)
+    if folder is None:
+        raise ModelLoadError(f"--upsampler {str(spec)!r} holds no latent upsampler: no config.json at its root or "
+                             f"in {LATENT_UPSAMPLER}/ ({str(root)!r})")
+    class_name = _read_class_name(folder / "config.json")
+    if _UPSAMPLER_FAMILIES.get(class_name) != family:
+        wants = [name for name, f in _UPSAMPLER_FAMILIES.items() if f == family]
+        if not wants:
+            raise ModelLoadError(f"--upsampler {str(spec)!r}: a {family} model takes no latent upsampler; drop it")
+        raise ModelLoadError(f"--upsampler {str(spec)!r} is a {class_name}, but the model is {family}, whose latents "
+                             f"a {wants[0]} upsamples; pass an upsampler of the model's family")
+    return folder
 
 
 def _require_dir(path: str | os.PathLike) -> Path:
     root = Path(path).expanduser()
     if not root.exists():
         raise ModelLoadError(
-            f"model path {str(root)!r} does not exist; pass a diffusers-format model folder, or "
-            f"{DEFAULT_MODEL_NAME!r} / {DEFAULT_LTX2_NAME!r} for an embedded default model"
+            f"model path {str(root)!r} does not exist; pass a diffusers-format model folder, a hub id "
+            f"(org/name[@revision]), or {DEFAULT_MODEL_NAME!r} / {DEFAULT_LTX2_NAME!r} / {DEFAULT_WAN_NAME!r} for an "
+            "embedded default model"
         )
     if not root.is_dir():
         raise ModelLoadError(
             f"model path {str(root)!r} is a file, not a directory; pass the diffusers-format folder that "
-            "holds model_index.json (single-file checkpoints are not supported)"
+            "holds model_index.json, or a single-file .safetensors checkpoint with --config naming its configs"
         )
     return root.resolve()
 
@@ -227,7 +336,8 @@ def _read_class_name(config_file: Path) -> str:
 
 
 def detect_family(path: str | os.PathLike) -> str:
-    """Return "ltx-video" or "ltx2" for a diffusers-format folder, from model_index.json or the transformer."""
+    """Return "ltx-video", "ltx2" or "wan" for a diffusers-format folder, from model_index.json or the
+    transformer."""
     root = _require_dir(path)
     index_file = root / "model_index.json"
     transformer_config = root / "transformer" / "config.json"
@@ -323,20 +433,22 @@ _SCHEDULERS = {"FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscreteSchedule
                "LTXEulerAncestralRFScheduler": LTXEulerAncestralRFScheduler}
 
 
-def _pick_scheduler(root: Path) -> Any:
+def _pick_scheduler(root: Path, schedulers: dict[str, Any] = _SCHEDULERS) -> Any:
+    """The class of ``root``'s scheduler among ``schedulers`` (a family's: class name -> class, its usual one first)."""
     path = root / "scheduler" / "scheduler_config.json"
+    usual = next(iter(schedulers.values()))
     try:
-        name = json.loads(path.read_text()).get("_class_name", "FlowMatchEulerDiscreteScheduler")
+        name = json.loads(path.read_text()).get("_class_name", usual.__name__)
     except (OSError, ValueError):
-        return FlowMatchEulerDiscreteScheduler  # the load names the missing or broken file
-    if name not in _SCHEDULERS:
+        return usual  # the load names the missing or broken file
+    if name not in schedulers:
         raise ModelLoadError(f"scheduler class {name!r} in {str(root)!r} is not supported; supported: "
-                             f"{', '.join(_SCHEDULERS)}")
-    return _SCHEDULERS[name]
+                             f"{', '.join(schedulers)}")
+    return schedulers[name]
 
 
 def _load_components(
-    path: str | os.PathLike,
+    files: ModelFiles,
     components_class: Any,
     *,
     family: str,
@@ -348,17 +460,24 @@ def _load_components(
     tokenizer_files: tuple[str, ...],
     dtype: str | torch.dtype,
     device: str | torch.device,
+    loaders: dict[str, Any] | None = None,
+    schedulers: dict[str, Any] = _SCHEDULERS,
 ) -> Any:
     """Load a `family` folder into `components_class`, whose fields are named after the subfolders.
 
     `models` are the diffusers models in load order: (subfolder, class), or (subfolder, {`_class_name`: class})
-    where the subfolder's config.json picks the class. Then come the scheduler, the transformers `text_encoder`
-    and the `tokenizer`, whose folder must hold one of `tokenizer_files` (see NOTE(empty-tokenizer)).
+    where the subfolder's config.json picks the class; those `files.checkpoint` holds come from it instead. Then come
+    the scheduler, the transformers `text_encoder` and the `tokenizer`, whose folder must hold one of
+    `tokenizer_files` (see NOTE(empty-tokenizer)). `loaders`: subfolder -> a loader called as `from_pretrained`
+    is, used instead of it (``models.placement.sharded_loaders``: a shard per rank), whose module is left where it
+    put it. `schedulers`: the scheduler classes the family's adapter runs (class name -> class).
     """
+    loaders = loaders or {}
     dtype = parse_dtype(dtype)
     device = torch.device(device)
-    root = _require_dir(path)
+    root = _require_dir(files.folder)
     _require_family(root, family, what, subfolders)
+    contents = None if files.checkpoint is None else checkpoint_contents(files.checkpoint)
 
     # low_cpu_mem_usage=False: the default wants `accelerate`, and without it diffusers warns on every load.
     # NOTE(vae-dtype): on this path diffusers leaves the LTX-Video VAE decoder's 0-d `timestep_scale_multiplier`
@@ -369,26 +488,45 @@ def _load_components(
     for subfolder, model_class in models:
         if isinstance(model_class, dict):
             model_class = _pick_class(root, subfolder, model_class)
-        components[subfolder] = _load(root, subfolder, model_class.from_pretrained, **diffusers_kwargs)
-    components["scheduler"] = _load(root, "scheduler", _pick_scheduler(root).from_pretrained,
+        if contents is not None and subfolder in contents.components:
+            components[subfolder] = load_from_checkpoint(files.checkpoint, subfolder, model_class, folder=root,
+                                                         contents=contents, dtype=dtype)
+        else:
+            loader = loaders.get(subfolder, model_class.from_pretrained)
+            components[subfolder] = _load(root, subfolder, loader, **diffusers_kwargs)
+    components["scheduler"] = _load(root, "scheduler", _pick_scheduler(root, schedulers).from_pretrained,
                                     config="scheduler_config.json", weights=False)
-    components["text_encoder"] = _load(root, "text_encoder", text_encoder.from_pretrained, dtype=dtype)
+    components["text_encoder"] = _load(root, "text_encoder", loaders.get("text_encoder", text_encoder.from_pretrained),
+                                       dtype=dtype)
     _require_tokenizer_files(root, tokenizer_files)
     components["tokenizer"] = _load(root, "tokenizer", tokenizer.from_pretrained, config=None, weights=False)
     for name in (*(subfolder for subfolder, _ in models), "text_encoder"):
         # Device only: the dtype was set at load time, and a dtype cast here would bypass diffusers'
         # keep-in-fp32 module list (and warn about it).
-        components[name].to(device).eval()
+        if name not in loaders or (contents is not None and name in contents.components):
+            components[name].to(device)
+        components[name].eval()
     return components_class(**components, path=root, dtype=dtype, device=device)
 
 
+def _model_files(path: str | os.PathLike | ModelFiles) -> ModelFiles:
+    """A folder's files: every component from it, its own ``latent_upsampler/`` where it has one."""
+    if isinstance(path, ModelFiles):
+        return path
+    root = Path(path).expanduser()
+    return ModelFiles(folder=root, upsampler=root / LATENT_UPSAMPLER if (root / LATENT_UPSAMPLER).is_dir() else None)
+
+
 def load_ltx_video(
-    path: str | os.PathLike, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None
 ) -> LTXVideoComponents:
     """Load an LTX-Video diffusers folder (e.g. Lightricks/LTX-Video, or `ensure_default_model()`), with its latent
-    upsampler where it has ``latent_upsampler/``."""
+    upsampler where it has ``latent_upsampler/``; or the model of ``resolve_files`` (a single-file checkpoint with
+    its config folder, a paired upsampler)."""
+    files = _model_files(path)
     components = _load_components(
-        path,
+        files,
         LTXVideoComponents,
         family="ltx-video",
         what="LTX-Video",
@@ -399,17 +537,21 @@ def load_ltx_video(
         tokenizer_files=_TOKENIZER_FILES,
         dtype=dtype,
         device=device,
+        loaders=loaders,
     )
-    return _with_latent_upsampler(components, LTXLatentUpsamplerModel)
+    return _with_latent_upsampler(components, LTXLatentUpsamplerModel, files.upsampler)
 
 
 def load_ltx2(
-    path: str | os.PathLike, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None
 ) -> LTX2Components:
     """Load an LTX-2 diffusers folder (e.g. Lightricks/LTX-2, or `ensure_default_ltx2_model()`), with its latent
-    upsampler where it has ``latent_upsampler/``."""
+    upsampler where it has ``latent_upsampler/``; or the model of ``resolve_files`` (a single-file checkpoint with its
+    config folder, a paired upsampler)."""
+    files = _model_files(path)
     components = _load_components(
-        path,
+        files,
         LTX2Components,
         family="ltx2",
         what="LTX-2",
@@ -426,14 +568,15 @@ def load_ltx2(
         tokenizer_files=_GEMMA_TOKENIZER_FILES,
         dtype=dtype,
         device=device,
+        loaders=loaders,
     )
-    return _with_latent_upsampler(components, LTX2LatentUpsamplerModel)
+    return _with_latent_upsampler(components, LTX2LatentUpsamplerModel, files.upsampler)
 
 
-def _with_latent_upsampler(components: Any, upsampler_class: Any) -> Any:
-    """``components`` with the folder's ``latent_upsampler/`` loaded (unchanged without one)."""
-    if not (components.path / LATENT_UPSAMPLER).is_dir():
+def _with_latent_upsampler(components: Any, upsampler_class: Any, folder: Path | None) -> Any:
+    """``components`` with the latent upsampler in ``folder`` loaded (unchanged for None)."""
+    if folder is None:
         return components
-    upsampler = _load(components.path, LATENT_UPSAMPLER, upsampler_class.from_pretrained,
+    upsampler = _load(folder.parent, folder.name, upsampler_class.from_pretrained,
                       dtype=components.dtype, low_cpu_mem_usage=False)
     return replace(components, latent_upsampler=upsampler.to(components.device).eval())

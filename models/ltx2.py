@@ -32,12 +32,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import LTX2ConditionPipeline, LTX2ImageToVideoPipeline, LTX2LatentUpsamplePipeline, LTX2Pipeline
+from diffusers import (
+    LTX2ConditionPipeline,
+    LTX2ImageToVideoPipeline,
+    LTX2LatentUpsamplePipeline,
+    LTX2Pipeline,
+    LTX2VideoTransformer3DModel,
+)
+from diffusers.loaders import LTX2LoraLoaderMixin
 from diffusers.models.transformers.transformer_ltx2 import (
     LTX2Attention,
     apply_interleaved_rotary_emb,
     apply_split_rotary_emb,
 )
+from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg, retrieve_timesteps
 
 from cp_infer import ExchangeWorkspace, LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
@@ -48,6 +56,7 @@ from cp_infer.plan import Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 from cp_infer.step_cache import CacheContext, CacheStats, StepCache, cache_blocks
+from cp_infer.weights import join_call
 
 from ._adapter_common import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
 from ._step_cache import cached_call, pass_cache, pass_cache_stats
@@ -55,6 +64,7 @@ from ._text_kv import KeptPerText, keep_per_text, kept_text_attention
 from ._windows import two_stage_window_plan, window_plan, windows_of
 from .geometry import min_latent_side
 from .loading import is_distilled, recommended_stages
+from .lora import LoadedLoras, LoraSpec, apply_loras
 from .ltx2_conditions import VideoConditioning, prepare_conditions, prepare_image
 from .ltx2_options import ltx2_options
 from .ltx2_stages import REFINE_OPTIONS, REFINE_SIGMAS, pass_sigmas, refine_scheduler, two_stage_plan
@@ -63,7 +73,12 @@ from .ltx2_windows import checkpoint as window_checkpoint
 from .ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
 from .ltx_video import _scoped
 
-__all__ = ["LTX2Model", "LTX2Settings", "fit_duration", "parallelize_ltx2_transformer"]
+__all__ = ["LORA", "LTX2Model", "LTX2Settings", "fit_duration", "parallelize_ltx2_transformer"]
+
+LORA = LoraSpec(loader=LTX2LoraLoaderMixin,
+                parts={"transformer": LTX2VideoTransformer3DModel, "connectors": LTX2TextConnectors})
+"""How LTX-2 adapters load: into the transformer and the text connectors, as ``LTX2Pipeline.load_lora_weights``
+loads them (Lightricks' ``text_embedding_projection`` keys go to the connectors)."""
 
 # (query stream, key/value stream) of every attention that mixes tokens of a sharded stream.
 _SHARDED_ATTENTIONS = {
@@ -363,9 +378,12 @@ class LTX2Model:
         self.upsample_pipe = (None if upsampler is None
                               else LTX2LatentUpsamplePipeline(vae=components.vae, latent_upsampler=upsampler))
         path = getattr(components, "path", None)
-        self.options = ltx2_options(layers=self.layers, latent_upsampler=upsampler is not None,
-                                    stages=None if path is None else recommended_stages(path),
+        stages = None if path is None else recommended_stages(path, upsampler=upsampler is not None)
+        self.options = ltx2_options(layers=self.layers, latent_upsampler=upsampler is not None, stages=stages,
                                     distilled=path is not None and is_distilled(path))
+
+    placement = None
+    """Where the components are (``models.placement.Placement``, set by ``models.registry.open_model``)."""
 
     decode_frames_per_rank: int | str | None = DEFAULT_FRAMES_PER_RANK
     """Latent frames each rank decodes per streamed round; ``"auto"``: by frame size
@@ -375,6 +393,14 @@ class LTX2Model:
     @property
     def transformer(self):
         return self.components.transformer
+
+    lora_spec = LORA
+    loras: LoadedLoras | None = None
+    """The adapters requests may apply (``models.registry.open_model`` with a ``lora_dir``); ``None``: none."""
+
+    def lora_parts(self) -> dict[str, torch.nn.Module]:
+        """The modules adapters load into, by their keys' prefix (``LORA.parts``)."""
+        return {"transformer": self.transformer, "connectors": self.components.connectors}
 
     @property
     def layers(self) -> int:
@@ -412,7 +438,9 @@ class LTX2Model:
         """LTX2Pipeline's preparation; with ``request.image`` LTX2ImageToVideoPipeline's, with
         ``request.conditions`` LTX2ConditionPipeline's (the media encoded on every rank alike: an image or a short
         clip is one small encode, not worth a time-parallel split). ``kind="refine"``: stage 2 of two, from the
-        gathered latents of stage 1 (``models.ltx2_stages``)."""
+        gathered latents of stage 1 (``models.ltx2_stages``). The pass's adapters are made active first
+        (``models.lora``): the connectors' part of them shapes the prompt's embeddings."""
+        apply_loras(self.loras, request.loras, kind=kind)
         if kind in ("window", "stage1_window", "refine_window"):
             return prepare_window(self, request, previous_state, kind=kind)
         if kind == "refine":
@@ -652,6 +680,10 @@ class LTX2Model:
         def cached(context: str) -> contextlib.AbstractContextManager[None]:
             return cached_call(x.cache, blocks, context, plans["video"], rank)
 
+        def calls(passes: range) -> int:  # a share's transformer calls: CFG's pair in one, STG and modality one each
+            kinds_of = {kinds[k] for k in passes}
+            return int(bool(kinds_of & {"uncond", "cond"})) + ("stg" in kinds_of) + ("modality" in kinds_of)
+
         if prompt:
             first = 0 if prompt[0] == "uncond" else cond_row
             with cached("cond_uncond"):
@@ -664,6 +696,10 @@ class LTX2Model:
             with cached(_CONTEXTS["modality"]):
                 outputs.append(self._forward(latents_local, t, x, plans, rows=slice(cond_row, cond_row + 1),
                                              isolate=True))
+        # NOTE(lockstep): with sharded weights every rank of the replica group runs each call's all-gathers; a
+        # guidance rank that makes fewer transformer calls this step than another joins the missing ones.
+        for _ in range(max(map(calls, pass_shares(len(kinds), self.state.guidance_size))) - len(outputs)):
+            join_call(self.transformer)
         if x.cache is not None:
             x.cache.end_step()
         # N_LOCAL, S_LOCAL, C per stream (this rank's passes in order); none: an empty share that joins the exchange

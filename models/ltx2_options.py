@@ -86,7 +86,7 @@ def _check_sigmas(values) -> None:
     if len(sigmas) != steps:
         raise ValueError(f"sigmas has {len(sigmas)} values and num_inference_steps={steps}: a schedule has one sigma "
                          f"a step, so give num_inference_steps={len(sigmas)}, or {steps} sigmas")
-    if any(b >= a for a, b in zip(sigmas, sigmas[1:])):
+    if any(b >= a for a, b in zip(sigmas, sigmas[1:], strict=False)):
         raise ValueError(f"sigmas={list(sigmas)} must fall strictly, e.g. {list(DISTILLED_SIGMAS)}")
     if sigmas[-1] <= 0:
         raise ValueError(f"sigmas={list(sigmas)} must stay above 0 (the scheduler appends the final 0 itself)")

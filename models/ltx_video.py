@@ -29,7 +29,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import LTXConditionPipeline, LTXImageToVideoPipeline, LTXLatentUpsamplePipeline, LTXPipeline
+from diffusers import (
+    LTXConditionPipeline,
+    LTXImageToVideoPipeline,
+    LTXLatentUpsamplePipeline,
+    LTXPipeline,
+    LTXVideoTransformer3DModel,
+)
+from diffusers.loaders import LTXVideoLoraLoaderMixin
 from diffusers.models.transformers.transformer_ltx import LTXAttention, apply_rotary_emb
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.ltx.pipeline_ltx_condition import linear_quadratic_schedule
@@ -41,6 +48,7 @@ from cp_infer.plan import Plan
 from cp_infer.request import Condition, GenerationRequest, resolve_frame_index
 from cp_infer.sampler import Decoder, Prepared
 from cp_infer.step_cache import CacheContext, CacheStats, StepCache, cache_blocks
+from cp_infer.weights import join_call
 
 from ._adapter_common import (
     DecodeNoise,
@@ -53,6 +61,7 @@ from ._step_cache import cached_call, pass_cache, pass_cache_stats
 from ._text_kv import KeptPerText, keep_per_text, kept_text_attention
 from ._windows import two_stage_window_plan, window_plan, windows_of
 from .loading import recommended_stages
+from .lora import LoadedLoras, LoraSpec, apply_loras
 from .ltx_vae_parallel import DecodeContext, decode_reads, parallelize_ltx_decoder
 from .ltx_video_options import ltx_video_options
 from .ltx_video_stages import DENOISE_STRENGTH, refine_pass_steps, stage_conditions, two_stage_plan
@@ -66,7 +75,10 @@ from .ltx_video_windows import (
 )
 from .ltx_video_windows import checkpoint as window_checkpoint
 
-__all__ = ["LTXVideoModel", "parallelize_ltx_transformer"]
+__all__ = ["LORA", "LTXVideoModel", "parallelize_ltx_transformer"]
+
+LORA = LoraSpec(loader=LTXVideoLoraLoaderMixin, parts={"transformer": LTXVideoTransformer3DModel})
+"""How LTX-Video adapters load: into the transformer, as ``LTXPipeline.load_lora_weights`` loads them."""
 
 
 @dataclass
@@ -274,12 +286,23 @@ class LTXVideoModel:
         self.upsample_pipe = (None if upsampler is None
                               else LTXLatentUpsamplePipeline(vae=components.vae, latent_upsampler=upsampler))
         path = getattr(components, "path", None)
-        self.options = ltx_video_options(latent_upsampler=upsampler is not None,
-                                         stages=None if path is None else recommended_stages(path))
+        stages = None if path is None else recommended_stages(path, upsampler=upsampler is not None)
+        self.options = ltx_video_options(latent_upsampler=upsampler is not None, stages=stages)
 
     @property
     def transformer(self):
         return self.components.transformer
+
+    lora_spec = LORA
+    loras: LoadedLoras | None = None
+    """The adapters requests may apply (``models.registry.open_model`` with a ``lora_dir``); ``None``: none."""
+
+    def lora_parts(self) -> dict[str, torch.nn.Module]:
+        """The modules adapters load into, by their keys' prefix (``LORA.parts``)."""
+        return {"transformer": self.transformer}
+
+    placement = None
+    """Where the components are (``models.placement.Placement``, set by ``models.registry.open_model``)."""
 
     decode_frames_per_rank: int | str | None = DEFAULT_FRAMES_PER_RANK
     """Latent frames each rank decodes per streamed round; ``"auto"``: by frame size
@@ -310,7 +333,9 @@ class LTXVideoModel:
         """LTXPipeline's preparation; with ``request.image`` LTXImageToVideoPipeline's, with ``request.conditions``
         LTXConditionPipeline's (the media encoded on every rank alike: an image or a short clip is one small encode,
         not worth a time-parallel split). ``kind="stage1"`` and ``"refine"``: the stages of two, both
-        LTXConditionPipeline's, stage 2 from the gathered latents of stage 1 (``models.ltx_video_stages``)."""
+        LTXConditionPipeline's, stage 2 from the gathered latents of stage 1 (``models.ltx_video_stages``). The pass's
+        adapters are made active first (``models.lora``), so its prompt's kept projections are theirs too."""
+        apply_loras(self.loras, request.loras, kind=kind)
         if kind in ("window", "stage1_window", "refine_window"):
             return prepare_window(self, request, previous_state, kind=kind)
         pipe, device = self.pipe, self.device
@@ -460,6 +485,7 @@ class LTXVideoModel:
                     encoder_attention_mask=x.mask[rows], return_dict=False, **kwargs,
                 )[0]
         else:  # more guidance ranks than passes: this one runs none, but joins the exchange
+            join_call(self.transformer)  # and, with sharded weights, its peers' all-gathers (cp_infer.weights)
             noise_pred = latents_local.new_empty((0, *latents_local.shape[1:]), dtype=x.embeds.dtype)
         if x.cache is not None:
             x.cache.end_step()

@@ -38,6 +38,7 @@ from cp_infer.collectives import gather_passes
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Prepared
 from cp_infer.step_cache import StepCache
+from cp_infer.weights import join_call
 
 from ._step_cache import cached_call
 from ._windows import Windows, windows_of
@@ -253,7 +254,7 @@ def predict_window(model, latents_local: dict[str, torch.Tensor], t: torch.Tenso
     cond = plan.shard(x.cond, rank).to(latents.device)  # 1, S, 1 -> 1, S_LOCAL, 1
     share = pass_shares(batch, model.state.guidance_size)[model.state.guidance_rank]
     rows, n = slice(share.start, share.stop), len(share)
-    model_in = torch.cat([latents] * n)
+    model_in = torch.cat([latents] * n) if n else None  # none: a guidance rank with no pass (no CFG on two)
     # The pre-step blend comes after the model input is taken (the pipeline's order): it changes what is stepped.
     latents.copy_(latents * cond + plan.shard(x.clean, rank).to(latents.device) * (1.0 - cond))
     if n:
@@ -267,6 +268,7 @@ def predict_window(model, latents_local: dict[str, torch.Tensor], t: torch.Tenso
                 rope_interpolation_scale=(model.geometry.temporal_compression, s_ratio, s_ratio),
                 video_coords=x.coords, return_dict=False)[0]
     else:  # more guidance ranks than passes: this one runs none, but joins the exchange
+        join_call(model.transformer)  # and, with sharded weights, its peers' all-gathers (cp_infer.weights)
         noise_pred = latents.new_empty((0, *latents.shape[1:]), dtype=x.embeds.dtype)
     if x.cache is not None:
         x.cache.end_step()

@@ -2,16 +2,19 @@
 
 - :func:`describe_model` reads configs only (no weights; the VAE is built on the meta device to ask diffusers
   its compression), so a front end can check requests before any rank loads anything.
-- :func:`open_model` loads the folder's components and wraps them in the family's adapter; with ``compile_blocks``
+- :func:`open_model` loads the folder's components where ``weights`` and ``offload`` put them (``models.placement``:
+  the transformer and text encoder sharded over the replica group, read a shard per rank, or replicated) and wraps
+  them in the family's adapter; with ``compile_blocks``
   it then compiles each transformer block (:func:`compile_transformer_blocks`), after the adapter has installed its
   attention processors, so what is compiled is the parallel block.
-The family comes from the folder itself (``detect_family``): the embedded defaults and any local diffusers
-folder go through the same path.
+The family comes from the folder itself (``detect_family``): the embedded defaults, any local diffusers folder, a
+hub snapshot and a single file's config folder go through the same path (``models.loading.resolve_files``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +25,18 @@ from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationRequest
 
 from ._folder_problems import component_problem, error_line
-from .embedded import LATENT_UPSAMPLER
 from .geometry import min_latent_side
-from .loading import ModelLoadError, detect_family, is_distilled, parse_dtype, recommended_stages, resolve_model
+from .loading import (
+    ModelFiles,
+    ModelLoadError,
+    detect_family,
+    is_distilled,
+    parse_dtype,
+    recommended_stages,
+    resolve_files,
+)
 
-__all__ = ["ModelInfo", "compile_transformer_blocks", "describe_model", "model_options",
+__all__ = ["ModelInfo", "compile_transformer_blocks", "describe_model", "lora_catalog", "lora_spec", "model_options",
            "open_model"]
 
 
@@ -36,7 +46,7 @@ class ModelInfo:
 
     path: Path
     family: str
-    """``ltx-video`` or ``ltx2``."""
+    """``ltx-video``, ``ltx2`` or ``wan``."""
     geometry: VideoGeometry
     layers: int
     """Transformer blocks."""
@@ -52,6 +62,8 @@ class ModelInfo:
         request; the plan is the adapter's own, so a second stage's own guidance counts)."""
         if self.family == "ltx-video":
             from .ltx_video import plan_request, step_passes
+        elif self.family == "wan":
+            from .wan import plan_request, step_passes
         else:
             from .ltx2 import plan_request, step_passes
         return {step_passes(p.request) for p in plan_request(request).passes}
@@ -61,7 +73,12 @@ def model_options(family: str, *, layers: int, latent_upsampler: bool = True,
                   stages: int | None = None, distilled: bool = False) -> ModelOptions:
     """The request options of a ``family`` model with ``layers`` transformer blocks, with or without a
     ``latent_upsampler`` (two-stage generation), whose requests get ``stages`` by default (unset: what a folder with
-    or without an upsampler is recommended); ``distilled`` (LTX-2): a distilled checkpoint's defaults."""
+    or without an upsampler is recommended); ``distilled`` (LTX-2): a distilled checkpoint's defaults. A Wan model's
+    options depend on its pipeline (``models.wan_options.WanLayout``): these are Wan 2.1 text-to-video's."""
+    if family == "wan":
+        from .wan_options import wan_options
+
+        return wan_options()
     if family == "ltx-video":
         from .ltx_video_options import ltx_video_options
 
@@ -81,10 +98,20 @@ def _classes(family: str):
     return LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video
 
 
-def describe_model(model: str | os.PathLike | None) -> ModelInfo:
-    """Family and video geometry of ``model`` (a folder, or an embedded default's name, or None)."""
-    path = resolve_model(model)
+def describe_model(model: str | os.PathLike | ModelFiles | None, *, config: str | os.PathLike | None = None,
+                   upsampler: str | os.PathLike | None = None) -> ModelInfo:
+    """Family and video geometry of ``model`` (a folder, a hub id, an embedded default's name or None, or a single
+    file with its ``config``; with a paired ``upsampler``: ``models.loading.resolve_files``). A hub repo's configs
+    alone are fetched for it."""
+    files = resolve_files(model, config=config, upsampler=upsampler, weights=False)
+    path = files.folder
     family = detect_family(path)
+    if family == "wan":
+        from .wan_loading import describe_wan
+        from .wan_options import wan_options
+
+        geometry, layers, layout = describe_wan(path)
+        return ModelInfo(path=path, family=family, geometry=geometry, layers=layers, options=wan_options(layout))
     transformer_cls, vae_cls = _classes(family)
     try:
         transformer = transformer_cls.load_config(path, subfolder="transformer", local_files_only=True)
@@ -104,8 +131,8 @@ def describe_model(model: str | os.PathLike | None) -> ModelInfo:
         min_latent_side=min_latent_side(vae_config),
     )
     layers = int(transformer.get("num_layers", 0))
-    stages = recommended_stages(path)
-    upsampler = (path / LATENT_UPSAMPLER).is_dir()
+    upsampler = files.upsampler is not None
+    stages = recommended_stages(path, upsampler=upsampler)
     return ModelInfo(path=path, family=family, geometry=geometry, layers=layers,
                      options=model_options(family, layers=layers, latent_upsampler=upsampler, stages=stages,
                                            distilled=is_distilled(path)))
@@ -130,27 +157,96 @@ def compile_transformer_blocks(transformer: torch.nn.Module) -> None:
     block of spatio-temporal guidance. Shapes times kinds pass dynamo's default of 8 graphs per function, past which
     it silently runs the block eagerly, so the limit is raised (process-wide) to 64.
     """
+    from cp_infer.weights import sharded_weights
+
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+    if sharded_weights(transformer) is not None:
+        # NOTE(compile-fsdp): fully_shard renames a block's class (FSDP<name>), by which compile_repeated_blocks finds
+        # the blocks: the same blocks compiled one by one, FSDP2's hooks left outside the graph (dynamo skips them).
+        for block in transformer.transformer_blocks:
+            block.compile(dynamic=False)
+        return
     transformer.compile_repeated_blocks(dynamic=False)
 
 
-def open_model(model: str | os.PathLike | None, *, dtype: str | torch.dtype, state: ParallelState,
-               compile_blocks: bool = False):
-    """Load ``model`` on ``state.device`` and return its parallel adapter (``LTXVideoModel`` or ``LTX2Model``);
-    ``compile_blocks``: :func:`compile_transformer_blocks` on its transformer."""
-    path = resolve_model(model)
-    family = detect_family(path)
-    dtype = parse_dtype(dtype)
+def lora_spec(family: str):
+    """How a ``family`` model's adapters load (``models.lora.LoraSpec``, declared beside its adapter)."""
     if family == "ltx-video":
+        from .ltx_video import LORA
+    elif family == "wan":
+        from .wan import LORA
+    else:
+        from .ltx2 import LORA
+    return LORA
+
+
+def lora_catalog(info: ModelInfo, lora_dir: str | os.PathLike | None):
+    """What a front end checks requests' ``loras`` against (``models.lora.LoraCatalog``): the adapters of
+    ``lora_dir`` (``None``: none) and the modules of ``info``'s model, built on the meta device from its configs on
+    first use."""
+    from .lora import LoraCatalog, LoraDirectory, targets_from_configs
+
+    spec = lora_spec(info.family)
+    directory = None if lora_dir is None else LoraDirectory(lora_dir)
+    return LoraCatalog(directory, spec=spec, targets=lambda: targets_from_configs(info.path, spec))
+
+
+def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | torch.dtype, state: ParallelState,
+               config: str | os.PathLike | None = None, upsampler: str | os.PathLike | None = None,
+               compile_blocks: bool = False, lora_dir: str | os.PathLike | None = None,
+               max_lora_bytes: int | None = None, weights: str = "auto", offload: Sequence[str] = (),
+               stage_2_loras: Sequence = ()):
+    """Load ``model`` (with ``config`` and ``upsampler`` as :func:`describe_model` takes them) on ``state.device`` and
+    return its parallel adapter (``LTXVideoModel``, ``LTX2Model`` or ``WanModel``); ``compile_blocks``:
+    :func:`compile_transformer_blocks` on its transformer; ``lora_dir``: the adapters requests may apply
+    (``models.lora.LoadedLoras``, keeping at most ``max_lora_bytes`` of them loaded; unset: the default), and
+    ``stage_2_loras`` those stage 2 of two-stage generation adds (``models.lora.pass_loras``);
+    ``weights`` and ``offload``: where the components go (``models.placement``; the adapter's ``placement``)."""
+    from .placement import apply_offload, resolve_placement, sharded_loaders
+
+    files = resolve_files(model, config=config, upsampler=upsampler)
+    family = detect_family(files.folder)
+    dtype = parse_dtype(dtype)
+    if family == "wan":
+        # NOTE(wan-weights): the sharded loaders and the memory plan (models.placement, models.sharded) know the LTX
+        # families' components only; a Wan model loads replicated.
+        if weights == "sharded":
+            raise ModelLoadError("--weights sharded is not supported for Wan models yet; use --weights replicated")
+        weights = "replicated"
+    if lora_dir is not None and weights != "replicated":
+        # NOTE(lora-sharded): peft's adapter layers are not loaded into FSDP2-sharded blocks (the load fails inside
+        # the sampler's inference mode); with adapters the weights are replicated.
+        if weights == "sharded":
+            raise ModelLoadError("--weights sharded cannot be combined with --lora-dir yet: the adapters load into "
+                                 "replicated weights only; use --weights replicated (or auto)")
+        weights = "replicated"
+    placement = resolve_placement(files.folder, dtype=dtype, state=state, weights=weights, offload=offload)
+    loaders = sharded_loaders(family, placement)
+    if family == "wan":
+        from .wan import WanModel
+        from .wan_loading import load_wan
+
+        adapter = WanModel(load_wan(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
+    elif family == "ltx-video":
         from .loading import load_ltx_video
         from .ltx_video import LTXVideoModel
 
-        adapter = LTXVideoModel(load_ltx_video(path, dtype=dtype, device=state.device), state=state)
+        adapter = LTXVideoModel(load_ltx_video(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
     else:
         from .loading import load_ltx2
         from .ltx2 import LTX2Model
 
-        adapter = LTX2Model(load_ltx2(path, dtype=dtype, device=state.device), state=state)
+        adapter = LTX2Model(load_ltx2(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
+    apply_offload(adapter.components, placement)
+    adapter.placement = placement
+    if lora_dir is not None:
+        from .lora import DEFAULT_MAX_LORA_BYTES, LoadedLoras, LoraDirectory
+
+        adapter.loras = LoadedLoras(LoraDirectory(lora_dir), spec=adapter.lora_spec, parts=adapter.lora_parts(),
+                                    max_bytes=DEFAULT_MAX_LORA_BYTES if max_lora_bytes is None else max_lora_bytes,
+                                    stage_2=stage_2_loras)
     if compile_blocks:
-        compile_transformer_blocks(adapter.transformer)
+        # Wan 2.2 A14B runs two experts (``WanModel.experts``); every other model one transformer.
+        for transformer in getattr(adapter, "experts", (adapter.transformer,)):
+            compile_transformer_blocks(transformer)
     return adapter

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cp_infer.options import ModelOptions
-from cp_infer.request import GenerationRequest, check_request, resolve_request
+from cp_infer.request import GenerationRequest, LoraWeight, check_request, loras_from, resolve_request
 from server.cli.common import (
     Leader,
     MediaRef,
@@ -40,17 +40,22 @@ from server.cli.common import (
     add_runtime_arguments,
     attach_media,
     check_device,
+    check_request_loras,
+    check_stage_2_loras,
+    fetch_model,
     guidance_first,
+    lora_catalog,
     media_error,
     model_info,
     option_keys,
     parse_condition,
+    parse_lora,
     quiet_libraries,
     result_writer,
     run_group,
     runtime_config_from_args,
 )
-from server.cli.launch import group_size, in_torchrun, relaunch_under_torchrun
+from server.cli.launch import group_size, in_torchrun, relaunch_under_torchrun, under_launcher
 from server.outputs.piece_video import FileVideo
 
 __all__ = ["add_batch_parser", "run_batch"]
@@ -60,6 +65,7 @@ log = logging.getLogger("cp_infer.cli")
 # Conditioning media keys, and the keys of one ``conditions`` object. The other keys are prompt, seed and the
 # model's options (``cli_common.option_keys``).
 _MEDIA_KEYS = ("image", "video", "conditions")
+_LORAS = "loras"
 _CONDITION_KEYS = ("media", "frame_index", "strength")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -73,8 +79,9 @@ def add_batch_parser(commands, options: ModelOptions) -> argparse.ArgumentParser
                     "the line number), 'seed', and any option of the model by name, alias or flag name "
                     f"({keys}). Media, paths relative to the prompts file's folder: 'image' (image-to-video), "
                     "'video' (a clip at frame 0), or 'conditions': a list of {\"media\": PATH, \"frame_index\": 0, "
-                    "\"strength\": 1.0} or \"PATH@FRAME[:STRENGTH]\" items. The model is loaded once; outputs that "
-                    "already exist are skipped, so a rerun resumes.")
+                    "\"strength\": 1.0} or \"PATH@FRAME[:STRENGTH]\" items. Adapters of --lora-dir: 'loras', a list "
+                    "of {\"name\": NAME, \"scale\": 1.0} or \"NAME[:SCALE]\" items. The model is loaded once; outputs "
+                    "that already exist are skipped, so a rerun resumes.")
     batch.add_argument("prompts", type=Path, metavar="PROMPTS.jsonl", help="one JSON object per line")
     batch.add_argument("--out-dir", type=Path, required=True, metavar="DIR", help="where outputs go (created)")
     batch.add_argument("--ext", choices=("mp4", "frames"), default="mp4",
@@ -195,11 +202,13 @@ def _parse_line(text: str, line: int, defaults: dict[str, Any], base: Path,
     name = obj.get("name", f"{line:05d}")
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise _LineError(f"name={name!r} must be 1-128 of A-Z a-z 0-9 . _ - (not starting with . _ -)")
-    keys = {"prompt": "prompt", "seed": "seed", **option_keys(options)}
+    keys = {"prompt": "prompt", "seed": "seed", _LORAS: _LORAS, **option_keys(options)}
     unknown = sorted(set(obj) - set(keys) - {"name", *_MEDIA_KEYS})
     if unknown:
         raise _LineError(f"unknown key(s) {', '.join(map(repr, unknown))}: not options of {options.model} models; "
                          f"known: name, {', '.join(keys)}, {', '.join(_MEDIA_KEYS)}", name)
+    if _LORAS in obj:
+        obj = {**obj, _LORAS: _parse_loras(obj[_LORAS], name)}
     if "prompt" not in obj:
         raise _LineError("missing 'prompt'", name)
     values = dict(defaults)
@@ -216,6 +225,26 @@ def _parse_line(text: str, line: int, defaults: dict[str, Any], base: Path,
     return name, GenerationRequest.of(**values), media
 
 
+def _parse_loras(value: object, name: str) -> tuple[LoraWeight, ...]:
+    """A line's ``loras``: ``[{"name": "style", "scale": 0.8}, "other:0.5", ...]``."""
+    if not isinstance(value, list):
+        raise _LineError(f"loras must be a list of {{\"name\": NAME, \"scale\": S}} or \"NAME[:SCALE]\" items, got "
+                         f"{type(value).__name__}", name)
+    items = []
+    for j, item in enumerate(value):
+        if isinstance(item, str):
+            try:
+                items.append(parse_lora(item))
+            except ValueError as exc:
+                raise _LineError(f"loras[{j}]: {exc}", name) from None
+        else:
+            items.append(item)
+    try:
+        return loras_from(items)
+    except ValueError as exc:
+        raise _LineError(str(exc), name) from None
+
+
 def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
     """Every non-blank line of the prompts file, checked against the model ``info`` (``models.registry.ModelInfo``):
     ``todo``, ``skipped`` (output exists) or ``invalid``."""
@@ -223,8 +252,9 @@ def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
         text = args.prompts.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read the prompts file {str(args.prompts)!r}: {exc}") from exc
-    flags = ("seed", *info.options.names)
+    flags = ("seed", "loras", *info.options.names)
     defaults = {f: getattr(args, f) for f in flags if getattr(args, f, None) is not None}
+    adapters = lora_catalog(args, info)  # --lora-dir
     items: list[_Item] = []
     names: dict[str, int] = {}
     base = args.prompts.parent
@@ -233,6 +263,7 @@ def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
         try:
             request = resolve_request(request, info.options, limits=limits)
             check_request(request, geometry=info.geometry, limits=limits, options=info.options)
+            check_request_loras(adapters, request, tuple(getattr(args, "stage_2_loras", None) or ()))
             return request
         except (ValueError, TypeError) as exc:
             if media is None or isinstance(exc, TypeError):
@@ -392,11 +423,14 @@ def run_batch(args: argparse.Namespace, argv: list[str]) -> int:
     quiet_libraries()
     check_device(config)
     info = model_info(config)
+    check_stage_2_loras(config, info)
     items = _plan_batch(args, info, config.limits) if int(os.environ.get("RANK", "0")) == 0 else []
     # Outside torchrun nothing is started when nothing is left to do. Under torchrun every rank must join
     # the group whatever the leader found (the workers cannot know), so the leader then just sends stop.
     if not in_torchrun() and not any(i.status == "todo" for i in items):
         return _summary(items)
+    if not under_launcher():  # the launcher's own process fetched it for its ranks
+        fetch_model(config)
     if nproc > 1 and not in_torchrun():
         # The layout for the lines to run, chosen here and handed to the ranks, which do not read the lines
         # (under a torchrun started by hand the workers cannot see them, so the default stays Ulysses over all).

@@ -52,7 +52,11 @@ from server.cli.common import (
     add_runtime_arguments,
     attach_media,
     check_device,
+    check_request_loras,
+    check_stage_2_loras,
+    fetch_model,
     guidance_first,
+    lora_catalog,
     media_error,
     model_info,
     options_for,
@@ -63,6 +67,7 @@ from server.cli.common import (
     runtime_config_from_args,
 )
 from server.cli.launch import group_size, in_torchrun, relaunch_under_torchrun, under_launcher
+from server.cli.memory import add_memory_parser, run_memory
 from server.group import phases, process
 from server.outputs.piece_video import FileVideo, PieceVideo, StdoutVideo
 
@@ -77,7 +82,7 @@ def build_parser(argv: list[str] | None = None, options: ModelOptions | None = N
         options = options_for(argv[1:] if wants_options else ())
     parser = argparse.ArgumentParser(prog=PROG, description="Long-video text-to-video inference with Ulysses "
                                      "sequence parallelism over a torchrun group.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,batch,serve}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,batch,serve,memory}")
 
     generate = commands.add_parser("generate", help="generate one video",
                                    description="Generate one video and write it as an MP4 or a frames folder "
@@ -91,6 +96,7 @@ def build_parser(argv: list[str] | None = None, options: ModelOptions | None = N
                                "final latents (latents.npy), or '-': a fragmented MP4 on stdout, written while the "
                                "video is decoded")
     add_batch_parser(commands, options)
+    add_memory_parser(commands)
 
     # NOTE(serve): server.cli.serve (FastAPI, uvicorn) is imported only when asked for, so generate and batch
     # neither pay for it nor depend on it.
@@ -183,11 +189,14 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     quiet_libraries()
     check_device(config)
     info = model_info(config)
+    adapters = lora_catalog(config, info)
+    check_stage_2_loras(config, info)
 
     def check(request: GenerationRequest) -> GenerationRequest:
         try:
             request = resolve_request(request, info.options, limits=config.limits)
             check_request(request, geometry=info.geometry, limits=config.limits, options=info.options)
+            check_request_loras(adapters, request, config.stage_2_loras)
         except ValueError as exc:
             raise media_error(exc, image=image, conditions=conditions, conditions_label="--video/--condition",
                               options=info.options, argv=argv) from exc
@@ -200,6 +209,8 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         check(request)
     # Every rank runs these checks on the same request, so each picks the same layout.
     config = guidance_first(config, args, info, [request])
+    if not under_launcher():  # the launcher's own process fetched it for its ranks
+        fetch_model(config)
     phases.mark("checks")
     if nproc > 1 and not in_torchrun():
         code = relaunch_under_torchrun(nproc, argv, stdout=video_out, device=config.device)
@@ -329,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         args.cli_argv = argv  # for serve.run to pass to relaunch_under_torchrun
         run = lambda args, _argv: serve.run(args)  # noqa: E731
     else:
-        run = {"generate": _cmd_generate, "batch": run_batch}[args.command]
+        run = {"generate": _cmd_generate, "batch": run_batch, "memory": run_memory}[args.command]
     where = "" if rank == 0 else f" [rank {rank}]"
     try:
         code = run(args, argv)

@@ -32,7 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK
 from cp_infer.options import ModelOptions, Option
-from cp_infer.request import Condition, GenerationRequest
+from cp_infer.placement import OFFLOAD_COMPONENTS, WEIGHTS_MODES, parse_offload
+from cp_infer.request import LORA_SCALE, MAX_LORAS, Condition, GenerationRequest, LoraWeight
+from models.lora import DEFAULT_MAX_LORA_BYTES
 from server.cli.launch import leader_exit_code
 from server.group import phases
 from server.outputs.piece_video import WriteError
@@ -50,17 +52,23 @@ __all__ = [
     "UsageError",
     "WriteError",
     "add_media_arguments",
+    "add_placement_arguments",
     "add_request_arguments",
     "add_runtime_arguments",
     "attach_media",
     "check_device",
     "check_layout",
+    "fetch_model",
     "field_error",
+    "check_request_loras",
+    "check_stage_2_loras",
+    "lora_catalog",
     "media_error",
     "model_info",
     "option_keys",
     "options_for",
     "parse_condition",
+    "parse_lora",
     "quiet_libraries",
     "request_from_args",
     "result_writer",
@@ -82,9 +90,19 @@ class UsageError(ValueError):
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every rank needs to load the same model the same way (shared with ``serve``)."""
     group = parser.add_argument_group("model and parallelism")
-    group.add_argument("--model", default=None, help="a diffusers-format LTX-Video or LTX-2 folder, or an embedded "
-                                                    "default: tiny-ltx-video (the default) or tiny-ltx2 (audio + "
-                                                    "video)")
+    group.add_argument("--model", default=None, help="a diffusers-format LTX-Video, LTX-2 or Wan folder, a Hugging "
+                                                    "Face hub id ORG/NAME[@REVISION] (fetched into the hub cache: "
+                                                    "HF_HOME, HF_HUB_OFFLINE, HF_TOKEN), a single-file .safetensors "
+                                                    "checkpoint (with --config), or an embedded default: "
+                                                    "tiny-ltx-video (the default), tiny-ltx2 (audio + video) or "
+                                                    "tiny-wan (Wan 2.1)")
+    group.add_argument("--config", dest="model_config", default=None, metavar="ORG/NAME|DIR",
+                       help="for a single-file --model: the diffusers folder or hub id its configs, scheduler, text "
+                            "encoder, tokenizer (and LTX-2's connectors and vocoder) come from")
+    group.add_argument("--upsampler", default=None, metavar="ORG/NAME|DIR",
+                       help="a latent upsampler to pair with the model for two-stage generation (its config.json "
+                            "and weights at the root or in latent_upsampler/, e.g. "
+                            "Lightricks/ltxv-spatial-upscaler-0.9.7; default: the model folder's latent_upsampler/)")
     group.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     group.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when available")
     group.add_argument("--decode-frames-per-rank", type=_frames_per_rank, default=DEFAULT_FRAMES_PER_RANK, metavar="K",
@@ -108,6 +126,37 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                        help="torch.compile each transformer block (regional compilation; the Ulysses all-to-alls "
                             "compile inside the blocks): the first request of a shape pays the compile, later "
                             "steps run faster (default off)")
+    add_placement_arguments(group)
+    group.add_argument("--lora-dir", default=None, metavar="DIR",
+                       help="a folder of LoRA adapters, each NAME.safetensors (diffusers', Lightricks' or ComfyUI's "
+                            "keys), that requests may apply by NAME (--lora, or a request's loras; default: none)")
+    group.add_argument("--max-lora-bytes", type=_byte_count, default=DEFAULT_MAX_LORA_BYTES, metavar="BYTES",
+                       help="adapter tensors each rank keeps loaded between jobs, least recently used dropped first "
+                            f"(a number, or with K, M, G; default {DEFAULT_MAX_LORA_BYTES // 2**30}G)")
+    group.add_argument("--stage-2-lora", dest="stage_2_loras", action="append", default=None, type=_lora_arg,
+                       metavar="NAME[:SCALE]", help="an adapter of --lora-dir that stage 2 of two-stage generation "
+                       "(stages=2) applies after a request's own, with SCALE (default 1): Lightricks' distilled LoRA "
+                       "in the dev two-stage recipe; repeatable")
+
+
+def add_placement_arguments(group) -> None:
+    """``--weights`` and ``--offload``: where the components' weights go (``models.placement``; also
+    ``cp-infer memory``'s)."""
+    group.add_argument("--weights", default="auto", choices=WEIGHTS_MODES,
+                       help="sharded: the transformer and the text encoder 1/N on each of a replica group's N ranks "
+                            "(FSDP2 per block, each rank reading only its shard; gathered a block at a time, the next "
+                            "one prefetched), replicated: whole on every rank; auto (default): sharded where the "
+                            "replicated weights would not fit the GPU's free memory, replicated on the CPU")
+    group.add_argument("--offload", type=_offload_arg, default=(), metavar="COMPONENT[,COMPONENT...]",
+                       help=f"components kept on the CPU between uses ({', '.join(OFFLOAD_COMPONENTS)}; pinned "
+                            "memory on CUDA), transformer blocks streamed in one ahead (default: none)")
+
+
+def _offload_arg(text: str) -> tuple[str, ...]:
+    try:
+        return parse_offload(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def check_layout(args: argparse.Namespace, *, replicas: bool = False) -> None:
@@ -146,9 +195,12 @@ def runtime_config_from_args(args: argparse.Namespace, *, replicas: bool = False
     from server.group.runtime import RuntimeConfig
 
     check_layout(args, replicas=replicas)
-    return RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device,
+    return RuntimeConfig(model=args.model, model_config=args.model_config, upsampler=args.upsampler,
+                         dtype=args.dtype, device=args.device,
                          decode_frames_per_rank=args.decode_frames_per_rank, guidance_degree=args.guidance_degree,
-                         ulysses_degree=args.ulysses_degree, compile_blocks=args.compile_blocks)
+                         ulysses_degree=args.ulysses_degree, compile_blocks=args.compile_blocks,
+                         lora_dir=args.lora_dir, max_lora_bytes=args.max_lora_bytes,
+                         stage_2_loras=tuple(args.stage_2_loras or ()), weights=args.weights, offload=args.offload)
 
 
 def _frames_per_rank(text: str) -> int | str | None:
@@ -215,6 +267,10 @@ def add_request_arguments(parser: argparse.ArgumentParser, options: ModelOptions
     if not batch:
         group.add_argument("--prompt", required=True, metavar="TEXT", help="what the video shows")
     group.add_argument("--seed", type=int, default=None if batch else 0, help="noise seed (default 0)")
+    group.add_argument("--lora", dest="loras", action="append", default=None, type=_lora_arg,
+                       metavar="NAME[:SCALE]", help=f"apply adapter NAME of --lora-dir with SCALE (default 1, in "
+                       f"[{LORA_SCALE[0]:g}, {LORA_SCALE[1]:g}]); repeatable, at most {MAX_LORAS}"
+                       + (" (a line's own loras win)" if batch else ""))
     for option in options:
         metavar = {str: "TEXT", tuple: "I,J", list: "JSON"}.get(option.kind, option.name.split("_")[-1].upper())
         group.add_argument(*_flags(option), dest=option.name, type=_option_type(option), default=None,
@@ -225,7 +281,61 @@ def add_request_arguments(parser: argparse.ArgumentParser, options: ModelOptions
 def request_from_args(args: argparse.Namespace, options: ModelOptions, **values: Any) -> GenerationRequest:
     """The request the generation flags set (unset options left for the model's defaults)."""
     given = {o.name: getattr(args, o.name) for o in options if getattr(args, o.name) is not None}
-    return GenerationRequest.of(**values, **given)
+    return GenerationRequest.of(**values, **given, loras=tuple(args.loras or ()))
+
+
+def parse_lora(text: str) -> LoraWeight:
+    """``NAME[:SCALE]`` (``--lora``, a prompts file's ``loras`` strings) -> the adapter and its scale (default 1);
+    ``ValueError`` if it is not that. The name and the scale are checked with the request."""
+    name, colon, scale = text.rpartition(":") if ":" in text else (text, "", "")
+    try:
+        return LoraWeight(name, float(scale) if colon else 1.0)
+    except ValueError:
+        raise ValueError(f"{text!r} is not NAME[:SCALE], e.g. style or style:0.8") from None
+
+
+def _lora_arg(text: str) -> LoraWeight:
+    try:
+        return parse_lora(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _byte_count(text: str) -> int:
+    """``--max-lora-bytes 8G``: a count of bytes, with an optional K, M or G (powers of 1024)."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, flags=re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count, e.g. 8G or 536870912")
+    return int(match.group(1)) * units[match.group(2).upper()]
+
+
+def check_request_loras(adapters, request: GenerationRequest, stage_2) -> None:
+    """A resolved request's adapters against the front end's catalog (``adapters``, :func:`lora_catalog`), and with
+    the operator's ``stage_2`` adapters counted in stage 2 (``models.lora.check_stage_2``)."""
+    from models.lora import check_stage_2
+
+    adapters.check(request.loras)
+    check_stage_2(request.loras, stage_2, stages=request.options.get("stages", 1))
+
+
+def check_stage_2_loras(config, info) -> None:
+    """``config.stage_2_loras`` (a ``RuntimeConfig``) are adapters of its ``--lora-dir`` that match ``info``'s model;
+    a ``UsageError`` naming --stage-2-lora otherwise."""
+    if not config.stage_2_loras:
+        return
+    try:
+        lora_catalog(config, info).check(config.stage_2_loras)
+    except ValueError as exc:
+        raise UsageError(f"--stage-2-lora: {exc}".replace("loras[", "--stage-2-lora[")) from None
+
+
+def lora_catalog(config, info):
+    """What the front end checks a request's ``loras`` against (``models.lora.LoraCatalog``): the adapters of
+    ``config.lora_dir`` (a ``RuntimeConfig``, or the parsed ``--lora-dir``) and the modules of ``info``'s model."""
+    from models.registry import lora_catalog as catalog
+
+    return catalog(info, config.lora_dir)
 
 
 def add_media_arguments(parser: argparse.ArgumentParser) -> None:
@@ -309,9 +419,9 @@ def field_error(exc: ValueError, options: ModelOptions | None = None, argv: Sequ
     """Prefix a request error with the flag (of those in ``argv``, the one the user typed) that sets the option it
     names."""
     message = str(exc)
-    match = re.match(r"(\w+)(\[\])?[=\s]", message)
+    match = re.match(r"(\w+)(\[\d*\])?(\.\w+)?[=\s:]", message)
     name = match.group(1) if match else None
-    flags = {"prompt": ["--prompt"], "seed": ["--seed"]}
+    flags = {"prompt": ["--prompt"], "seed": ["--seed"], "loras": ["--lora"]}
     if options is not None:
         flags.update({o.name: _flags(o) for o in options})
     flag = _typed_flag(flags[name], argv) if name in flags else None
@@ -319,27 +429,44 @@ def field_error(exc: ValueError, options: ModelOptions | None = None, argv: Sequ
 
 
 def options_for(argv: Sequence[str]) -> ModelOptions:
-    """The options of the model ``argv``'s ``--model`` names (config files only), so that the generation flags and
-    their help are that model's. A model that cannot be described gets the default model's: the run itself then
-    reports the folder's error (:func:`model_info`)."""
+    """The options of the model ``argv``'s ``--model`` (with its ``--config``, ``--upsampler``) names, from config
+    files only (a hub repo's configs alone are fetched), so that the generation flags and their help are that model's.
+    A model that cannot be described gets the default model's: the run itself then reports the folder's error
+    (:func:`model_info`)."""
     from models.loading import ModelLoadError
     from models.registry import describe_model
 
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--model", default=None)
+    for flag in ("--model", "--config", "--upsampler"):
+        pre.add_argument(flag, default=None)
     known, _ = pre.parse_known_args(list(argv))
     try:
-        return describe_model(known.model).options
+        return describe_model(known.model, config=known.config, upsampler=known.upsampler).options
     except (ModelLoadError, ValueError, OSError):
         return describe_model(None).options
 
 
 def model_info(config):
-    """The model's family and video geometry from its config files only (no weights), so requests are checked
-    first."""
+    """The model's family and video geometry from its config files only (no weights: a hub repo's configs alone are
+    fetched), so requests are checked first."""
     from models.registry import describe_model
 
-    return describe_model(config.model)
+    return describe_model(config.model, config=config.model_config, upsampler=config.upsampler)
+
+
+def fetch_model(config) -> None:
+    """Every file of the model (``config``: a ``RuntimeConfig``) present on this node before any group forms: a hub
+    repo downloaded into the hub cache here (one process per node; the ranks then find it there), a local folder,
+    single file or paired upsampler checked and their configs read, an embedded default built. A model that cannot be
+    had is a ``ModelLoadError`` here, reported in one line with exit code 2, instead of a failure on every rank.
+    Nothing to do for the default model (no ``--model``), which the ranks build themselves."""
+    if config.model is None and config.model_config is None and config.upsampler is None:
+        return
+    from models.loading import resolve_files
+    from models.registry import describe_model
+
+    # Its configs read too: a folder that is no model of a supported family fails here, not on the ranks.
+    describe_model(resolve_files(config.model, config=config.model_config, upsampler=config.upsampler))
 
 
 def check_device(config) -> None:

@@ -17,8 +17,8 @@ from cp_infer.options import ModelOptions, Option
 __all__ = ["DOC", "FAMILIES", "options_table", "render_tables"]
 
 # The families whose tables the docs show; a real-size LTX-2 has 48 blocks (the table's range for
-# spatio_temporal_guidance_blocks).
-FAMILIES = ("ltx-video", "ltx2")
+# spatio_temporal_guidance_blocks); Wan's table is Wan 2.1 text-to-video's (``models.registry.model_options``).
+FAMILIES = ("ltx-video", "ltx2", "wan")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "options.md"
 """The page that holds the tables."""
 

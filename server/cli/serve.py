@@ -14,6 +14,9 @@ Invariants:
   their replica leader's commands (``worker_loop``) until ``stop``; a broken group (its leader gone) makes their
   next collective fail, and they exit non-zero.
 - Every rank builds the same configs from the same arguments, so limits and model agree across the group.
+- The model is fetched and checked before any group forms (``server.cli.common.fetch_model``: a hub repo downloaded
+  once, here): a model that cannot be had (a missing path or hub id, a gated repo, an id not cached while offline)
+  is one line and exit code 2, not a group that fails and restarts.
 """
 
 from __future__ import annotations
@@ -77,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        f"(default {_DEFAULT_RESTARTS.window_s:g} s)")
     group.add_argument("--keep-frames", action="store_true",
                        help="also keep raw frames (.npy) for GET .../content?variant=frames (lossless; large)")
-    group.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: the "
-                       "model folder's name, or tiny-ltx-video)")
+    group.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model "
+                       "as written for a hub id, else the folder's name or the file's stem, or tiny-ltx-video)")
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
     limits = parser.add_argument_group("request limits (a request past one gets a 400 naming it)")
     defaults = GenerationLimits()
@@ -99,11 +102,14 @@ def _configs(args: argparse.Namespace):
 
     check_layout(args, replicas=True)
     limits = GenerationLimits(**{f.name: getattr(args, f.name) for f in fields(GenerationLimits)})
-    runtime = RuntimeConfig(model=args.model, dtype=args.dtype, device=args.device,
+    runtime = RuntimeConfig(model=args.model, model_config=args.model_config, upsampler=args.upsampler,
+                            dtype=args.dtype, device=args.device,
                             timeout_s=args.collective_timeout, limits=limits,
                             decode_frames_per_rank=args.decode_frames_per_rank,
                             guidance_degree=args.guidance_degree, ulysses_degree=args.ulysses_degree,
-                            compile_blocks=args.compile_blocks)
+                            compile_blocks=args.compile_blocks, lora_dir=args.lora_dir,
+                            max_lora_bytes=args.max_lora_bytes, stage_2_loras=tuple(args.stage_2_loras or ()),
+                            weights=args.weights, offload=args.offload)
     leader = LeaderConfig(runtime=runtime, data_dir=args.data_dir, heartbeat_s=args.heartbeat_s,
                           max_queue=args.max_queue, keep_frames=args.keep_frames, model_name=args.served_model_name)
     app = AppConfig(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
@@ -116,12 +122,22 @@ def _configs(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     """Run ``cp-infer serve``; returns the exit code."""
-    from server.cli.launch import count_launcher_restarts, group_size, in_torchrun, relaunch_under_torchrun
+    from server.cli.common import check_stage_2_loras, fetch_model, model_info
+    from server.cli.launch import (
+        count_launcher_restarts,
+        group_size,
+        in_torchrun,
+        relaunch_under_torchrun,
+        under_launcher,
+    )
 
     try:
         nproc = group_size(args.nproc)
         runtime, leader, app, restarts = _configs(args)
-    except ValueError as exc:
+        if not under_launcher():  # the launcher's own process fetched it for its ranks
+            fetch_model(runtime)
+            check_stage_2_loras(runtime, model_info(runtime))
+    except ValueError as exc:  # a bad argument, or a ModelLoadError: the model cannot be had
         print(f"cp-infer serve: error: {exc}", file=sys.stderr)
         return _USAGE_ERROR
     phases.mark("checks")

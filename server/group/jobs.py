@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from cp_infer.request import Condition, GenerationRequest
+from cp_infer.request import Condition, GenerationRequest, loras_from
 
 __all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
 
@@ -169,6 +169,7 @@ class Job:
             "input_reference": r.image is not None, "extends": r.extends is not None,
             "conditions": [{"frame_index": c.frame_index, "strength": c.strength,
                             "num_frames": int(c.frames.shape[0])} for c in r.conditions] or None,
+            "loras": [{"name": lora.name, "scale": lora.scale} for lora in r.loras],
         }
 
 
@@ -191,6 +192,7 @@ def _request_to_json(request: GenerationRequest) -> str:
     data["image"] = None if request.image is None else _condition_to_json(request.image)
     data["conditions"] = [_condition_to_json(c) for c in request.conditions]
     data["extends"] = None if request.extends is None else _condition_to_json(request.extends)
+    data["loras"] = [{"name": lora.name, "scale": lora.scale} for lora in request.loras]
     return json.dumps(data)
 
 
@@ -210,6 +212,7 @@ def _request_from_json(text: str) -> GenerationRequest:
     data["conditions"] = tuple(_condition_from_json(c) for c in data.get("conditions") or ())
     if data.get("extends") is not None:
         data["extends"] = _condition_from_json(data["extends"])
+    data["loras"] = loras_from(data.get("loras"))
     return GenerationRequest(**data)
 
 

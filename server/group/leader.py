@@ -75,7 +75,8 @@ class LeaderConfig:
     keep_frames: bool = False
     """Also keep each video's raw uint8 frames (``.npy``, lossless) for ``variant=frames`` (large; for tests)."""
     model_name: str | None = None
-    """The name clients pass as ``model``; default: the model folder's name, or ``tiny-ltx-video``."""
+    """The name clients pass as ``model``; default: ``models.loading.model_name`` (a hub id as written, a folder's
+    name, ``tiny-ltx-video``)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s < self.runtime.timeout_s / 2:
@@ -88,7 +89,9 @@ class LeaderConfig:
     def served_model(self) -> str:
         if self.model_name:
             return self.model_name
-        return Path(self.runtime.model).name if self.runtime.model else "tiny-ltx-video"
+        from models.loading import model_name
+
+        return model_name(self.runtime.model)
 
     @property
     def limits(self) -> GenerationLimits:
@@ -181,6 +184,7 @@ class GroupLeader:
         # Read by the HTTP thread.
         self.geometry = None
         self._model_info = None
+        self._lora_catalog = None
         self._loaded_options: ModelOptions | None = None
         self.world_size: int | None = None
         self.pids: list[int] = []
@@ -191,6 +195,8 @@ class GroupLeader:
         self.generation_seconds = Histogram((0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
         self.blocks_saved = 0
         """Transformer block evaluations the step caches of this leader's jobs saved (``/metrics``)."""
+        self.memory: list[dict] = []
+        """Every rank's weights and where they are, measured at start-up (``/ready``, ``/metrics``)."""
         self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     # -- the HTTP side -----------------------------------------------------------------------------------------
@@ -217,11 +223,34 @@ class GroupLeader:
         if self._model_info is None:
             from models.registry import describe_model
 
-            self._model_info = describe_model(self.config.runtime.model)
+            runtime = self.config.runtime
+            self._model_info = describe_model(runtime.model, config=runtime.model_config, upsampler=runtime.upsampler)
         return self._model_info
 
+    @property
+    def _loras(self):
+        """The front end's ``models.lora.LoraCatalog`` (the ``--lora-dir`` adapters and the model's modules)."""
+        if self._lora_catalog is None:
+            from models.registry import lora_catalog
+
+            self._lora_catalog = lora_catalog(self._info, self.config.runtime.lora_dir)
+        return self._lora_catalog
+
     def adapters(self) -> list[dict]:
-        return []
+        """Each adapter of ``--lora-dir``: ``name``, ``bytes`` (its tensors, as stored) and ``loaded`` (on rank 0's
+        replica now)."""
+        lanes = self.lanes
+        loras = getattr(lanes[0].driver.runtime.model, "loras", None) if lanes else None
+        loaded = set() if loras is None else set(loras.loaded())
+        return [{**adapter, "loaded": adapter["name"] in loaded} for adapter in self._loras.adapters()]
+
+    def check_loras(self, loras, *, stages: int = 1) -> None:
+        """``ValueError`` naming ``loras[i]`` for an adapter this server cannot apply (``Engine.check_loras``)."""
+        if loras:
+            from models.lora import check_stage_2
+
+            self._loras.check(loras)
+            check_stage_2(loras, self.config.runtime.stage_2_loras, stages=stages)
 
     @property
     def keep_frames(self) -> bool:
@@ -329,6 +358,7 @@ class GroupLeader:
             state = runtime.state
             self.pids = group_pids(state)
             self.world_size = state.world_size
+            self.memory = [m.as_dict() for m in runtime.memory]
             self._loaded_options = runtime.model.options
             self.geometry = runtime.model.geometry
             self.lanes = [Lane(0, state.replica_ranks, GroupDriver(runtime))]
@@ -447,6 +477,7 @@ class GroupLeader:
             request = resolve_request(request, runtime.model.options, limits=self.config.limits)
             check_request(request, geometry=runtime.model.geometry, limits=self.config.limits,
                           options=runtime.model.options)
+            self.check_loras(request.loras)
         except ValueError as exc:
             self._finish(lane, job, "failed", "invalid_request", f"no longer valid under this server's limits: {exc}")
             return

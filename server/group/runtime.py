@@ -26,12 +26,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch.distributed as dist
 
 from cp_infer import ParallelConfig, ParallelState, all_reduce_max_int, broadcast_object, init_parallel, warmup
 from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, resolve_frames_per_rank
-from cp_infer.request import GenerationLimits, GenerationRequest
+from cp_infer.placement import RankMemory
+from cp_infer.request import GenerationLimits, GenerationRequest, LoraWeight
 from cp_infer.sampler import DenoiseModel, SampleControl, StepStatus, sample
-from models.loading import parse_dtype, resolve_model
+from models.loading import parse_dtype, resolve_files
+from models.lora import DEFAULT_MAX_LORA_BYTES, LoraDirectory
+from models.placement import measure_components, parse_offload, parse_weights
 from models.registry import open_model
 from server.group import phases, process
 
@@ -56,8 +60,16 @@ class RuntimeConfig:
     """What every rank needs to load the same model the same way."""
 
     model: str | None = None
-    """A local diffusers-format LTX-Video or LTX-2 folder, or an embedded default's name (``tiny-ltx-video``,
-    ``tiny-ltx2``); ``None`` serves tiny-ltx-video."""
+    """A local diffusers-format LTX-Video, LTX-2 or Wan folder, a hub id (``org/name[@revision]``), a single-file
+    ``.safetensors`` checkpoint (with ``model_config``), or an embedded default's name (``tiny-ltx-video``,
+    ``tiny-ltx2``, ``tiny-wan``); ``None`` serves tiny-ltx-video. Every rank resolves it
+    (``models.loading.resolve_files``)."""
+    model_config: str | None = None
+    """``--config``: the diffusers folder or hub id a single-file ``model`` takes its configs and its other components
+    from; ``None`` for any other model."""
+    upsampler: str | None = None
+    """``--upsampler``: a latent-upsampler folder or hub id paired with the model (two-stage generation); ``None``:
+    the model folder's own ``latent_upsampler/``, if any."""
     dtype: str = "fp32"
     """``fp32``, ``bf16`` or ``fp16`` for the transformer, text encoder and VAE."""
     device: str | None = None
@@ -76,9 +88,34 @@ class RuntimeConfig:
     compile_blocks: bool = False
     """``torch.compile`` each transformer block (``models.registry.compile_transformer_blocks``): the first request
     of each shape pays the compile, later ones run the compiled block."""
+    lora_dir: str | None = None
+    """A folder of ``NAME.safetensors`` LoRA adapters requests may apply by name (``models.lora``); ``None``: none."""
+    max_lora_bytes: int = DEFAULT_MAX_LORA_BYTES
+    """Adapter tensors each rank keeps loaded between passes (an LRU; ``models.lora.LoadedLoras``)."""
+    stage_2_loras: tuple[LoraWeight, ...] = ()
+    """Adapters of ``lora_dir`` that stage 2 of two-stage generation applies after a request's own (Lightricks'
+    distilled LoRA in the dev two-stage recipe; ``models.lora.pass_loras``)."""
+    weights: str = "auto"
+    """``sharded``: the transformer and the text encoder 1/N on each of a replica group's N ranks (FSDP2, read a shard
+    at a time); ``replicated``: whole on every rank; ``auto``: sharded where the replicated weights would not fit the
+    device's free memory (never on the CPU). ``models.placement``."""
+    offload: tuple[str, ...] = ()
+    """Components kept on the CPU between uses: ``text_encoder``, ``vae``, ``transformer_blocks``."""
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if self.max_lora_bytes < 0:
+            raise ValueError(f"max_lora_bytes={self.max_lora_bytes} must be >= 0")
+        if self.lora_dir is not None:
+            LoraDirectory(self.lora_dir)  # raises unless it is a folder
+        if self.stage_2_loras and self.lora_dir is None:
+            raise ValueError("--stage-2-lora names an adapter of --lora-dir, and no --lora-dir was given; give the "
+                             "folder that holds it")
+        parse_weights(self.weights)
+        parse_offload(list(self.offload))  # raises naming the valid components
+        if self.weights == "sharded" and self.lora_dir is not None:  # NOTE(lora-sharded) in models/registry.py
+            raise ValueError("--weights sharded cannot be combined with --lora-dir yet: the adapters load into "
+                             "replicated weights only; use --weights replicated (or auto)")
         ParallelConfig(guidance_degree=self.guidance_degree, ulysses_degree=self.ulysses_degree)  # raises if < 1
         resolve_frames_per_rank(self.decode_frames_per_rank, height=1, width=1)  # raises on a bad setting
 
@@ -101,6 +138,8 @@ class Runtime:
     state: ParallelState
     model: DenoiseModel
     """``LTXVideoModel`` or ``LTX2Model`` (``models.registry.open_model``)."""
+    memory: tuple[RankMemory, ...] = ()
+    """What every rank of the world holds of each component, and where (measured after the load)."""
 
     def generate(self, request: GenerationRequest, control: SampleControl | None = None) -> np.ndarray | None:
         """Sample ``request`` on this rank; every rank of the group must call it with the same request."""
@@ -148,16 +187,32 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
     phases.mark("rendezvous and groups")
     if state.world_size > 1:
         process.set_rank_title(state.rank, state.world_size, state.replica)
-    path = resolve_model(config.model)
-    model = open_model(path, dtype=config.dtype, state=state, compile_blocks=config.compile_blocks)
+    files = resolve_files(config.model, config=config.model_config, upsampler=config.upsampler)
+    model = open_model(files, dtype=config.dtype, state=state, compile_blocks=config.compile_blocks,
+                       lora_dir=config.lora_dir, max_lora_bytes=config.max_lora_bytes,
+                       stage_2_loras=config.stage_2_loras, weights=config.weights,
+                       offload=config.offload)
     model.decode_frames_per_rank = config.decode_frames_per_rank
+    memory = _gather_memory(measure_components(model.components, model.placement), state)
     phases.mark("load")
     warmup(state)
     phases.mark("warm-up")
     if state.is_leader:
-        log.info("loaded %s on %d rank(s) (guidance %d x Ulysses %d), device %s, dtype %s", path, state.world_size,
+        log.info("loaded %s on %d rank(s) (guidance %d x Ulysses %d), device %s, dtype %s",
+                 files.checkpoint or files.folder, state.world_size,
                  state.guidance_size, state.cp_size, state.device, config.dtype)
-    return Runtime(config=config, state=state, model=model)
+        log.info("weights %s, offload %s; %s", model.placement.weights, ",".join(model.placement.offload) or "none",
+                 "; ".join(f"rank {m.rank}: {m.text()}" for m in memory))
+    return Runtime(config=config, state=state, model=model, memory=memory)
+
+
+def _gather_memory(mine: RankMemory, state: ParallelState) -> tuple[RankMemory, ...]:
+    """Every rank's :class:`RankMemory`, in rank order (start-up only: one gather over the world's gloo group)."""
+    if state.world_group is None:
+        return (mine,)
+    every: list[RankMemory | None] = [None] * state.world_size
+    dist.all_gather_object(every, mine, group=state.world_group)
+    return tuple(every)
 
 
 FAULT_ENV = "CP_INFER_TEST_FAULT"

@@ -4,11 +4,10 @@ leader).
 Invariants:
 - The app never touches the process group: it reads and writes the engine's job store, and the engine's
   leader thread alone talks to the other ranks. ``lifespan`` starts and stops that thread.
-- The routers (``server.http.health``, ``server.http.videos``, ``server.http.models``, ``server.http.playground``) are declared at module
-  level; a route
-  reaches the engine (``app.state.engine``, a :class:`server.http.engine.Engine`) and this config (``app.state.config``)
-  through the dependencies :func:`server.http.engine.get_engine` and
-  :func:`server.http.config.get_app_config`.
+- The routers (``server.http.health``, ``server.http.videos``, ``server.http.models``,
+  ``server.http.playground``) are declared at module level; a route reaches the engine (``app.state.engine``, a
+  :class:`server.http.engine.Engine`) and this config (``app.state.config``) through the dependencies
+  :func:`server.http.engine.get_engine` and :func:`server.http.config.get_app_config`.
 - With an API key, one ASGI middleware in front of every route (FastAPI's own docs routes included) checks
   the bearer token with ``hmac.compare_digest``; only ``/health`` is exempt, and the playground page's own static
   files

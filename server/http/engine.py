@@ -16,7 +16,7 @@ from fastapi import Depends, Request
 
 if TYPE_CHECKING:
     from cp_infer.options import ModelOptions
-    from cp_infer.request import GenerationLimits, GenerationRequest
+    from cp_infer.request import GenerationLimits, GenerationRequest, LoraWeight
     from cp_infer.shapes import VideoGeometry
     from server.group.jobs import Job, JobStore
     from server.group.leader import Histogram
@@ -80,6 +80,11 @@ class Engine(Protocol):
         """The LoRA adapters requests may name (``name``, ``bytes``, ``loaded``); empty without an adapter
         directory."""
 
+    def check_loras(self, loras: tuple[LoraWeight, ...], *, stages: int = 1) -> None:
+        """Raise ``ValueError`` naming ``loras[i]`` and the fix for an adapter the server cannot apply (not one of its
+        adapters, not a LoRA, or one that matches no module of the model), from the files' headers alone; with
+        ``stages=2`` also when stage 2, adding the server's stage-2 adapters, would apply too many."""
+
     # -- health and metrics ------------------------------------------------------------------------------------
     def ready(self) -> tuple[bool, str]:
         """Whether the group is up and answering, with the reason (``/ready``)."""
@@ -116,6 +121,11 @@ class Engine(Protocol):
     @property
     def blocks_saved(self) -> int:
         """Transformer block evaluations the requests' step caches saved so far."""
+
+    @property
+    def memory(self) -> list[dict]:
+        """Where each rank's weights are (``cp_infer.placement.RankMemory.as_dict``: ``rank``, ``weights``,
+        ``offload``, ``components`` -> place -> bytes), measured at start-up; empty until the group has loaded."""
 
     @property
     def generation_seconds(self) -> Histogram:

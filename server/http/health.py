@@ -33,6 +33,9 @@ class Ready(BaseModel):
     heartbeat_rtt_ms: float | None
     replicas: list[dict[str, Any]]
     """Each replica group (``Engine.replica_status``)."""
+    memory: list[dict[str, Any]]
+    """Each rank's weights: ``weights`` (``sharded``/``replicated``), ``offload``, and per component the bytes on each
+    device it lives on (``Engine.memory``)."""
 
 
 class NotReady(Ready):
@@ -55,7 +58,7 @@ async def ready(engine: EngineDep) -> JSONResponse:
     ok, reason = engine.ready()
     body = {"status": "ready" if ok else "not_ready", "reason": reason, "world_size": engine.world_size,
             "heartbeat_rtt_ms": None if engine.last_ping_rtt_s is None else round(engine.last_ping_rtt_s * 1e3, 3),
-            "replicas": engine.replica_status()}
+            "replicas": engine.replica_status(), "memory": engine.memory}
     if ok:
         return JSONResponse(body)
     return JSONResponse({**ApiError(503, "not_ready", reason).body(), **body}, status_code=503,
@@ -114,4 +117,7 @@ def _metrics_text(engine: Engine, rejected: dict[int, int]) -> str:
     metric("cp_infer_replica_heartbeat_rtt_seconds", "gauge", "Round trip of the replica's last heartbeat.",
            [f'cp_infer_replica_heartbeat_rtt_seconds{{replica="{r["replica"]}"}} '
             f'{"NaN" if r["heartbeat_rtt_ms"] is None else r["heartbeat_rtt_ms"] / 1e3}' for r in replicas])
+    metric("cp_infer_weight_bytes", "gauge", "Bytes of each component's weights each rank holds, by where they are.",
+           [f'cp_infer_weight_bytes{{rank="{m["rank"]}",component="{c}",where="{w}"}} {n}'
+            for m in engine.memory for c, places in m["components"].items() for w, n in places.items()])
     return "\n".join(lines) + "\n"

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from cp_infer.options import Option
+from cp_infer.request import LORA_NAME, LORA_SCALE, MAX_LORAS
 from server.http.config import AppConfig
 from server.http.engine import Engine
 
@@ -86,6 +87,14 @@ class _Bodies:
                                                "default": 0},
                                "strength": {"type": "number", "minimum": 0, "maximum": 1, "default": 1.0}},
                 "required": ["media"], "additionalProperties": False},
+            "LoraParams": {
+                "type": "object", "title": "LoraParams",
+                "description": "One adapter to apply: one of the server's adapters by name (GET /v1/models lists "
+                               "them) and the scale of its update (1: as trained).",
+                "properties": {"name": {"type": "string", "pattern": LORA_NAME.pattern},
+                               "scale": {"type": "number", "minimum": LORA_SCALE[0], "maximum": LORA_SCALE[1],
+                                         "default": 1.0}},
+                "required": ["name"], "additionalProperties": False},
         }
 
     def _media(self, *, form: bool, files: bool, ref: str, what: str) -> dict[str, Any]:
@@ -166,6 +175,12 @@ class _Bodies:
             props["conditions"] = {
                 "type": ["array", "null"], "items": {"$ref": _REF + "ConditionParams"}, "maxItems": _MAX_CONDITIONS,
                 "description": "Images or clips at frame indices with strengths. Excludes input_reference."}
+        loras = (f"LoRA adapters of the server's --lora-dir applied, in order, with their scales (at most {MAX_LORAS}, "
+                 "each name once; GET /v1/models lists them).")
+        props["loras"] = ({"type": "string", "contentMediaType": "application/json",
+                           "description": f"{loras} As the JSON list, or as fields loras[0][name], loras[0][scale]."}
+                          if form else {"type": ["array", "null"], "items": {"$ref": _REF + "LoraParams"},
+                                        "maxItems": MAX_LORAS, "description": loras})
         for option in self.options:
             props[option.name] = self._option(option, form=form)
             for alias in option.aliases:
@@ -204,10 +219,17 @@ class _Bodies:
             item + r"\[strength\]$": {"type": "number", "minimum": 0, "maximum": 1},
         }
 
+    @staticmethod
+    def _loras_fields() -> dict[str, Any]:
+        """A form's loras as fields: ``loras[0][name]``, ``loras[0][scale]``, ..."""
+        item = rf"^loras\[[0-{MAX_LORAS - 1}]\]"
+        return {item + r"\[name\]$": {"type": "string", "pattern": LORA_NAME.pattern},
+                item + r"\[scale\]$": {"type": "number", "minimum": LORA_SCALE[0], "maximum": LORA_SCALE[1]}}
+
     # -- the bodies --------------------------------------------------------------------------------------------
     def create(self, *, form: bool = False, files: bool = False) -> dict[str, Any]:
         props = self._fields(form=form, files=files)
-        patterns = self._conditions_fields(files=files) if form else None
+        patterns = {**self._conditions_fields(files=files), **self._loras_fields()} if form else None
         return self._object(props, ["prompt"], [], form=form, patterns=patterns)
 
     def _source(self, *, form: bool, files: bool, strength: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -225,7 +247,8 @@ class _Bodies:
 
     def edit(self, *, form: bool = False, files: bool = False) -> dict[str, Any]:
         props, rules = self._source(form=form, files=files, strength=True)
-        return self._object(props, ["prompt"] + ([] if form else ["video"]), rules, form=form)
+        return self._object(props, ["prompt"] + ([] if form else ["video"]), rules, form=form,
+                            patterns=self._loras_fields() if form else None)
 
     def extension(self, *, form: bool = False, files: bool = False) -> dict[str, Any]:
         props, rules = self._source(form=form, files=files, strength=False)
@@ -234,7 +257,7 @@ class _Bodies:
         length = [{"required": ["seconds"]}, {"required": ["num_frames"]}] if form else [_set("seconds"),
                                                                                         _set("num_frames")]
         return self._object(props, ["prompt"] + ([] if form else ["video"]), [*rules, {"anyOf": length}],
-                            form=form)
+                            form=form, patterns=self._loras_fields() if form else None)
 
     def remix(self, **_: bool) -> dict[str, Any]:
         return {"type": "object", "properties": {"prompt": self.prompt()}, "required": ["prompt"],

@@ -14,12 +14,21 @@ import functools
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model
 
 from cp_infer.options import ModelOptions, Option, UnknownOption
-from cp_infer.request import Condition, GenerationLimits, GenerationRequest, check_request, resolve_request
+from cp_infer.request import (
+    LORA_SCALE,
+    MAX_LORAS,
+    Condition,
+    GenerationLimits,
+    GenerationRequest,
+    check_request,
+    resolve_request,
+)
 from cp_infer.shapes import VideoGeometry
 
 __all__ = [
@@ -27,6 +36,7 @@ __all__ = [
     "ErrorBody",
     "ErrorResponse",
     "JobStatus",
+    "LoraParams",
     "VideoCreateParams",
     "VideoDeleted",
     "VideoError",
@@ -118,6 +128,15 @@ class ConditionParams(BaseModel):
     strength: float = 1.0
 
 
+class LoraParams(BaseModel):
+    """One adapter to apply: the name of one of the server's adapters (``GET /v1/models`` lists them) and the scale
+    of its update (1: as trained)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    name: str
+    scale: float = 1.0
+
+
 class VideoCreateParams(BaseModel):
     """``POST /v1/videos``: the OpenAI fields and the media; :func:`params_model` adds the served model's declared
     options (``cp_infer.options``). Unknown fields are refused."""
@@ -138,6 +157,8 @@ class VideoCreateParams(BaseModel):
     video clip here conditions from frame 0 on."""
     conditions: list[ConditionParams] | None = None
     """Images or clips at frame indices with strengths."""
+    loras: list[LoraParams] | None = None
+    """LoRA adapters of the server's ``--lora-dir`` applied, in order, with their scales (at most 4)."""
     _aliases: dict[str, str] = PrivateAttr(default_factory=dict)
     """Declared option name -> the alias the client wrote it as (``frame_rate`` -> ``fps``), for error messages."""
 
@@ -210,6 +231,8 @@ class VideoJob(BaseModel):
     ``num_frames - 1`` new frames."""
     conditions: list[dict] | None = None
     """The conditioning items (``frame_index``, ``strength``, ``num_frames`` of the media), without their pixels."""
+    loras: list[LoraParams] = []
+    """The adapters applied, in order, with their scales (empty: the base weights)."""
 
 
 class VideoList(BaseModel):
@@ -245,6 +268,8 @@ def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | N
         "seed": f"an integer in [0, {2**63 - 1}]",
         "stream": "true or false",
         "input_reference": "an uploaded image (multipart), a data URL, or {\"image_url\": data URL}",
+        "loras": f"a list of at most {MAX_LORAS} {{\"name\": an adapter of GET /v1/models, \"scale\": a number in "
+                 f"[{LORA_SCALE[0]:g}, {LORA_SCALE[1]:g}]}}",
         "conditions": "a list of {\"media\": data URL or {\"id\": video id}, \"frame_index\": int, "
                       "\"strength\": number in [0, 1]}",
     }
@@ -267,7 +292,7 @@ def _loc_name(loc: tuple) -> str | None:
     for part in loc[1:]:
         if isinstance(part, int):
             name += f"[{part}]"
-        elif part in ConditionParams.model_fields or part in ("id", "image_url"):
+        elif part in ConditionParams.model_fields or part in LoraParams.model_fields or part in ("id", "image_url"):
             name += f".{part}"
     return name
 
@@ -377,7 +402,8 @@ def _form_params(data: dict[str, Any], *, options: ModelOptions, limits: Generat
                  geometry: VideoGeometry | None) -> VideoCreateParams:
     lists = {o.name for o in options if o.kind is tuple and o.name in data}
     objects = {o.name for o in options if o.kind is list and o.name in data}
-    nested = {k: data[k] for k in ("conditions", "input_reference") if not isinstance(data.get(k, ""), str)}
+    nested = {k: data[k] for k in ("conditions", "input_reference", "loras") if k in data}
+    nested = {k: v for k, v in nested.items() if k == "loras" or not isinstance(v, str)}
     kw = dict(limits=limits, geometry=geometry, options=options)
     model = params_model(options)
     try:
@@ -408,7 +434,30 @@ def _form_params(data: dict[str, Any], *, options: ModelOptions, limits: Generat
     elif "input_reference" in nested and not isinstance(nested["input_reference"], dict):
         raise ApiError(400, "invalid_value", "input_reference is invalid; expected "
                        f"{_field_hint('input_reference', limits, geometry)}", "input_reference")
+    if "loras" in nested:
+        update["loras"] = _form_loras(nested["loras"], kw)
     return params.model_copy(update=update) if update else params
+
+
+def _form_loras(value: Any, kw: dict[str, Any]) -> list[LoraParams]:
+    """A form's loras: fields ``loras[0][name]``, ``loras[0][scale]``, ..., or one field holding the JSON list."""
+    strings = not isinstance(value, str)
+    if not strings:
+        try:
+            value = json.loads(value)
+        except ValueError:
+            value = None
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise ApiError(400, "invalid_value", "loras in a form are fields loras[0][name], loras[0][scale], ... or one "
+                       "loras field holding the JSON list, e.g. [{\"name\": \"style\", \"scale\": 0.8}]", "loras")
+    loras = []
+    for i, item in enumerate(value):
+        try:
+            loras.append(LoraParams.model_validate_strings(item, strict=False) if strings
+                         else LoraParams.model_validate(item))
+        except ValidationError as exc:
+            raise _from_validation_error(exc, **kw, prefix=("loras", i)) from None
+    return loras
 
 
 def _parse_seconds(value: str | int | float) -> float:
@@ -438,11 +487,13 @@ def _param_of(message: str, options: ModelOptions) -> str | None:
 
 def build_request(params: VideoCreateParams, *, options: ModelOptions, geometry: VideoGeometry,
                   limits: GenerationLimits, served_model: str, seed: int, image: Condition | None = None,
-                  conditions: tuple[Condition, ...] = (), extension: bool = False) -> GenerationRequest:
+                  conditions: tuple[Condition, ...] = (), extension: bool = False,
+                  check_loras: Callable[..., None] | None = None) -> GenerationRequest:
     """Resolve the OpenAI-style fields and the model's options (unset: its declared defaults) and validate;
     ``seed`` is used when the client gave none. ``image`` and ``conditions``: the request's media, already decoded
     (``server.http.conditions``). ``extension``: ``seconds`` is the length added to a video (``num_frames - 1``
-    frames), not the length of one."""
+    frames), not the length of one. ``check_loras``: the server's check of the adapters named (``Engine.check_loras``:
+    its adapter directory and the model's modules); unset, any adapter is refused."""
     if params.model is not None and params.model != served_model:
         raise ApiError(400, "model_not_found", f"model={params.model!r} is not served here; use {served_model!r} "
                        "or leave model out", "model")
@@ -477,8 +528,14 @@ def build_request(params: VideoCreateParams, *, options: ModelOptions, geometry:
     try:
         request = resolve_request(GenerationRequest.of(prompt=params.prompt, seed=seed if params.seed is None
                                                        else params.seed, image=image, conditions=conditions,
+                                                       loras=[lora.model_dump() for lora in params.loras or ()],
                                                        **values), options, limits=limits)
         check_request(request, geometry=geometry, limits=limits, options=options)
+        if request.loras:
+            if check_loras is None:
+                raise ValueError("loras: this deployment has no adapters (it was started "
+                                 "without --lora-dir DIR, a folder of .safetensors adapters); leave loras out")
+            check_loras(request.loras, stages=request.options.get("stages", 1))
     except ValueError as exc:
         message = str(exc)
         param = _param_of(message, options)

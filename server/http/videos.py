@@ -288,7 +288,8 @@ def _require_ready(engine) -> None:
 def _build(engine, params: VideoCreateParams, resolved: Resolved, *, extension: bool = False):
     return build_request(params, options=engine.options, geometry=engine.geometry,
                          limits=engine.limits, served_model=engine.served_model, seed=secrets.randbelow(2**31),
-                         image=resolved.image, conditions=resolved.conditions, extension=extension)
+                         image=resolved.image, conditions=resolved.conditions, extension=extension,
+                         check_loras=engine.check_loras)
 
 
 def _edit_defaults(body: _Body, frames, source: Job | None, engine) -> _Body:
@@ -468,6 +469,11 @@ async def remix_video(video_id: str, request: Request, engine: EngineDep, config
         check_request(generation, geometry=engine.geometry, limits=engine.limits, options=engine.options)
     except ValueError as exc:
         raise ApiError(400, "invalid_value", str(exc), "prompt") from None
+    try:
+        # The source's adapters must still be the server's.
+        engine.check_loras(generation.loras, stages=generation.options.get("stages", 1))
+    except ValueError as exc:
+        raise ApiError(400, "invalid_value", str(exc), "loras") from None
     lead = None
     if source.lead_frames:  # the video it extended: the start of its own
         store = engine.store

@@ -3,6 +3,8 @@ what it does not declare; ``resolve_request`` / ``check_request`` on top of it. 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -100,12 +102,15 @@ def test_the_engine_names_no_model_family_and_no_familys_option():
     import cp_infer
     from cp_infer.step_cache import CACHE_OPTIONS
     from models.registry import model_options
+    from models.wan_options import WanLayout, wan_options
 
-    own = {o.name for family in ("ltx-video", "ltx2") for o in model_options(family, layers=48).extra}
-    own |= {a for family in ("ltx-video", "ltx2") for o in model_options(family, layers=48).extra for a in o.aliases}
+    declared = [*(model_options(family, layers=48) for family in ("ltx-video", "ltx2")),
+                wan_options(WanLayout(image=True, experts=2, boundary_ratio=0.9, image_tokens=True))]
+    own = {name for options in declared for o in options.extra for name in (o.name, *o.aliases)}
     own -= set(CACHE_OPTIONS)  # the engine's own (cp_infer.step_cache.cache_options), which the models declare
     for path in Path(cp_infer.__file__).parent.glob("*.py"):
         text = path.read_text(encoding="utf-8")
         assert "ltx" not in text.lower(), f"{path.name} names a model family"
+        assert not re.search(r"\bwan", text.lower()), f"{path.name} names a model family (Wan)"
         named = sorted(name for name in own if name in text)
         assert not named, f"{path.name} names model options {named}"

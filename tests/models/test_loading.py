@@ -155,3 +155,16 @@ def test_resolve_model(tmp_path, monkeypatch, model_dir):
     assert resolve_model(str(model_dir)) == model_dir
     with pytest.raises(ModelLoadError, match="does not exist"):
         resolve_model(tmp_path / "missing")
+
+
+def test_the_served_name_of_a_model(tmp_path):
+    """What ``serve`` answers to as ``model`` by default: a hub id as written, a folder's name, a file's stem."""
+    from models.loading import model_name
+
+    (tmp_path / "my-ltx").mkdir()
+    (tmp_path / "ltxv-2b.safetensors").write_bytes(b"")
+    assert model_name(None) == "tiny-ltx-video" and model_name("tiny-ltx2") == "tiny-ltx2"
+    assert model_name("Lightricks/LTX-Video") == "Lightricks/LTX-Video"
+    assert model_name("Lightricks/LTX-Video@0.9.7") == "Lightricks/LTX-Video@0.9.7"
+    assert model_name(tmp_path / "my-ltx") == "my-ltx"
+    assert model_name(tmp_path / "ltxv-2b.safetensors") == "ltxv-2b"

@@ -150,10 +150,10 @@ def test_a_distilled_default_asks_for_its_own_step_count(folders):
 
 
 def test_sigmas_from_the_command_line_and_a_form(tmp_path):
-    from server.cli import command as cli
-    from server.http.schemas import params_from_form
     from cp_infer.request import GenerationLimits
     from models.registry import model_options
+    from server.cli import command as cli
+    from server.http.schemas import params_from_form
 
     options = model_options("ltx2", layers=2, stages=1)
     args = cli.build_parser(["generate"], options=options).parse_args(

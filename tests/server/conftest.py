@@ -202,7 +202,14 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def api_server(tmp_path_factory, cache_dir):
-    server = ServerProcess(tmp_path_factory.mktemp("api_server"), cache_dir, extra_args=API_ARGS, faults=API_FAULTS)
+    workdir = tmp_path_factory.mktemp("api_server")
+    # An adapter directory, empty at the start: the LoRA tests place their adapters there (a server reads it per
+    # request), so the shared server serves them without a start of its own.
+    lora_dir = workdir / "loras"
+    lora_dir.mkdir()
+    server = ServerProcess(workdir, cache_dir, extra_args=[*API_ARGS, "--lora-dir", str(lora_dir)],
+                           faults=API_FAULTS)
+    server.lora_dir = lora_dir
     try:
         server.wait_ready()
         yield server

@@ -18,7 +18,7 @@ from server.http.app import AppConfig, create_app
 
 from ..http.test_server_app import StubEngine
 
-FAMILIES = ("ltx-video", "ltx2")
+FAMILIES = ("ltx-video", "ltx2", "wan")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -114,7 +114,7 @@ def test_a_stored_request_from_before_declared_options_still_loads():
     assert resolved.options["audio_guidance_scale"] == 5.0 and resolved.options["stg_scale"] == 1.0
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["ltx-video", "ltx2"])  # the families with two stages
 def test_two_stages_without_an_upsampler_is_a_400_over_http(tmp_path, family):
     """A served folder without a latent upsampler: stages=2 is refused at the front end, naming stages and the fix,
     and nothing is queued; stages=1 is accepted."""

@@ -63,6 +63,7 @@ class _Runtime:
         self.model = SimpleNamespace(options=ltx_video_options(), geometry=VideoGeometry())
         self._events = events
         self._rng = np.random.default_rng()
+        self.memory = ()  # where the (absent) model's bytes live (``Runtime.memory``)
 
     def generate(self, request: GenerationRequest, control=None):
         self._events.append(f"run {request.prompt}")

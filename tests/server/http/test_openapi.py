@@ -91,7 +91,7 @@ def _operations(doc: dict):
             yield path, method, operation
 
 
-@pytest.mark.parametrize("family", ["ltx-video", "ltx2"])
+@pytest.mark.parametrize("family", ["ltx-video", "ltx2", "wan"])
 @pytest.mark.parametrize("api_key", [None, KEY])
 def test_the_document_passes_an_openapi_validator(tmp_path, family, api_key):
     from openapi_spec_validator import validate

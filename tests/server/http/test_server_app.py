@@ -39,6 +39,7 @@ class StubEngine:
         self.step_seconds = Histogram((0.1, 1.0))
         self.generation_seconds = Histogram((1.0, 10.0))
         self.blocks_saved = 0
+        self.memory = [{"rank": 0, "weights": "sharded", "offload": [], "components": {"transformer": {"cpu": 1024}}}]
 
     def ready(self):
         return True, "idle"
@@ -52,6 +53,10 @@ class StubEngine:
 
     def adapters(self):
         return []
+
+    def check_loras(self, loras, *, stages: int = 1) -> None:
+        if loras:
+            raise ValueError("loras: this deployment has no adapters (it was started without --lora-dir DIR)")
 
     def submit_streamed(self, request, *, model: str):
         job = self.store.submit(request, model=model)

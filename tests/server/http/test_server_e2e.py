@@ -120,6 +120,23 @@ def test_a_cached_request_reports_its_steps(api_server):
     assert s.client.get(f"/v1/videos/{plain['id']}").json()["steps_skipped"] is None
 
 
+def test_ready_and_metrics_say_where_the_weights_are(api_server):
+    """Start-up measures what every rank holds of each component and where: ``/ready`` lists it per rank, ``/metrics``
+    has the same bytes. On the CPU ``--weights auto`` replicates, so both ranks hold the same whole components."""
+    from models.default import ensure_default_model
+    from models.placement import model_components
+
+    s = api_server
+    memory = s.client.get("/ready").json()["memory"]
+    assert [m["rank"] for m in memory] == [0, 1] and {m["weights"] for m in memory} == {"replicated"}
+    whole = {c.name: c.nbytes for c in model_components(ensure_default_model(), dtype="fp32")}
+    for m in memory:
+        assert m["offload"] == [] and {name: sum(places.values()) for name, places in m["components"].items()} == whole
+        for name, places in m["components"].items():
+            for where, n in places.items():
+                assert s.metric(f'cp_infer_weight_bytes{{rank="{m["rank"]}",component="{name}",where="{where}"}}') == n
+
+
 def test_seconds_and_size_as_openai_sends_them_in_a_form(api_server):
     s = api_server
     r = s.client.post("/v1/videos", data={"prompt": "a kite over a beach", "seconds": "0.7", "size": "96x64",

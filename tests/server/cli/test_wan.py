@@ -1,0 +1,161 @@
+"""Wan through the front ends: ``cp-infer generate --model tiny-wan`` on 2 ranks through torchrun (CFG's two passes
+on two guidance ranks, the layout the command picks), ``--image`` on a Wan 2.1 image-to-video folder, a refused
+image, and a real 2-rank ``cp-infer serve --model tiny-wan``.
+
+The videos come out at WanPipeline's 16 fps. That N ranks make the 1-rank video is tests/models/test_wan.py's to
+check (in process, on lossless frames); here the front ends are. Process start-up dominates, so every command and the
+server start once per module.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from cp_infer.video_io import read_mp4
+
+from ..conftest import ServerProcess
+
+REPO = Path(__file__).resolve().parents[3]
+FRAMES, HEIGHT, WIDTH = 9, 48, 80
+GENERATE = ["generate", "--model", "tiny-wan", "--prompt", "a red fox in fresh snow", "--frames", str(FRAMES),
+            "--height", str(HEIGHT), "--width", str(WIDTH), "--steps", "2", "--seed", "11"]
+COMMANDS = {
+    "mp4-2": [*GENERATE, "--nproc", "2", "--out", "{out}/two.mp4"],
+    "i2v": ["generate", "--model", "{i2v}", "--image", "{out}/start.png", "--prompt", "the fox walks away",
+            "--frames", str(FRAMES), "--height", str(HEIGHT), "--width", str(WIDTH), "--steps", "2",
+            "--out", "{out}/i2v.mp4"],
+}
+
+
+def _picture() -> np.ndarray:
+    rng = np.random.default_rng(3)
+    y, x = np.mgrid[0:36, 0:60]
+    pixels = np.stack([(x * 4) % 256, (y * 6) % 256, (x + y) % 256], axis=-1) + rng.integers(-20, 20, (36, 60, 3))
+    return np.clip(pixels, 0, 255).astype(np.uint8)
+
+
+class Commands:
+    """``python -m server.cli ...`` processes; ``result(key)`` runs ``COMMANDS[key]`` once per module."""
+
+    def __init__(self, env: dict[str, str], cwd: Path, out: Path, i2v: Path):
+        self.env, self.cwd, self.out, self.i2v = env, cwd, out, i2v
+        self.done: dict[str, subprocess.CompletedProcess] = {}
+
+    def result(self, key: str) -> subprocess.CompletedProcess:
+        if key not in self.done:
+            args = [a.format(out=self.out, i2v=self.i2v) for a in COMMANDS[key]]
+            proc = subprocess.run([sys.executable, "-m", "server.cli", *args], env=self.env, cwd=self.cwd,
+                                  capture_output=True, text=True, timeout=200)
+            assert proc.returncode == 0, f"{key}: exit {proc.returncode}\nstderr:\n{proc.stderr[-4000:]}"
+            self.done[key] = proc
+        return self.done[key]
+
+
+@pytest.fixture(scope="module")
+def wan_cache(tmp_path_factory) -> Path:
+    """tiny-wan, built once here so that the ranks of every process only load it."""
+    from models.default_wan import ensure_default_wan_model
+
+    path = tmp_path_factory.mktemp("wan_cache")
+    ensure_default_wan_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory, wan_cache) -> Commands:
+    from models.default_wan import save_wan_model
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    env.update(CP_INFER_CACHE=str(wan_cache), PYTHONPATH=str(REPO))
+    out = tmp_path_factory.mktemp("out")
+    Image.fromarray(_picture()).save(out / "start.png")
+    i2v = save_wan_model(tmp_path_factory.mktemp("wan_i2v") / "i2v", variant="i2v")
+    return Commands(env, tmp_path_factory.mktemp("cwd"), out, i2v)
+
+
+@pytest.mark.timeout(300)
+def test_generate_writes_a_16_fps_mp4_on_two_guidance_ranks(commands):
+    proc = commands.result("mp4-2")
+    frames, fps = read_mp4(commands.out / "two.mp4")
+    assert frames.shape == (FRAMES, HEIGHT, WIDTH, 3) and fps == 16 and frames.std() > 1
+    assert "guidance 2 x Ulysses 1" in proc.stderr, proc.stderr[-2000:]
+    assert f"({FRAMES} frames, {WIDTH}x{HEIGHT} @ 16 fps; 2 rank(s)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_image_to_video_from_a_wan_i2v_folder(commands):
+    commands.result("i2v")
+    frames, fps = read_mp4(commands.out / "i2v.mp4")
+    assert frames.shape == (FRAMES, HEIGHT, WIDTH, 3) and fps == 16 and frames.std() > 1
+
+
+@pytest.mark.timeout(120)
+def test_an_image_for_a_text_to_video_folder_exits_2_before_starting(commands, monkeypatch, capsys):
+    import server.group.runtime
+    from server.cli import command as cli
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("a bad request must be refused before anything starts")
+
+    monkeypatch.setenv("CP_INFER_CACHE", commands.env["CP_INFER_CACHE"])
+    monkeypatch.setattr(cli, "relaunch_under_torchrun", forbidden)
+    monkeypatch.setattr(server.group.runtime, "start_runtime", forbidden)
+    for name in ("RANK", "TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
+        monkeypatch.setenv(name, "error")  # main() sets them; monkeypatch puts the old values back
+    out = commands.out / "refused.mp4"
+    code = cli.main([*GENERATE, "--image", str(commands.out / "start.png"), "--nproc", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "takes no conditioning media" in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------- server
+
+
+@pytest.fixture(scope="module")
+def wan_server(tmp_path_factory, wan_cache):
+    server = ServerProcess(tmp_path_factory.mktemp("wan_server"), wan_cache,
+                           extra_args=["--model", "tiny-wan", "--heartbeat-s", "0.5", "--collective-timeout", "60"])
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(300)
+def test_the_server_serves_wan(wan_server, tmp_path):
+    s = wan_server
+    listed = s.client.get("/v1/models").json()["data"]
+    assert [m["family"] for m in listed] == ["wan"], listed
+    job = s.submit({"prompt": "a red fox in fresh snow", "num_frames": FRAMES, "size": f"{WIDTH}x{HEIGHT}",
+                    "num_inference_steps": 2, "seed": 5})
+    assert job["max_sequence_length"] == 512 and job["guidance_scale"] == 5.0, job  # WanPipeline's defaults
+    final = s.wait_job(job["id"])
+    assert final["status"] == "completed", f"{final}\n{s.log_tail()}"
+    content = s.client.get(f"/v1/videos/{job['id']}/content")
+    assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
+    (tmp_path / "job.mp4").write_bytes(content.content)
+    frames, fps = read_mp4(tmp_path / "job.mp4")
+    assert frames.shape == (FRAMES, HEIGHT, WIDTH, 3) and fps == 16 and frames.std() > 1
+
+
+@pytest.mark.timeout(120)
+def test_the_server_refuses_an_image_for_text_to_video_wan(wan_server):
+    png = io.BytesIO()
+    Image.fromarray(_picture()).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    r = wan_server.client.post("/v1/videos", json={"prompt": "a fox", "num_frames": FRAMES,
+                                                    "size": f"{WIDTH}x{HEIGHT}", "input_reference": url})
+    assert r.status_code == 400 and "takes no conditioning media" in r.text, r.text
