@@ -214,9 +214,9 @@ def resolve_model(model: str | os.PathLike | None, *, files: FileSelection = ALL
         return ensure_default_model()
     if str(model) in _DEFAULT_MODELS:
         return _DEFAULT_MODELS[str(model)]()
-    path = Path(model).expanduser()
-    if not path.exists() and (ref := parse_hub_ref(str(model))) is not None:
+    if (ref := _hub_ref(model)) is not None:
         return fetch(ref, files)
+    path = Path(model).expanduser()
     if path.is_file():
         return check_checkpoint(path)
     return _require_dir(path)
@@ -228,10 +228,18 @@ def model_name(model: str | os.PathLike | None) -> str:
     file's stem."""
     if model is None:
         return DEFAULT_MODEL_NAME
-    path = Path(model).expanduser()
-    if str(model) not in _DEFAULT_MODELS and not path.exists() and (ref := parse_hub_ref(str(model))) is not None:
+    if str(model) not in _DEFAULT_MODELS and (ref := _hub_ref(model)) is not None:
         return str(ref)
+    path = Path(model).expanduser()
     return path.stem if path.suffix == ".safetensors" else path.name
+
+
+def _hub_ref(model: str | os.PathLike):
+    """``model`` as a hub id (``models.hub.HubRef``) when it spells one and no local path of that name exists (a
+    local path wins), else None."""
+    if Path(model).expanduser().exists():
+        return None
+    return parse_hub_ref(str(model))
 
 
 @dataclass(frozen=True)
