@@ -327,9 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lines = [f"`{command_line(__file__, argv)}`: {os.cpu_count()} CPU(s), load average at the start "
              f"{load_average()}", ""]
+    print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory(prefix="memory-bench-") as tmp:
         for family in args.family:
-            lines += [*_bench(family, args, Path(tmp)), ""]
+            block = [*_bench(family, args, Path(tmp)), ""]
+            print("\n".join(block), flush=True)  # each family's table as soon as it is measured
+            lines += block
     return print_report(lines, args.out)
 
 
