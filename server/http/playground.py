@@ -21,6 +21,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from starlette.responses import FileResponse
 
+from cp_infer.request import LORA_SCALE, MAX_LORAS
 from server.http.engine import EngineDep
 
 __all__ = ["PAGES", "PageFiles", "router"]
@@ -63,8 +64,9 @@ router = APIRouter(prefix="/playground", tags=["playground"])
 
 @router.get("/options")
 async def playground_options(engine: EngineDep) -> dict:
-    """The served model's options (name, type, default, inclusive range under this deployment's limits, help) and
-    what the page needs to show a length: the frame geometry (``null`` until the model is loaded)."""
+    """The served model's options (name, type, default, inclusive range under this deployment's limits, help), the
+    adapters a request may name (``loras``: their names, how many at once, the scale's range) and what the page needs
+    to show a length: the frame geometry (``null`` until the model is loaded)."""
     limits = engine.limits
     options = []
     for option in engine.options:
@@ -79,6 +81,7 @@ async def playground_options(engine: EngineDep) -> dict:
         "model": engine.served_model,
         "options": options,
         "max_prompt_chars": limits.max_prompt_chars,
+        "loras": {"adapters": [a["name"] for a in engine.adapters()], "max": MAX_LORAS, "scale": list(LORA_SCALE)},
         "temporal_compression": geometry.temporal_compression if geometry else None,
         "spatial_step": geometry.spatial_step if geometry else None,
     }

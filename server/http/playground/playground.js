@@ -39,8 +39,10 @@ function showError(error) {
   $("error-param").textContent = error.param ? `(param: ${error.param})` : "";
   $("error").hidden = false;
   $("error").dataset.param = error.param || "";
+  // A list's item (loras[1].scale) marks the list's field.
+  const field = error.param ? error.param.replace(/\[.*$/, "") : "";
   for (const el of document.querySelectorAll("[data-param]")) {
-    el.classList.toggle("invalid", !!error.param && el.dataset.param === error.param);
+    el.classList.toggle("invalid", !!field && el.dataset.param === field);
   }
 }
 
@@ -95,6 +97,7 @@ async function loadOptions() {
     parent.append(optionField(option));
   }
   if (info.max_prompt_chars) $("prompt").maxLength = info.max_prompt_chars;
+  adapterFields(info.loras);
   lengthHint();
   $("generate").disabled = false;
   return true;
@@ -146,6 +149,48 @@ function optionField(option) {
   return wrap;
 }
 
+function adapterFields(loras) {
+  // One row per adapter of the server's --lora-dir: a checkbox to apply it and its scale.
+  const adapters = (loras && loras.adapters) || [];
+  $("loras").hidden = adapters.length === 0;
+  $("lora-fields").replaceChildren();
+  if (!adapters.length) return;
+  const [lo, hi] = loras.scale;
+  $("loras-hint").textContent = `Apply up to ${loras.max} at once; scale from ${lo} to ${hi}.`;
+  for (const name of adapters) {
+    const wrap = document.createElement("div");
+    wrap.className = "pair";
+    const label = document.createElement("label");
+    const on = document.createElement("input");
+    on.type = "checkbox";
+    on.id = `lora-${name}`;
+    on.dataset.lora = name;
+    label.append(on, ` ${name}`);
+    const scale = document.createElement("input");
+    scale.type = "number";
+    scale.step = "any";
+    scale.min = String(lo);
+    scale.max = String(hi);
+    scale.value = "1";
+    scale.id = `lora-${name}-scale`;
+    scale.title = `scale of ${name}`;
+    scale.setAttribute("aria-label", `scale of ${name}`);
+    wrap.append(label, scale);
+    $("lora-fields").append(wrap);
+  }
+}
+
+function chosenLoras() {
+  const out = [];
+  for (const on of document.querySelectorAll("[data-lora]")) {
+    if (!on.checked) continue;
+    const text = $(`${on.id}-scale`).value.trim();
+    const n = Number(text);
+    out.push({ name: on.dataset.lora, scale: text !== "" && Number.isFinite(n) ? n : text });
+  }
+  return out;
+}
+
 function optionValue(name) {
   const input = document.querySelector(`[data-option="${name}"]`);
   return input ? input.value : "";
@@ -183,6 +228,10 @@ function lengthHint() {
 
 $("reset").addEventListener("click", () => {
   for (const input of document.querySelectorAll("[data-option]")) input.value = input.dataset.default;
+  for (const on of document.querySelectorAll("[data-lora]")) {
+    on.checked = false;
+    $(`${on.id}-scale`).value = "1";
+  }
   $("seed").value = "";
   lengthHint();
 });
@@ -220,6 +269,8 @@ async function body() {
   }
   const seed = $("seed").value.trim();
   if (seed !== "") out.seed = Number.isFinite(Number(seed)) ? Number(seed) : seed;
+  const loras = chosenLoras();
+  if (loras.length) out.loras = loras;
   const file = $("image").files[0];
   if (file) out.input_reference = await readFile(file);
   return out;

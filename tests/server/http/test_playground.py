@@ -30,7 +30,17 @@ SMALL = {"num_frames": "9", "width": "96", "height": "64", "num_inference_steps"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, cache_dir):
-    s = ServerProcess(tmp_path_factory.mktemp("playground"), cache_dir, extra_args=API_ARGS, faults=API_FAULTS)
+    from models.default import ensure_default_model
+    from models.loading import load_ltx_video
+
+    from ...lora_adapters import LTX_VIDEO_A, make_adapter
+
+    workdir = tmp_path_factory.mktemp("playground")
+    adapters = workdir / "adapters"
+    adapters.mkdir()
+    make_adapter(load_ltx_video(ensure_default_model(cache_dir)), adapters / "a.safetensors", seed=1,
+                 targets=LTX_VIDEO_A)
+    s = ServerProcess(workdir, cache_dir, extra_args=[*API_ARGS, "--lora-dir", str(adapters)], faults=API_FAULTS)
     try:
         s.wait_ready()
         yield s
@@ -219,6 +229,27 @@ def test_image_to_video_from_an_uploaded_file(server, browser, tmp_path):
     assert record["status"] == "completed" and record["input_reference"] is True, record
     assert record["prompt"] == "a lantern on a lake at night" and record["num_frames"] == 9
     wait_for(lambda: (li := history_item(browser, job_id)) and "from an image" in li.text, 10, "the history entry")
+
+
+def test_an_adapter_is_applied_with_its_scale_and_a_bad_scale_is_the_apis_error(server, browser):
+    open_page(browser, server)
+    assert visible(browser, "loras") and by_id(browser, "lora-a").get_attribute("data-lora") == "a"
+    fill(browser, "a lighthouse", **SMALL)
+    js(browser, "document.getElementById('lora-a').checked = true; "
+                "document.getElementById('lora-a-scale').value = '9';")
+    by_id(browser, "generate").click()
+    wait_for(lambda: visible(browser, "error"), 30, "the API's error")
+    assert "loras[0].scale" in by_id(browser, "error-param").text
+    assert "invalid" in by_id(browser, "loras").get_attribute("class")
+
+    js(browser, "document.getElementById('lora-a-scale').value = '0.75';")
+    job_id = submit(browser)
+    wait_for(lambda: current(browser)["status"] == "completed", 120, "the job with an adapter to complete")
+    job = server.client.get(f"/v1/videos/{job_id}").json()
+    assert job["loras"] == [{"name": "a", "scale": 0.75}]
+    # Reset clears the choice: the next job runs the base weights.
+    js(browser, "document.getElementById('reset').click();")
+    assert not by_id(browser, "lora-a").is_selected()
 
 
 def test_a_bad_value_shows_the_apis_error(server, browser):
