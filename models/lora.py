@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -211,6 +212,12 @@ class LoraCatalog:
                 verdict = str(exc)
             if verdict is not None:
                 raise ValueError(f"loras[{i}].name={lora.name!r} {verdict}")
+
+    def warm(self) -> None:
+        """Make every adapter's verdict (and the model's modules) now, as :meth:`check` would on first use."""
+        for name in self.directory.names() if self.directory is not None else ():
+            with contextlib.suppress(ValueError):  # refused by name when asked for
+                self.check((LoraWeight(name),))
 
     def _verdict(self, name: str) -> str | None:
         """Why adapter ``name`` cannot apply to the model, as a predicate (``None``: it can)."""

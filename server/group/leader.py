@@ -372,6 +372,10 @@ class GroupLeader:
             self._encoder = ThreadPoolExecutor(max_workers=len(self.lanes), thread_name_prefix="cp-infer-encode")
             for lane in self.lanes:
                 self._ping(lane)
+            if self.config.runtime.lora_dir is not None:
+                # The adapters' checks (the model's modules on the meta device, each adapter's header) made here, so
+                # that no HTTP request waits for them.
+                self._loras.warm()
             self.loaded = True
             phases.mark("ready")
             log.info("group of %d rank(s) in %d replica(s) ready (pids %s, restart %d)", self.world_size,

@@ -16,6 +16,7 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 
+from cp_infer.request import LoraWeight
 from models.default import ensure_default_model
 from models.loading import load_ltx_video
 from models.registry import describe_model, lora_catalog
@@ -107,6 +108,26 @@ def test_malformed_loras_are_refused(client, bad, code):
     r = client.post("/v1/videos", json={**tiny(), **bad})
     assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
     assert r.json()["error"]["param"].startswith("loras"), r.text
+
+
+def test_warm_makes_every_verdict_so_no_request_builds_the_model(tmp_path):
+    """The leader warms its catalog before it reports ready: a request's check then only looks its verdict up."""
+    model_dir = ensure_default_model(tmp_path / "cache")
+    adapters = tmp_path / "adapters"
+    adapters.mkdir()
+    _write_adapters(adapters, model_dir)
+    info, built = describe_model(model_dir), []
+    catalog = lora_catalog(info, adapters)
+    targets_of = catalog._targets_of
+    catalog._targets_of = lambda: built.append(1) or targets_of()
+    catalog.warm()
+    assert built == [1]
+    verdicts = dict(catalog._verdicts)
+    assert {key[0] for key in verdicts} == {"a", "b", "sd"}  # pickle's header is refused by name, link is out
+    catalog.check((LoraWeight("a"), LoraWeight("b", 0.5)))
+    with pytest.raises(ValueError, match=r"loras\[0\]\.name='sd' matches no module"):
+        catalog.check((LoraWeight("sd"),))
+    assert built == [1] and catalog._verdicts == verdicts
 
 
 def test_accepted_loras_are_in_the_job(client):
