@@ -132,6 +132,9 @@ class LTXVideoComponents:
     latent_upsampler: LTXLatentUpsamplerModel | None = None
     """The 2x latent upsampler of two-stage generation (``latent_upsampler/``), eval mode, `dtype`, `device`;
     ``None`` when the folder has none."""
+    checkpoint: Path | None = None
+    """The single-file checkpoint the transformer and VAE came from (``--model file --config``); ``None``: the
+    folder's own."""
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
@@ -173,6 +176,9 @@ class LTX2Components:
     latent_upsampler: LTX2LatentUpsamplerModel | None = None
     """The 2x latent upsampler of two-stage generation (``latent_upsampler/``, diffusers' layout), eval mode,
     `dtype`, `device`; ``None`` when the folder has none."""
+    checkpoint: Path | None = None
+    """The single-file checkpoint the transformer and VAEs came from (``--model file --config``); ``None``: the
+    folder's own."""
 
 
 def recommended_stages(path: str | os.PathLike, *, upsampler: bool | None = None) -> int:
@@ -186,13 +192,16 @@ def recommended_stages(path: str | os.PathLike, *, upsampler: bool | None = None
     return 1 if (root / MARKER_FILE).is_file() else 2
 
 
-def is_distilled(path: str | os.PathLike) -> bool:
-    """Whether a folder holds a distilled checkpoint, whose requests default to its fixed few-step schedule without
-    guidance. A diffusers folder does not record it in its configs; its name does, as the distilled repositories are
-    named (``diffusers/LTX-2.3-Distilled-Diffusers``): the folder's own name, or for a hub snapshot
-    (``models--org--name/snapshots/<commit>``) the repository's."""
+def is_distilled(path: str | os.PathLike, *, checkpoint: str | os.PathLike | None = None) -> bool:
+    """Whether a folder (or the single-file ``checkpoint`` loaded with its configs) holds a distilled checkpoint,
+    whose requests default to its fixed few-step schedule without guidance. A diffusers folder does not record it in
+    its configs; its name does, as the distilled repositories and files are named
+    (``diffusers/LTX-2.3-Distilled-Diffusers``, ``ltx-2-19b-distilled.safetensors``): the folder's own name, for a hub
+    snapshot (``models--org--name/snapshots/<commit>``) the repository's, and the checkpoint file's."""
     root = Path(path).absolute()
     names = [root.name, *(p.name for p in root.parents if p.name.startswith("models--"))]
+    if checkpoint is not None:
+        names.append(Path(checkpoint).name)
     return any("distilled" in name.lower() for name in names)
 
 
@@ -514,6 +523,8 @@ def _load_components(
         if name not in loaders or (contents is not None and name in contents.components):
             components[name].to(device)
         components[name].eval()
+    if files.checkpoint is not None:  # the families that read single files record which
+        components["checkpoint"] = files.checkpoint
     return components_class(**components, path=root, dtype=dtype, device=device)
 
 

@@ -380,7 +380,8 @@ class LTX2Model:
         path = getattr(components, "path", None)
         stages = None if path is None else recommended_stages(path, upsampler=upsampler is not None)
         self.options = ltx2_options(layers=self.layers, latent_upsampler=upsampler is not None, stages=stages,
-                                    distilled=path is not None and is_distilled(path))
+                                    distilled=path is not None and is_distilled(
+                                        path, checkpoint=getattr(components, "checkpoint", None)))
 
     placement = None
     """Where the components are (``models.placement.Placement``, set by ``models.registry.open_model``)."""

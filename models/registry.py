@@ -135,7 +135,7 @@ def describe_model(model: str | os.PathLike | ModelFiles | None, *, config: str 
     stages = recommended_stages(path, upsampler=upsampler)
     return ModelInfo(path=path, family=family, geometry=geometry, layers=layers,
                      options=model_options(family, layers=layers, latent_upsampler=upsampler, stages=stages,
-                                           distilled=is_distilled(path)))
+                                           distilled=is_distilled(path, checkpoint=files.checkpoint)))
 
 
 _RECOMPILE_LIMIT = 64
@@ -195,12 +195,14 @@ def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | tor
                config: str | os.PathLike | None = None, upsampler: str | os.PathLike | None = None,
                compile_blocks: bool = False, lora_dir: str | os.PathLike | None = None,
                max_lora_bytes: int | None = None, weights: str = "auto", offload: Sequence[str] = (),
-               stage_2_loras: Sequence = ()):
+               stage_2_loras: Sequence = (), max_lora_rank: int | None = None):
     """Load ``model`` (with ``config`` and ``upsampler`` as :func:`describe_model` takes them) on ``state.device`` and
     return its parallel adapter (``LTXVideoModel``, ``LTX2Model`` or ``WanModel``); ``compile_blocks``:
     :func:`compile_transformer_blocks` on its transformer; ``lora_dir``: the adapters requests may apply
     (``models.lora.LoadedLoras``, keeping at most ``max_lora_bytes`` of them loaded; unset: the default), and
-    ``stage_2_loras`` those stage 2 of two-stage generation adds (``models.lora.pass_loras``);
+    ``stage_2_loras`` those stage 2 of two-stage generation adds (``models.lora.pass_loras``); with both
+    ``compile_blocks`` and ``lora_dir`` the adapters are copied into slots of rank ``max_lora_rank`` (unset: the
+    default) made before the compile (``models.lora_slots``), so the blocks compile once for every adapter;
     ``weights`` and ``offload``: where the components go (``models.placement``; the adapter's ``placement``)."""
     from .placement import apply_offload, resolve_placement, sharded_loaders
 
@@ -242,9 +244,15 @@ def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | tor
     if lora_dir is not None:
         from .lora import DEFAULT_MAX_LORA_BYTES, LoadedLoras, LoraDirectory
 
-        adapter.loras = LoadedLoras(LoraDirectory(lora_dir), spec=adapter.lora_spec, parts=adapter.lora_parts(),
+        directory, slots = LoraDirectory(lora_dir), None
+        if compile_blocks:
+            from .lora_slots import DEFAULT_MAX_LORA_RANK, directory_modules, make_slots
+
+            slots = make_slots(adapter.lora_parts(), directory_modules(directory, adapter.lora_spec),
+                               rank=DEFAULT_MAX_LORA_RANK if max_lora_rank is None else max_lora_rank)
+        adapter.loras = LoadedLoras(directory, spec=adapter.lora_spec, parts=adapter.lora_parts(),
                                     max_bytes=DEFAULT_MAX_LORA_BYTES if max_lora_bytes is None else max_lora_bytes,
-                                    stage_2=stage_2_loras)
+                                    stage_2=stage_2_loras, slots=slots)
     if compile_blocks:
         # Wan 2.2 A14B runs two experts (``WanModel.experts``); every other model one transformer.
         for transformer in getattr(adapter, "experts", (adapter.transformer,)):

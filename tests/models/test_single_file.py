@@ -16,6 +16,7 @@ their summation order (~1e-6, here 1 uint8 level in a frame); ``from_single_file
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -276,3 +277,25 @@ def test_a_checkpoint_short_of_weights_is_refused(case, tmp_path):
     with pytest.raises(ModelLoadError, match=r"could not load transformer from single-file checkpoint .* lacks \d+ of "
                                              r"the model's weights \(transformer_blocks\.1\."):
         open_model(str(short), config=str(folder), dtype="fp32", state=single_process_state())
+
+
+def test_a_distilled_single_file_declares_the_distilled_recipe(case, tmp_path):
+    """A distilled LTX-2 checkpoint is told by its file's name (``ltx-2-19b-distilled.safetensors``) when its configs
+    come from a dev folder, and the loaded model records the file; LTX-Video has no distilled recipe, so the name
+    changes nothing there."""
+    from models.loading import load_ltx2, load_ltx_video, resolve_files
+    from models.ltx2_options import DISTILLED_SIGMAS
+    from models.registry import describe_model
+
+    family, folder, path, _ = case
+    distilled = tmp_path / f"tiny-{family}-distilled.safetensors"
+    os.link(path, distilled)
+    dev_options = describe_model(str(path), config=str(folder)).options
+    options = describe_model(str(distilled), config=str(folder)).options
+    if family == "ltx2":
+        assert dev_options["sigmas"].default is None and dev_options["num_inference_steps"].default != 8
+        assert options["sigmas"].default == DISTILLED_SIGMAS and options["num_inference_steps"].default == 8
+    else:
+        assert [(o.name, o.default) for o in options] == [(o.name, o.default) for o in dev_options]
+    load = load_ltx2 if family == "ltx2" else load_ltx_video
+    assert load(resolve_files(str(distilled), config=str(folder))).checkpoint == distilled
