@@ -6,6 +6,10 @@
   ``bench/conditioning.py``; :class:`OursRunner`, our engine over it, which keeps the final latents.
 - LTX-2: diffusers' ``LTX2VideoTransformer3DModel`` at 2 layers x 8 heads x 64 (audio 8 x 32) with the other
   components of ``tiny-ltx2``, and ``LTX2Pipeline``'s default guidance.
+- Wan 2.1 text-to-video: diffusers' ``WanTransformer3DModel`` at the same :class:`ModelSize` (feed-forward 4x the
+  inner width, as LTX-Video's; patch 1x2x2) with ``tiny-wan``'s other components (a tiny UMT5, a tiny Wan VAE with
+  Wan's real compression, 4x time and 8x space, and its UniPC scheduler); the Wan workloads of ``bench/generate.py``
+  have the LTX-Video workloads' latent token grids (4 x 8 x 16 and 16 x 16 x 16 tokens).
 
 Invariants: every process builds the same weights (LTX-Video: torch's own init under :data:`SEED`, the global RNG
 forked; LTX-2: ``models.embedded.init_deterministic`` from :data:`SEED`); everything is fp32.
@@ -21,9 +25,9 @@ from typing import Any
 
 __all__ = [
     "COMM", "COMPUTE", "FPS", "GUIDANCE", "LATENT_TOL", "LTX2_GUIDANCE", "LTX2_HEADS", "LTX2_HEAD_DIM", "LTX2_LAYERS",
-    "LTX2_NEGATIVE", "LTX2_PROMPT", "MEDIUM", "MEDIUM_LABEL", "NEGATIVE", "PROMPT", "SEED", "SHORT_WIDE", "ModelSize",
-    "OursRunner", "Workload", "build_components", "build_ltx2_components", "make_request", "model_sizes", "workloads",
-    "write_medium_folder",
+    "LTX2_NEGATIVE", "LTX2_PROMPT", "LTX_VIDEO", "MEDIUM", "MEDIUM_LABEL", "NEGATIVE", "PROMPT", "SEED", "SHORT_WIDE",
+    "WAN", "ModelSize", "OursRunner", "Workload", "build_components", "build_ltx2_components", "make_request",
+    "model_sizes", "wan_workloads", "workloads", "write_medium_folder",
 ]
 
 SEED = 1234
@@ -65,8 +69,9 @@ class ModelSize:
         if self.layers < 1 or self.heads < 2 or self.heads % 2:
             raise ValueError(f"layers={self.layers} must be >= 1 and heads={self.heads} even (Ulysses over 2 ranks)")
 
-    def describe(self, params: int) -> str:
-        return (f"`LTXVideoTransformer3DModel`, {self.layers} layers, {self.heads} heads x {self.head_dim} dim "
+    def describe(self, params: int, family: str = "ltx-video") -> str:
+        cls = "WanTransformer3DModel" if family == WAN else "LTXVideoTransformer3DModel"
+        return (f"`{cls}`, {self.layers} layers, {self.heads} heads x {self.head_dim} dim "
                 f"(inner {self.heads * self.head_dim}), {self.channels} latent channels, {params / 1e6:.1f} M params")
 
 
@@ -85,13 +90,18 @@ class Workload:
     model: ModelSize
     target: bool = True
     """Whether the issue's targets are read off this workload (``False``: reported for context only)."""
+    family: str = "ltx-video"
+    """``ltx-video`` or ``wan``: which transformer and pipeline (:func:`build_components`)."""
 
     def tokens(self) -> int:
         from cp_infer import VideoGeometry
 
-        return VideoGeometry().latent_shape(self.frames, self.height, self.width).tokens
+        geometry = (VideoGeometry(temporal_compression=4, spatial_compression=8, patch_size=2) if self.family == WAN
+                    else VideoGeometry())
+        return geometry.latent_shape(self.frames, self.height, self.width).tokens
 
 
+LTX_VIDEO, WAN = "ltx-video", "wan"
 COMM, SHORT_WIDE, COMPUTE = "comm-bound", "short, wide model", "compute-bound"
 
 
@@ -110,8 +120,19 @@ def workloads(wide: ModelSize, narrow: ModelSize) -> tuple[Workload, ...]:
             Workload(COMPUTE, frames=121, height=512, width=512, model=wide))
 
 
-def build_components(size: ModelSize) -> dict[str, Any]:
-    """``LTXPipeline``'s components: the benchmark transformer at ``size`` around the embedded default's others."""
+def wan_workloads(wide: ModelSize, narrow: ModelSize) -> tuple[Workload, ...]:
+    """:func:`workloads` on Wan 2.1 text-to-video, with the same latent token grids: 13 frames at 128x256 (4 x 8 x 16
+    tokens after the 1x2x2 patch) and 61 frames at 256x256 (16 x 16 x 16)."""
+    return (Workload(f"wan {COMM}", frames=13, height=128, width=256, model=narrow, family=WAN),
+            Workload(f"wan {SHORT_WIDE}", frames=13, height=128, width=256, model=wide, target=False, family=WAN),
+            Workload(f"wan {COMPUTE}", frames=61, height=256, width=256, model=wide, family=WAN))
+
+
+def build_components(size: ModelSize, family: str = LTX_VIDEO) -> Any:
+    """``LTXPipeline``'s components (a dict): the benchmark transformer at ``size`` around the embedded default's
+    others; ``family="wan"``: ``WanPipeline``'s, as ``models.wan_loading.WanComponents``, around ``tiny-wan``'s."""
+    if family == WAN:
+        return _build_wan_components(size)
     import torch
     from diffusers import LTXVideoTransformer3DModel
 
@@ -130,6 +151,27 @@ def build_components(size: ModelSize) -> dict[str, Any]:
     return components
 
 
+def _build_wan_components(size: ModelSize) -> Any:
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from models.default_wan import build_wan_pipeline
+    from models.wan_loading import WanComponents
+
+    pipe = build_wan_pipeline("t2v")
+    inner = size.heads * size.head_dim
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=size.heads, attention_head_dim=size.head_dim,
+            in_channels=size.channels, out_channels=size.channels, text_dim=pipe.text_encoder.config.d_model,
+            freq_dim=256, ffn_dim=4 * inner, num_layers=size.layers, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+    return WanComponents(transformer=transformer.eval(), vae=pipe.vae, scheduler=pipe.scheduler,
+                         text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer, path=Path("."),
+                         dtype=torch.float32, device=torch.device("cpu"))
+
+
 def write_medium_folder(folder: Path) -> None:
     """An LTX-Video folder (``LTXPipeline.save_pretrained``) with the :data:`MEDIUM` transformer."""
     from diffusers import LTXPipeline
@@ -138,9 +180,17 @@ def write_medium_folder(folder: Path) -> None:
 
 
 def make_request(workload: Workload, steps: int, **values: Any):
-    """The workload's request, resolved against LTX-Video's declared options (diffusers' runner reads them all)."""
+    """The workload's request, resolved against its family's declared options (diffusers' runner reads them all)."""
     from cp_infer.request import GenerationRequest, resolve_request
     from models.ltx_video_options import ltx_video_options
+
+    if workload.family == WAN:
+        from models.wan_options import wan_options
+
+        req = GenerationRequest.of(prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=workload.frames,
+                                   height=workload.height, width=workload.width, num_inference_steps=steps,
+                                   guidance_scale=GUIDANCE, seed=SEED, max_sequence_length=128, **values)
+        return resolve_request(req, wan_options())
 
     options = ltx_video_options()
     # NOTE(one-window): one sequence, as LTXPipeline makes it. Ours makes a video longer than temporal_tile_size
@@ -163,19 +213,30 @@ class _Recording:
         return getattr(self._model, name)
 
     def decoder(self, latents, prepared):
-        self.latents = latents["video"].clone()
+        if self._model.family == WAN:  # the pipeline's final [B, C, F, H, W] latents, as WanPipeline has them
+            import torch
+
+            self.latents = torch.from_numpy(self._model.output_latents(latents, prepared)["latents"])
+        else:
+            self.latents = latents["video"].clone()
         return self._model.decoder(latents, prepared)
 
 
 class OursRunner:
-    """``cp_infer.sampler.sample`` over ``models.ltx_video.LTXVideoModel``; a call returns the uint8 frames, the
-    final packed latents, the step times and the time from the call to the first step's start."""
+    """``cp_infer.sampler.sample`` over ``models.ltx_video.LTXVideoModel`` (a components dict) or
+    ``models.wan.WanModel`` (``WanComponents``); a call returns the uint8 frames, the final latents (LTX-Video:
+    packed; Wan: ``[B, C, F, H, W]``), the step times and the time from the call to the first step's start."""
 
-    def __init__(self, components: dict[str, Any], *, state: Any) -> None:
-        from models.ltx_video import LTXVideoModel
-
+    def __init__(self, components: Any, *, state: Any) -> None:
         self.state = state
-        self.model = _Recording(LTXVideoModel(SimpleNamespace(**components), state=state))
+        if isinstance(components, dict):
+            from models.ltx_video import LTXVideoModel
+
+            self.model = _Recording(LTXVideoModel(SimpleNamespace(**components), state=state))
+        else:
+            from models.wan import WanModel
+
+            self.model = _Recording(WanModel(components, state=state))
 
     def __call__(self, request: Any, on_last_step: Any) -> dict[str, Any]:
         from cp_infer.sampler import SampleControl, sample

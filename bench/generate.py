@@ -1,8 +1,10 @@
-"""Benchmark: end-to-end LTX-Video generation, ours (Ulysses engine) against diffusers' own context parallelism.
+"""Benchmark: end-to-end LTX-Video and Wan generation, ours (Ulysses engine) against diffusers' own context
+parallelism.
 
 Run from the repository root::
 
-    python bench/generate.py [--quick] [--out FILE.md] [--rounds N] [--steps N] [--layers N] [--heads N]
+    python bench/generate.py [--quick] [--families ltx-video,wan] [--out FILE.md] [--rounds N] [--steps N]
+                             [--layers N] [--heads N]
 
 Text-to-video. Image-to-video on the same models is ``bench/conditioning.py``, LTX-2 ``bench/ltx2.py``.
 
@@ -32,6 +34,12 @@ Workloads (latent token counts are even, as diffusers' context parallelism requi
 - short, wide model: the same 512 tokens on the wide model (context only: no target is read off it);
 - compute-bound (the long video): 121 frames at 512x512 -> 16 x 16 x 16 = 4096 latent tokens, wide model, one
   sequence on both sides (NOTE(one-window) in ``bench/_models.py``: ours is not made window by window).
+- Wan (``--families``, default both): the same three on Wan 2.1 text-to-video (``WanTransformer3DModel`` at the same
+  sizes, ``tiny-wan``'s UMT5, VAE and UniPC scheduler) with the same token grids: 13 frames at 128x256 and 61 frames
+  at 256x256 (Wan's VAE compresses 4x in time and 8x in space, its transformer patches 2x2). diffusers' side is
+  ``WanPipeline.__call__`` with ``WanTransformer3DModel``'s shipped ``_cp_plan`` (``DiffusersWanRunner``: only the
+  device-count patch; ``ulysses_anything`` would be set for an uneven count, which these workloads do not have).
+  WanPipeline runs its two guidance passes one after the other (batch 1 each), as ours does for Wan.
 
 Configurations, each in its own fresh processes (``torch.multiprocessing`` spawn, gloo on 127.0.0.1, free port):
 
@@ -102,11 +110,14 @@ from bench._models import (  # noqa: E402 -- path set-up
     COMPUTE,
     GUIDANCE,
     LATENT_TOL,
+    LTX_VIDEO,
+    WAN,
     OursRunner,
     Workload,
     build_components,
     make_request,
     model_sizes,
+    wan_workloads,
     workloads,
 )
 from bench.harness import (  # noqa: E402
@@ -197,11 +208,16 @@ def _worker(rank: int, setup: Setup, config: BenchConfig, workload: Workload, po
             dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=setup.ranks,
                                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
         started = time.perf_counter()
-        components = build_components(workload.model)
+        components = build_components(workload.model, workload.family)
         clock = CollectiveClock.install()
-        weights = list(components["transformer"].parameters())
+        transformer = components.transformer if workload.family == WAN else components["transformer"]
+        weights = list(transformer.parameters())
         if state is not None:
             run = OursRunner(components, state=state)
+        elif workload.family == WAN:
+            from bench.peers.diffusers_cp import DiffusersWanRunner
+
+            run = DiffusersWanRunner(components, ranks=setup.ranks, tokens=workload.tokens())
         else:
             from bench.peers.diffusers_cp import DiffusersRunner
 
@@ -347,19 +363,21 @@ def _ratios(config: BenchConfig, rows: dict[tuple[str, str], dict[str, Any]]) ->
             o2["act_e2e_mib"] / o1["act_e2e_mib"])
         if DIFF_1.label in r:
             add("step ours N=1 / diffusers N=1 (same modules; a noise check)", o1["step_s"] / r[DIFF_1.label]["step_s"])
-    c = {s.label: rows[(COMPUTE, s.label)] for s in config.setups}
-    o1, o2, d2 = c[OURS_1.label], c[OURS_2.label], c[DIFF_2.label]
-    comm = rows[(COMM, OURS_2.label)]["e2e_s"] / rows[(COMM, DIFF_2.label)]["e2e_s"]
-    lines.append("targets:")
-    add("comm-bound: e2e ours N=2 / diffusers CP N=2", comm, 0.8)
-    add("compute-bound: e2e ours N=2 / diffusers CP N=2", o2["e2e_s"] / d2["e2e_s"], 1.0)
-    add("compute-bound: step ours N=2 / diffusers CP N=2", o2["step_s"] / d2["step_s"], 1.0)
-    add("compute-bound: e2e ours N=2 (1 thread/rank) / ours N=1 (2 threads)", o2["e2e_s"] / o1["e2e_s"], 0.97)
-    add("compute-bound: step ours N=2 (1 thread/rank) / ours N=1 (2 threads)", o2["step_s"] / o1["step_s"], 0.97)
-    add("long video (compute-bound): peak act. mem / rank, denoise, 1st generation after loading, ours N=2 / ours N=1",
-        o2["act_denoise_mib"] / o1["act_denoise_mib"], 0.6)
-    add("(not counted: steady state, which leaves out buffers kept from the 1st generation) the same ratio",
-        o2["act_steady_mib"] / o1["act_steady_mib"], 0.6, counted=False)
+    for family in dict.fromkeys(w.family for w in config.workloads):
+        prefix = "wan " if family == WAN else ""
+        c = {s.label: rows[(prefix + COMPUTE, s.label)] for s in config.setups}
+        o1, o2, d2 = c[OURS_1.label], c[OURS_2.label], c[DIFF_2.label]
+        comm = rows[(prefix + COMM, OURS_2.label)]["e2e_s"] / rows[(prefix + COMM, DIFF_2.label)]["e2e_s"]
+        lines.append(f"targets ({'Wan 2.1' if family == WAN else 'LTX-Video'}):")
+        add("comm-bound: e2e ours N=2 / diffusers CP N=2", comm, 0.8)
+        add("compute-bound: e2e ours N=2 / diffusers CP N=2", o2["e2e_s"] / d2["e2e_s"], 1.0)
+        add("compute-bound: step ours N=2 / diffusers CP N=2", o2["step_s"] / d2["step_s"], 1.0)
+        add("compute-bound: e2e ours N=2 (1 thread/rank) / ours N=1 (2 threads)", o2["e2e_s"] / o1["e2e_s"], 0.97)
+        add("compute-bound: step ours N=2 (1 thread/rank) / ours N=1 (2 threads)", o2["step_s"] / o1["step_s"], 0.97)
+        add("long video (compute-bound): peak act. mem / rank, denoise, 1st generation after loading, ours N=2 / "
+            "ours N=1", o2["act_denoise_mib"] / o1["act_denoise_mib"], 0.6)
+        add("(not counted: steady state, which leaves out buffers kept from the 1st generation) the same ratio",
+            o2["act_steady_mib"] / o1["act_steady_mib"], 0.6, counted=False)
     return lines, sum(met), len(met)
 
 
@@ -372,11 +390,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="denoising steps per generation (default 3, --quick 2)")
     parser.add_argument("--layers", type=int, default=None, help="transformer layers (default 2, --quick 1)")
     parser.add_argument("--heads", type=int, default=None, help="attention heads of 64 dims (default 16, --quick 8)")
+    parser.add_argument("--families", default=f"{LTX_VIDEO},{WAN}",
+                        help=f"comma-separated model families to run: {LTX_VIDEO}, {WAN} (default both)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report to this markdown file")
     args = parser.parse_args(argv)
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    if not families or set(families) - {LTX_VIDEO, WAN}:
+        parser.error(f"--families {args.families!r}: expected a comma-separated list of {LTX_VIDEO} and {WAN}")
     command = command_line(__file__, argv)
+    sizes = model_sizes(quick=args.quick, layers=args.layers, heads=args.heads)
     config = BenchConfig(
-        workloads=workloads(*model_sizes(quick=args.quick, layers=args.layers, heads=args.heads)),
+        workloads=(*(workloads(*sizes) if LTX_VIDEO in families else ()),
+                   *(wan_workloads(*sizes) if WAN in families else ())),
         setups=(OURS_1, OURS_2, DIFF_2) if args.quick else (OURS_1, OURS_2, DIFF_2, DIFF_1),
         steps=args.steps or (2 if args.quick else 3), rounds=args.rounds or (1 if args.quick else 3),
     )
@@ -405,11 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     if not same_weights:
         failures.append(f"transformer weights differ between the processes of one workload: checksums {checksums}")
     ratio_lines, met, total = _ratios(config, rows)
-    models = {w.model: rows[(w.name, OURS_1.label)]["params"] for w in config.workloads}
+    models = {(w.model, w.family): rows[(w.name, OURS_1.label)]["params"] for w in config.workloads}
     lines = [
         f"command: `{command}`", "", env, "",
-        f"models: {'; '.join(m.describe(params) for m, params in models.items())}; text: tiny T5, 128 tokens; "
-        f"VAE: tiny, 8x time / 32x space; "
+        f"models: {'; '.join(m.describe(params, family) for (m, family), params in models.items())}; text: tiny "
+        f"T5 (Wan: UMT5), 128 tokens; VAE: tiny, 8x time / 32x space (Wan: 4x / 8x); "
         f"{config.rounds} timed round(s) of {config.steps} denoising steps per configuration, after two "
         f"{WARMUP_STEPS}-step warm-ups; CFG on (guidance {GUIDANCE}), same seed and weights everywhere.", "",
         *_table(config, rows), "", *ratio_lines, "", f"{met}/{total} targets met.", "",

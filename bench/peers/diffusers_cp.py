@@ -53,7 +53,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-__all__ = ["DiffusersLTX2Runner", "DiffusersRunner", "enable_diffusers_context_parallel"]
+__all__ = ["DiffusersLTX2Runner", "DiffusersRunner", "DiffusersWanRunner", "enable_diffusers_context_parallel"]
 
 
 def _narrow_mask_to_local_heads(forward_op: Any) -> Any:
@@ -214,6 +214,55 @@ class DiffusersLTX2Runner:
                         **self.guidance)
         record["frames"] = (np.clip(out.frames[0], 0.0, 1.0) * 255.0).round().astype(np.uint8)
         record["waveform"] = out.audio[0].float().numpy()
+        return record
+
+
+class DiffusersWanRunner:
+    """``WanPipeline.__call__`` as shipped over ``WanComponents`` (Wan 2.1 text-to-video), context-parallel over
+    ``ranks`` when > 1 with the shipped ``WanTransformer3DModel._cp_plan`` (RoPE tables and the video tokens split,
+    the text left whole, ``proj_out`` gathered) and only patch 1 (Wan's attention takes no mask, so patch 2 never
+    acts). ``ulysses_anything`` (uneven token counts) is on where the tokens do not divide ``ranks``. A call returns
+    uint8 frames, the final ``[B, C, F, H, W]`` latents and the step times (a step from the conditional pass's start,
+    WanPipeline's two guidance passes and its scheduler step)."""
+
+    def __init__(self, components: Any, *, ranks: int, tokens: int | None = None) -> None:
+        from diffusers import ContextParallelConfig, WanPipeline
+
+        c = components
+        self.pipe = WanPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, scheduler=c.scheduler,
+                                transformer=c.transformer)
+        self.pipe.set_progress_bar_config(disable=True)
+        if ranks > 1:
+            uneven = tokens is not None and tokens % ranks != 0
+            with mock.patch.object(torch.accelerator, "device_count", lambda: 1):
+                c.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ranks,
+                                                                             ulysses_anything=uneven))
+        self._start: float | None = None
+        c.transformer.register_forward_pre_hook(self._on_pass)
+
+    def _on_pass(self, _module, _args) -> None:
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def __call__(self, request: Any, on_last_step: Callable[[], None]) -> dict[str, Any]:
+        record: dict[str, Any] = {"steps": []}
+        self._start = None
+
+        def on_step_end(_pipe, i: int, _t, kwargs: dict[str, Any]) -> dict[str, Any]:
+            record["steps"].append(time.perf_counter() - self._start)
+            self._start = None
+            if i == request.num_inference_steps - 1:
+                on_last_step()
+                record["latents"] = kwargs["latents"].numpy().copy()  # B, C, F, H, W: gathered by proj_out's hook
+            return {}
+
+        video = self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
+                          width=request.width, num_frames=request.num_frames,
+                          num_inference_steps=request.num_inference_steps, guidance_scale=request.guidance_scale,
+                          generator=torch.Generator("cpu").manual_seed(request.seed),
+                          max_sequence_length=request.options["max_sequence_length"], output_type="np",
+                          callback_on_step_end=on_step_end, callback_on_step_end_tensor_inputs=["latents"]).frames[0]
+        record["frames"] = (np.clip(video, 0.0, 1.0) * 255.0).round().astype(np.uint8)
         return record
 
 
