@@ -1,7 +1,8 @@
 """``--compile``: the transformer blocks compiled (``models.registry.compile_transformer_blocks``) give the latents and
 frames of the eager engine, at 1 rank and at N=2 (the Ulysses all-to-alls compiled inside the blocks), for the
 tiny LTX-Video default and, at N=2, the tiny LTX-2 with every guidance it has (CFG, spatio-temporal guidance,
-modality isolation, CFG rescale: batch 2 and batch 1 blocks, cross-modal attention on and off, a perturbed block).
+modality isolation, CFG rescale: batch 2 and batch 1 blocks, cross-modal attention on and off, a perturbed block);
+and the tiny LTX-Video at N=2 with its weights sharded (FSDP2) and its blocks compiled.
 
 Tolerance: inductor fuses the blocks' pointwise ops and norms into its own kernels, which sum fp32 in another order
 and may keep intermediates in registers instead of rounding them to memory: ~1e-7 relative per op. Over a few steps
@@ -30,7 +31,7 @@ _LTX2_GUIDANCE = dict(guidance_scale=3.0, audio_guidance_scale=5.0, stg_scale=1.
                       spatio_temporal_guidance_blocks=(0,))
 
 
-def _sample(state, seed: int, compiled: bool, model_name: str | None = None) -> dict:
+def _sample(state, seed: int, compiled: bool, model_name: str | None = None, weights: str = "replicated") -> dict:
     import torch._dynamo.utils
 
     from cp_infer.request import GenerationRequest
@@ -39,7 +40,7 @@ def _sample(state, seed: int, compiled: bool, model_name: str | None = None) -> 
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = open_model(model_name, dtype="fp32", state=state, compile_blocks=compiled)
+    model = open_model(model_name, dtype="fp32", state=state, compile_blocks=compiled, weights=weights)
     guidance = _LTX2_GUIDANCE if model.family == "ltx2" else dict(guidance_scale=3.0)
     request = GenerationRequest.of(prompt="a red fox runs through fresh snow", negative_prompt="blurry",
                                    num_inference_steps=2, seed=seed, fps=24, **_SHAPES[model.family], **guidance)
@@ -50,13 +51,17 @@ def _sample(state, seed: int, compiled: bool, model_name: str | None = None) -> 
                 breaks=sum(counters["graph_break"].values()))
 
 
-@pytest.mark.parametrize(("model_name", "world"), [(None, 1), (None, 2), ("tiny-ltx2", 2)])
-def test_compiled_blocks_equal_eager(model_name, world):
+@pytest.mark.parametrize(("model_name", "world", "weights"),
+                         [(None, 1, "replicated"), (None, 2, "replicated"), ("tiny-ltx2", 2, "replicated"),
+                          (None, 2, "sharded")])
+def test_compiled_blocks_equal_eager(model_name, world, weights):
+    """``weights="sharded"``: the blocks FSDP2-sharded (``--weights sharded``) and compiled, against the eager
+    replicated run: FSDP2's gathers stay outside the compiled graphs (NOTE(compile-fsdp) in models/registry.py)."""
     seed = random.randrange(2**31)
     group = WorkerGroup(world)
     try:
         eager_ranks = group.run(_sample, seed, False, model_name, timeout=300)
-        compiled_ranks = group.run(_sample, seed, True, model_name, timeout=600)
+        compiled_ranks = group.run(_sample, seed, True, model_name, weights, timeout=600)
     finally:
         group.close()
     for rank, (e, c) in enumerate(zip(eager_ranks, compiled_ranks, strict=True)):
