@@ -3,9 +3,9 @@ folder's configs, on the meta device), ``--weights auto``'s decision, the sharde
 start-up report.
 
 Invariants:
-- ``--weights sharded`` shards the transformer and the text encoder over the replica group
-  (``models.sharded``); every other component (VAEs, vocoder, connectors, latent upsampler) is replicated. A replica
-  group of one rank has nothing to shard over: it loads replicated.
+- ``--weights sharded`` shards the transformer (Wan 2.2 A14B: both experts) and the text encoder over the replica
+  group (``models.sharded``); every other component (VAEs, vocoder, connectors, latent upsampler, Wan 2.1 I2V's image
+  encoder) is replicated. A replica group of one rank has nothing to shard over: it loads replicated.
 - ``auto`` is ``sharded`` only on CUDA and only when the replicated weights' peak (``cp_infer.placement``) passes
   ``AUTO_FRACTION`` of the device's free memory on some rank; every rank of the world takes the same decision (one
   all-reduce over the world's gloo group at start-up). On the CPU it is ``replicated``.
@@ -43,15 +43,24 @@ from cp_infer.state import ParallelState
 from cp_infer.weights import replica_mesh
 
 from .loading import ModelLoadError, detect_family, parse_dtype
-from .sharded import Placement, build_text_encoder, build_transformer, sharded_loader, text_encoder_units
+from .sharded import (
+    Placement,
+    build_text_encoder,
+    build_transformer,
+    sharded_loader,
+    text_encoder_units,
+    transformer_blocks,
+)
 
 __all__ = ["AUTO_FRACTION", "OFFLOAD_COMPONENTS", "Placement", "apply_offload", "auto_shards", "measure_components",
            "model_components", "parse_offload", "parse_weights", "resolve_placement", "sharded_loaders"]
 
 # A component (a components dataclass field) -> the --offload name that moves it.
-_OFFLOAD_OF = {"transformer": "transformer_blocks", "text_encoder": "text_encoder", "connectors": "text_encoder",
+_OFFLOAD_OF = {"transformer": "transformer_blocks", "transformer_2": "transformer_blocks",
+               "text_encoder": "text_encoder", "connectors": "text_encoder", "image_encoder": "text_encoder",
                "vae": "vae", "audio_vae": "vae", "vocoder": "vae"}
-_SHARDABLE = ("transformer", "text_encoder")
+_TRANSFORMERS = ("transformer", "transformer_2")
+_SHARDABLE = (*_TRANSFORMERS, "text_encoder")
 
 AUTO_FRACTION = 0.8
 """``auto`` shards when the replicated weights' peak passes this share of free device memory: the rest is left to
@@ -66,9 +75,17 @@ def _component_classes(family: str, root: Path | None) -> list[tuple[str, Any, b
     read off ``root``'s config; without a root, the plain one)."""
     import json
 
-    if family not in ("ltx-video", "ltx2"):
-        raise ModelLoadError(f"the memory plan and the sharded loaders know LTX-Video's and LTX-2's components, not "
-                             f"{family}'s; {family} models load replicated")
+    if family not in ("ltx-video", "ltx2", "wan"):
+        raise ModelLoadError(f"the memory plan and the sharded loaders know LTX-Video's, LTX-2's and Wan's "
+                             f"components, not {family}'s; {family} models load replicated")
+    if family == "wan":
+        from diffusers import AutoencoderKLWan, WanTransformer3DModel
+        from transformers import CLIPVisionModel, UMT5EncoderModel
+
+        # transformer_2: Wan 2.2 A14B's low-noise expert; image_encoder: Wan 2.1 I2V's CLIP (where the folder has them).
+        return [("transformer", WanTransformer3DModel, False), ("transformer_2", WanTransformer3DModel, False),
+                ("vae", AutoencoderKLWan, False), ("text_encoder", UMT5EncoderModel, True),
+                ("image_encoder", CLIPVisionModel, True)]
     if family == "ltx-video":
         from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
         from diffusers.pipelines.ltx.modeling_latent_upsampler import LTXLatentUpsamplerModel
@@ -117,8 +134,8 @@ def model_components(model: str | Path, *, dtype: str | torch.dtype) -> list[Com
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise ModelLoadError(f"could not read the config of {name}/ in {str(root)!r}: {exc}") from exc
         blocks, idle = ([], [])
-        if name == "transformer":
-            blocks = list(module.transformer_blocks)
+        if name in _TRANSFORMERS:
+            blocks = transformer_blocks(module)
         elif name == "text_encoder":
             blocks, idle = text_encoder_units(module)
         components.append(Component(
@@ -169,11 +186,13 @@ def sharded_loaders(family: str, placement: Placement) -> dict[str, Any]:
     if not placement.sharded:
         return {}
     transformer_cls, text_cls = _sharded_classes(family)
+    transformer = sharded_loader(
+        placement, lambda root, sub, dtype: build_transformer(transformer_cls, root, sub, dtype),
+        lambda m: (transformer_blocks(m), []), weights_name="diffusion_pytorch_model",
+        offload="transformer_blocks" in placement.offload)
     return {
-        "transformer": sharded_loader(
-            placement, lambda root, sub, dtype: build_transformer(transformer_cls, root, sub, dtype),
-            lambda m: (list(m.transformer_blocks), []), weights_name="diffusion_pytorch_model",
-            offload="transformer_blocks" in placement.offload),
+        # A folder without transformer_2/ never asks for its loader.
+        **dict.fromkeys(_TRANSFORMERS if family == "wan" else ("transformer",), transformer),
         "text_encoder": sharded_loader(
             placement, lambda root, sub, dtype: build_text_encoder(text_cls, root / sub, dtype), text_encoder_units,
             weights_name="model", offload="text_encoder" in placement.offload, text=True),
@@ -195,7 +214,7 @@ def apply_offload(components, placement: Placement) -> None:
     for name, module in _modules(components).items():
         if _OFFLOAD_OF.get(name) not in placement.offload or (placement.sharded and name in _SHARDABLE):
             continue
-        if name == "transformer":
+        if name in _TRANSFORMERS:
             apply_group_offloading(module, onload_device=device, offload_device="cpu", offload_type="block_level",
                                    num_blocks_per_group=1, use_stream=stream)
         else:

@@ -209,12 +209,6 @@ def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | tor
     files = resolve_files(model, config=config, upsampler=upsampler)
     family = detect_family(files.folder)
     dtype = parse_dtype(dtype)
-    if family == "wan":
-        # NOTE(wan-weights): the sharded loaders and the memory plan (models.placement, models.sharded) know the LTX
-        # families' components only; a Wan model loads replicated.
-        if weights == "sharded":
-            raise ModelLoadError("--weights sharded is not supported for Wan models yet; use --weights replicated")
-        weights = "replicated"
     if lora_dir is not None and weights != "replicated":
         # NOTE(lora-sharded): peft's adapter layers are not loaded into FSDP2-sharded blocks (the load fails inside
         # the sampler's inference mode); with adapters the weights are replicated.

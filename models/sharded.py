@@ -10,8 +10,9 @@ Invariants:
   computed buffers, so its gathered weights are the replicated load's bits.
 - Every rank of the world agrees on a load (``cp_infer.weights.agree_on_load``): a file cut short on one rank's
   rows fails every rank with that rank's message.
-- The transformer's units are its ``transformer_blocks``; a text encoder's its layers (T5's ``encoder.block``,
-  Gemma 3's language-model layers; Gemma 3's vision tower and projector are units no forward runs).
+- The transformer's units are its blocks (LTX's ``transformer_blocks``, Wan's ``blocks``); a text encoder's its
+  layers (T5's and UMT5's ``encoder.block``, Gemma 3's language-model layers; Gemma 3's vision tower and projector
+  are units no forward runs).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from cp_infer.weights import (
     shard_module,
 )
 
-__all__ = ["Placement", "build_text_encoder", "build_transformer", "text_encoder_units", "sharded_loader"]
+__all__ = ["Placement", "build_text_encoder", "build_transformer", "sharded_loader", "text_encoder_units",
+           "transformer_blocks"]
 
 
 @dataclass(frozen=True)
@@ -85,11 +87,17 @@ def build_text_encoder(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module
     return model.eval()
 
 
+def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
+    """A diffusers video transformer's blocks, in order: LTX's ``transformer_blocks``, Wan's ``blocks``."""
+    blocks = getattr(transformer, "transformer_blocks", None)
+    return list(transformer.blocks if blocks is None else blocks)
+
+
 def text_encoder_units(encoder: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """``(blocks, idle)``: the layers a forward runs in order, and the units it never runs."""
-    from transformers import Gemma3ForConditionalGeneration, T5EncoderModel
+    from transformers import Gemma3ForConditionalGeneration, T5EncoderModel, UMT5EncoderModel
 
-    if isinstance(encoder, T5EncoderModel):
+    if isinstance(encoder, (T5EncoderModel, UMT5EncoderModel)):
         return list(encoder.encoder.block), []
     if isinstance(encoder, Gemma3ForConditionalGeneration):
         inner = encoder.model
