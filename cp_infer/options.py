@@ -154,6 +154,8 @@ class ModelOptions:
     options: tuple[Option, ...]
     takes_media: bool = True
     """Whether requests may carry conditioning media (``image``, ``conditions``)."""
+    needs_image: bool = False
+    """Whether every request must carry its first frame (``image``): an image-to-video model."""
     check: Callable[[Mapping[str, Any]], None] | None = field(default=None, compare=False)
     """A check across options of the resolved values (every declared name), run last by :meth:`resolve`; raises
     ``ValueError`` naming the options and the fix (e.g. a size that one of the model's modes cannot take)."""

@@ -211,6 +211,9 @@ def _check_condition(name: str, cond: object, num_frames: int, temporal_compress
 
 def _check_conditions(request: GenerationRequest, options: ModelOptions, geometry: VideoGeometry) -> None:
     if request.image is None and not request.conditions:
+        if options.needs_image and request.extends is None:
+            raise ValueError(f"image: the loaded model ({options.model}) is image-to-video and needs the video's first "
+                             "frame; give it as the image (input_reference), or serve a text-to-video model")
         return
     field_name = "image" if request.image is not None else "conditions"
     if not options.takes_media:

@@ -74,7 +74,7 @@ def wan_options(layout: WanLayout = WanLayout()) -> ModelOptions:
     if layout.experts == 2:
         options.append(Option("guidance_scale_2", float, None, "guidance scale of the low-noise expert "
                               "(transformer_2; unset: guidance_scale)", lo=0, limit="max_guidance", nullable=True))
-    return ModelOptions("Wan", tuple(options), takes_media=layout.takes_image,
+    return ModelOptions("Wan", tuple(options), takes_media=layout.takes_image, needs_image=layout.image,
                         check=_check_text_tokens if layout.image_tokens else None)
 
 

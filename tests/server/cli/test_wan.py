@@ -159,3 +159,50 @@ def test_the_server_refuses_an_image_for_text_to_video_wan(wan_server):
     r = wan_server.client.post("/v1/videos", json={"prompt": "a fox", "num_frames": FRAMES,
                                                     "size": f"{WIDTH}x{HEIGHT}", "input_reference": url})
     assert r.status_code == 400 and "takes no conditioning media" in r.text, r.text
+
+
+@pytest.fixture(scope="module")
+def i2v_server(tmp_path_factory, wan_cache, commands):
+    server = ServerProcess(tmp_path_factory.mktemp("wan_i2v_server"), wan_cache,
+                           extra_args=["--model", str(commands.i2v), "--heartbeat-s", "0.5",
+                                       "--collective-timeout", "60"])
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(300)
+def test_the_openai_sdk_makes_a_wan_image_to_video(i2v_server, commands, tmp_path):
+    """Wan 2.1 I2V served: the official client's ``videos.create(input_reference=file)`` (multipart) completes, and the
+    same image as a JSON data URL makes the same video; a request without the image is a 400 naming it."""
+    import warnings
+
+    import openai
+
+    from ..conftest import API_KEY
+
+    s = i2v_server
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key=s.api_key or API_KEY, max_retries=0)
+    settings = {"num_frames": FRAMES, "num_inference_steps": 2, "seed": 21}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with open(commands.out / "start.png", "rb") as f:
+            video = client.videos.create(prompt="the fox walks away", input_reference=f, size=f"{WIDTH}x{HEIGHT}",
+                                         extra_body=settings)
+    job = s.wait_job(video.id)
+    assert job["status"] == "completed" and job["input_reference"] is True, f"{job}\n{s.log_tail()}"
+    client.videos.download_content(video.id).write_to_file(tmp_path / "sdk.mp4")
+    by_sdk, fps = read_mp4(tmp_path / "sdk.mp4")
+    assert by_sdk.shape == (FRAMES, HEIGHT, WIDTH, 3) and fps == 16
+
+    url = "data:image/png;base64," + base64.b64encode((commands.out / "start.png").read_bytes()).decode()
+    by_url = s.submit({"prompt": "the fox walks away", "size": f"{WIDTH}x{HEIGHT}", "input_reference": url,
+                       **settings})
+    assert s.wait_job(by_url["id"])["status"] == "completed"
+    (tmp_path / "url.mp4").write_bytes(s.client.get(f"/v1/videos/{by_url['id']}/content").content)
+    np.testing.assert_array_equal(read_mp4(tmp_path / "url.mp4")[0], by_sdk)
+
+    r = s.client.post("/v1/videos", json={"prompt": "a fox", "size": f"{WIDTH}x{HEIGHT}", **settings})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference", r.text
