@@ -213,7 +213,8 @@ def _check_conditions(request: GenerationRequest, options: ModelOptions, geometr
     if request.image is None and not request.conditions:
         if options.needs_image and request.extends is None:
             raise ValueError(f"image: the loaded model ({options.model}) is image-to-video and needs the video's first "
-                             "frame; give it as the image (input_reference), or serve a text-to-video model")
+                             "frame; give it (the API's input_reference, the CLI's --image), or serve a text-to-video "
+                             "model")
         return
     field_name = "image" if request.image is not None else "conditions"
     if not options.takes_media:
