@@ -1,17 +1,19 @@
 """Streamed, time-parallel VAE decode: time, peak memory and time to first MP4 byte, N = 1 and 2 ranks, one run.
 
-    python bench/decode.py [--frames 257] [--height 96] [--width 128] [--frames-per-rank K] [--repeats 2]
-                           [--glibc-heap] [--out FILE.md]
+    python bench/decode.py [--vae ltx-video|wan2.1|wan2.2] [--frames 257] [--height 96] [--width 128]
+                           [--frames-per-rank K] [--repeats 2] [--glibc-heap] [--out FILE.md]
 
-The VAE is diffusers' ``AutoencoderKLLTXVideo()`` with its default (LTX-Video 0.9.0) configuration: the real
-architecture and channel widths, random weights drawn from a fixed seed. Each row has its own processes (spawned,
-gloo, one thread per rank), so peak memory is per row; all rows load first, then their timed repeats interleave
-(repeat ``r`` starts at row ``r``; idle processes wait on a queue), so that a change in the machine's speed during
-the run falls on every row alike. Rows: ``N=1 whole`` is diffusers' own decode of the whole video at once (the
-reference for memory); ``N=1`` and ``N=2`` decode in pieces of about ``--frames-per-rank`` latent frames, cut to
-equal work (``cp_infer.decode``), as the server does; ``2 x N=1 at once`` is two independent one-rank decodes started
-together, which measures how much two busy processes slow each other on this machine (shared cores, caches, memory
-bandwidth): the bound on what any two-rank decode can reach here.
+The VAE (``--vae``) is diffusers' ``AutoencoderKLLTXVideo()`` with its default (LTX-Video 0.9.0) configuration, or
+``AutoencoderKLWan`` with Wan 2.1's (its default) or Wan 2.2 TI2V-5B's configuration: the real architecture and
+channel widths, random weights drawn from a fixed seed. Each row has its own processes (spawned, gloo, one thread
+per rank), so peak memory is per row; all rows load first, then their timed repeats interleave (repeat ``r`` starts
+at row ``r``; idle processes wait on a queue), so that a change in the machine's speed during the run falls on every
+row alike. Rows: ``N=1 whole`` is diffusers' own ``vae.decode`` of the whole video (the reference for memory; for
+Wan, its own frame-at-a-time loop, the reference for time too); ``N=1`` and ``N=2`` decode in pieces of about
+``--frames-per-rank`` latent frames, cut to equal work (``cp_infer.decode``), as the server does; ``2 x N=1 at
+once`` is two independent one-rank decodes started together, which measures how much two busy processes slow each
+other on this machine (shared cores, caches, memory bandwidth): the bound on what any two-rank decode can reach
+here.
 
 - ``decode s``: median over the repeats of the wall time of ``decode_parallel`` over the whole video (relayed frames
   included), max over ranks;
@@ -43,6 +45,7 @@ from bench.harness import MALLOC_MEASURE, RankGroup, command_line, free_port, pr
 from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, resolve_frames_per_rank  # noqa: E402
 
 TWO_AT_ONCE = "2 x N=1 at once"
+VAE_NAMES = {"ltx-video": "LTX-Video 0.9.0", "wan2.1": "Wan 2.1", "wan2.2": "Wan 2.2 TI2V-5B"}
 
 
 def _rss_mib(field: str) -> float:
@@ -64,30 +67,18 @@ def _serve(index, rank, world, port, args, frames_per_rank, inbox, outbox):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import numpy as np
-    from diffusers import AutoencoderKLLTXVideo
     from diffusers.video_processor import VideoProcessor
 
     from cp_infer import ParallelConfig, init_parallel
-    from cp_infer.decode import TemporalSplit, decode_parallel
+    from cp_infer.decode import decode_parallel
     from cp_infer.stream import FragmentedMP4Writer
-    from models.ltx_vae_parallel import DecodeContext, decode_cost, decode_round, parallelize_ltx_decoder
 
     state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=600))
-    torch.manual_seed(0)
-    vae = AutoencoderKLLTXVideo().eval()
-    ctx = DecodeContext(state=state)
-    parallelize_ltx_decoder(vae, ctx)
-    processor = VideoProcessor(vae_scale_factor=32)
-    latent_frames = (args.frames - 1) // 8 + 1
-    latents = torch.randn(1, vae.config.latent_channels, latent_frames, args.height // 32, args.width // 32,
-                          generator=torch.Generator().manual_seed(1))
-    split = TemporalSplit(latent_frames=latent_frames, world=world, frames_per_rank=frames_per_rank,
-                          cost=decode_cost(vae, latent_frames))  # as the models cut it
-    ctx.split = split
+    split, decode = (_wan_decoder if args.vae.startswith("wan") else _ltx_decoder)(state, world, frames_per_rank, args)
+    processor = VideoProcessor(vae_scale_factor=8)  # post-processing only: the scale factor plays no part
 
     def decode_range(a, b):
-        with torch.no_grad():
-            video = decode_round(vae, ctx, latents, a, b)
+        video = decode(a, b)
         return (np.clip(processor.postprocess_video(video, output_type="np")[0], 0, 1) * 255).round().astype(np.uint8)
 
     def barrier():
@@ -99,6 +90,7 @@ def _serve(index, rank, world, port, args, frames_per_rank, inbox, outbox):
     outbox.put((index, "ok", "ready"))
     while (command := inbox.get()) is not None:
         barrier()
+        decode.restart()
         if command == "timed":
             t0, c0 = time.perf_counter(), time.process_time()
             for _frames in decode_parallel(split, decode_range, frame_shape=frame_shape, state=state):
@@ -119,6 +111,68 @@ def _serve(index, rank, world, port, args, frames_per_rank, inbox, outbox):
         outbox.put((index, "ok", (first, last, split.rounds)))
     if world > 1:
         torch.distributed.destroy_process_group()
+
+
+class _Restartable:
+    """``decode(a, b)`` of one video, started afresh by :meth:`restart` (the Wan decode runs its rounds once)."""
+
+    def __init__(self, make):
+        self.make, self.decode = make, None
+
+    def restart(self):
+        self.decode = self.make()
+
+    @torch.no_grad()
+    def __call__(self, a, b):
+        return self.decode(a, b)
+
+
+def _ltx_decoder(state, world, frames_per_rank, args):
+    from diffusers import AutoencoderKLLTXVideo
+
+    from cp_infer.decode import TemporalSplit
+    from models.ltx_vae_parallel import DecodeContext, decode_cost, decode_round, parallelize_ltx_decoder
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLLTXVideo().eval()
+    ctx = DecodeContext(state=state)
+    parallelize_ltx_decoder(vae, ctx)
+    latent_frames = (args.frames - 1) // 8 + 1
+    latents = torch.randn(1, vae.config.latent_channels, latent_frames, args.height // 32, args.width // 32,
+                          generator=torch.Generator().manual_seed(1))
+    split = TemporalSplit(latent_frames=latent_frames, world=world, frames_per_rank=frames_per_rank,
+                          cost=decode_cost(vae, latent_frames))  # as the models cut it
+    ctx.split = split
+    return split, _Restartable(lambda: lambda a, b: decode_round(vae, ctx, latents, a, b))
+
+
+def _wan_decoder(state, world, frames_per_rank, args):
+    from diffusers import AutoencoderKLWan
+
+    from cp_infer.decode import TemporalSplit
+    from models.wan_vae_parallel import WanStreamedDecode, decode_cost
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**WAN_VAES[args.vae]).eval()
+    spatial = vae.config.scale_factor_spatial
+    latent_frames = (args.frames - 1) // 4 + 1
+    latents = torch.randn(1, vae.config.z_dim, latent_frames, args.height // spatial, args.width // spatial,
+                          generator=torch.Generator().manual_seed(1))
+    split = TemporalSplit(latent_frames=latent_frames, world=world, temporal_compression=4,
+                          frames_per_rank=frames_per_rank, cost=decode_cost(vae, latent_frames))  # as WanModel cuts it
+    if split.pieces == 1 and world == 1:  # one rank, one round (N=1 whole): diffusers' own decode
+        return split, _Restartable(lambda: lambda a, b: vae.decode(latents, return_dict=False)[0])
+    with torch.no_grad():
+        x = vae.post_quant_conv(latents)
+    return split, _Restartable(lambda: WanStreamedDecode(vae, x, split, state))
+
+
+WAN_VAES = {
+    "wan2.1": {},  # AutoencoderKLWan's defaults are Wan 2.1's VAE
+    "wan2.2": dict(base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, in_channels=12, out_channels=12,
+                   patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4),
+}
+TEMPORAL = {"ltx-video": 8, "wan2.1": 4, "wan2.2": 4}
 
 
 def _row(name, world, frames_per_rank, args, copies):
@@ -159,6 +213,7 @@ def _run(rows, args):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vae", choices=sorted(TEMPORAL), default="ltx-video")
     ap.add_argument("--frames", type=int, default=257)
     ap.add_argument("--height", type=int, default=96)
     ap.add_argument("--width", type=int, default=128)
@@ -169,7 +224,8 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.frames_per_rank is None:
-        args.frames_per_rank = resolve_frames_per_rank(DEFAULT_FRAMES_PER_RANK, height=args.height, width=args.width)
+        args.frames_per_rank = resolve_frames_per_rank(DEFAULT_FRAMES_PER_RANK, height=args.height, width=args.width,
+                                                       temporal_compression=TEMPORAL[args.vae])
     if not args.glibc_heap:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MALLOC_MEASURE[0])  # read by glibc in each spawned worker at start
     load = os.getloadavg()
@@ -177,7 +233,8 @@ def main() -> None:
                  TWO_AT_ONCE: (1, args.frames_per_rank, 2)}, args)
     base_t, base_m = rows["N=1"][0], rows["N=1 whole"][1]
     lines = [
-        f"`{command_line(__file__)}` — torch {torch.__version__}, LTX-Video 0.9.0 VAE (real widths, random weights), "
+        f"`{command_line(__file__)}` — torch {torch.__version__}, {VAE_NAMES[args.vae]} VAE (real widths, random "
+        "weights), "
         f"{args.frames} frames at {args.width}x{args.height}, rounds of {args.frames_per_rank} latent frames per "
         f"rank, 1 thread per rank, gloo, {'glibc default heap' if args.glibc_heap else 'MALLOC_MMAP_THRESHOLD_=1MiB'}; "
         f"load average at start {load[0]:.2f} on {os.cpu_count()} cores",
@@ -200,6 +257,10 @@ def main() -> None:
               f"sharing this machine's cores cannot decode in less than {slowdown / 2:.2f}x of N=1 (N=2 reaches "
               f"{ratio_t:.2f}x: {slowdown / 2 / ratio_t:.0%} of that bound)",
               f"load average at end: {os.getloadavg()[0]:.2f}"]
+    if args.vae.startswith("wan"):
+        whole = rows["N=2"][0] / rows["N=1 whole"][0]
+        lines.insert(-1, f"never slower than one rank: N=2 takes {whole:.2f}x of diffusers' vae.decode (N=1 whole): "
+                         f"{'PASS' if whole <= 1 else 'FAIL'}")
     print_report(lines, args.out)
 
 

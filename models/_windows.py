@@ -26,8 +26,8 @@ from cp_infer.options import Option
 from cp_infer.plan import DenoisePass, Plan
 from cp_infer.request import GenerationRequest
 
-__all__ = ["TEMPORAL_COMPRESSION", "Windows", "check_windows", "two_stage_window_plan", "window_frames",
-           "window_options", "window_plan", "windows_of"]
+__all__ = ["TEMPORAL_COMPRESSION", "Windows", "check_windows", "prompt_segments_option", "two_stage_window_plan",
+           "window_frames", "window_options", "window_plan", "windows_of"]
 
 TEMPORAL_COMPRESSION = 8
 """Video frames per latent frame of the LTX VAEs (the first latent frame holds one)."""
@@ -49,11 +49,16 @@ def window_options(*, default_tile: int, default_overlap: int, image: bool = Tru
         Option("cond_strength", float, 0.5, "with an image and a video longer than one window: how strongly the "
                "image holds the first frame (the image also conditions every window as a negative-index frame)",
                lo=0, hi=1),
-        Option("prompt_segments", list, None, "a prompt per range of windows: [{\"start_window\": 0, "
-               "\"end_window\": 1, \"text\": \"...\"}, ...] (unset: the prompt, split at '|', one part per window, "
-               "the last one repeated)", nullable=True, max_items=64, check=_check_segments),
+        prompt_segments_option(),
     )
     return options if image else tuple(o for o in options if o.name != "cond_strength")
+
+
+def prompt_segments_option() -> Option:
+    """``prompt_segments``: a prompt per range of windows (:func:`window_prompts` reads it)."""
+    return Option("prompt_segments", list, None, "a prompt per range of windows: [{\"start_window\": 0, "
+                  "\"end_window\": 1, \"text\": \"...\"}, ...] (unset: the prompt, split at '|', one part per "
+                  "window, the last one repeated)", nullable=True, max_items=64, check=_check_segments)
 
 
 def _check_segments(segments: Sequence[Any]) -> None:

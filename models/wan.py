@@ -11,9 +11,12 @@ the text's keys and values kept per request). Here:
   over the guidance ranks and exchanged (``cp_infer.collectives.gather_passes``); Wan 2.2 A14B's step runs the
   expert of its timestep (``transformer`` while ``t >= boundary_ratio * 1000``, then ``transformer_2``, with
   ``guidance_scale_2``); TI2V-5B's timestep is per token, cut like the tokens;
-- the decode (:class:`_StreamedDecode`) is ``AutoencoderKLWan``'s own: latent frames one at a time through its
-  causal convolutions and their cache, on one rank, round by round so the video streams and memory stays one
-  round's.
+- the decode is ``AutoencoderKLWan``'s own modules on the calls its frame-at-a-time loop makes, time-parallel over
+  the decoding group (``models.wan_vae_parallel``: each rank decodes pieces of whole latent frames, the pieces
+  handing each other their causal convolutions' caches), round by round so the video streams and memory stays one
+  round's; bit-identical to ``vae.decode`` at any number of ranks;
+- a video longer than one window (``temporal_tile_size``) is made window by window (``models.wan_windows``), its
+  latent frames decoded and streamed as each window makes them.
 """
 
 from __future__ import annotations
@@ -27,19 +30,30 @@ import numpy as np
 import torch
 from diffusers import WanPipeline, WanTransformer3DModel
 from diffusers.loaders import WanLoraLoaderMixin
-from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 from PIL import Image
 
 from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, gather_passes, pass_shares
-from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit, resolve_frames_per_rank
+from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK, TemporalSplit, resolve_frames_per_rank
 from cp_infer.plan import Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 from cp_infer.weights import join_call
 
+from ._windows import window_plan
 from .lora import LoadedLoras, LoraSpec, apply_loras
-from .wan_options import wan_options
+from .wan_options import wan_options, wan_windows_of
 from .wan_parallel import WanShardContext, pack_patches, parallelize_wan_transformer, unpack_patches
+from .wan_vae_parallel import WanStreamedDecode, decode_cost, decode_world
+from .wan_windows import (
+    TailReplacement,
+    WindowPass,
+    checkpoint,
+    finish_window,
+    prepare_window,
+    replace_tail,
+    restore_state,
+    windowed,
+)
 
 __all__ = ["LORA", "WanModel", "plan_request", "step_passes"]
 
@@ -49,7 +63,11 @@ LORA = LoraSpec(loader=WanLoraLoaderMixin, parts={"transformer": WanTransformer3
 
 
 def plan_request(request: GenerationRequest) -> Plan:
-    """One pass: Wan makes a video in one sequence."""
+    """One pass, or a video longer than one window: a ``window`` pass per window (``models.wan_windows``), each with
+    its own prompt and every step of the schedule."""
+    windows = wan_windows_of(request)
+    if windows is not None:
+        return window_plan(request, windows, steps=request.num_inference_steps)
     return Plan.single(request)
 
 
@@ -86,7 +104,12 @@ class _RequestState:
     token_mask: torch.Tensor | None = None
     """Per-token timesteps: ``[S]``, each token's timestep factor (the pipeline's ``mask[:, ::2, ::2]``)."""
     first_frame: tuple[torch.Tensor, torch.Tensor] | None = None
-    """TI2V-5B image-to-video: ``(mask, condition)`` in ``[1, C, F, H, W]`` layout, for the final latents."""
+    """TI2V-5B image-to-video (or a later window's tail): ``(mask, condition)`` in ``[1, C, F, H, W]`` layout, for the
+    final latents."""
+    tail: TailReplacement | None = None
+    """One-timestep models, a window after the first: its tail's tokens, replaced after every step."""
+    windowed: WindowPass | None = None
+    """A window of a long video: which, and the video made before it."""
 
 
 class WanModel:
@@ -148,8 +171,9 @@ class WanModel:
     """Where the components are (``models.placement.Placement``, set by ``models.registry.open_model``)."""
 
     decode_frames_per_rank: int | str | None = DEFAULT_FRAMES_PER_RANK
-    """Latent frames decoded per streamed round (4 video frames each, the first one); ``"auto"``: by frame size
-    (``cp_infer.decode.resolve_frames_per_rank``); ``None``: one round (the whole video at once)."""
+    """Latent frames each rank decodes per streamed round (4 video frames each, the first one); ``"auto"``: by frame
+    size (``cp_infer.decode.resolve_frames_per_rank``), on one rank below 48x48 frames
+    (``models.wan_vae_parallel.decode_world``); ``None``: one round (the whole video at once)."""
 
     @property
     def layers(self) -> int:
@@ -194,7 +218,10 @@ class WanModel:
     def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "denoise",
                 previous: dict[str, torch.Tensor] | None = None, previous_state: Any = None) -> Prepared:
         """WanPipeline's preparation, or with an image WanImageToVideoPipeline's (the image encoded on every rank
-        alike). The pass's adapters are made active first (``models.lora``)."""
+        alike); ``kind="window"``: a long video's window (``models.wan_windows``). The pass's adapters are made active
+        first (``models.lora``)."""
+        if kind == "window":
+            return prepare_window(self, request, previous_state)
         assert kind == "denoise" and previous is None, kind
         apply_loras(self.loras, request.loras)
         device, layout = self.device, self.layout
@@ -303,7 +330,26 @@ class WanModel:
              latents_local: dict[str, torch.Tensor], prepared: Prepared,
              plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
         x: _RequestState = prepared.state
-        return {"video": x.scheduler.step(noise_pred_local["video"], t, latents_local["video"], return_dict=False)[0]}
+        stepped = x.scheduler.step(noise_pred_local["video"], t, latents_local["video"], return_dict=False)[0]
+        if x.tail is not None:
+            stepped = replace_tail(stepped, x, plans["video"], self.state.cp_rank)
+        return {"video": stepped}
+
+    def finish_pass(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> int | None:
+        """A window's latents appended to the video made so far (``models.wan_windows``): the latent frames now
+        final; ``None`` for a pass of a video in one sequence."""
+        if prepared.state.windowed is None:
+            return None
+        return finish_window(self, latents, prepared)
+
+    def checkpoint(self, state) -> dict[str, np.ndarray] | None:
+        """A long video's windows made so far; ``None`` for a video in one sequence."""
+        wp = windowed(state)
+        return None if wp is None else checkpoint(wp)
+
+    def restore(self, request: GenerationRequest, arrays: dict[str, np.ndarray]):
+        """The state a checkpoint was taken in, and the latent frames final in it."""
+        return restore_state(request, arrays)
 
     def _video_latents(self, latents: dict[str, torch.Tensor], x: _RequestState) -> torch.Tensor:
         """The final latents ``[1, C, F, H, W]`` as the pipeline has them before its decode."""
@@ -314,56 +360,71 @@ class WanModel:
         return video
 
     def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
-        """``output_type="latent"``: the pipelines return the latents ``[B, C, F, H, W]``."""
+        """``output_type="latent"``: the pipelines return the latents ``[B, C, F, H, W]`` (a long video: all its
+        windows')."""
+        wp = windowed(prepared.state)
+        if wp is not None:
+            return {"latents": wp.made.latents.numpy()}
         return {"latents": self._video_latents(latents, prepared.state).float().cpu().numpy()}
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
-        """Denormalise the latents as the pipelines do; decode them on the decoding group's first rank, round by round
-        (:class:`_StreamedDecode`)."""
+        """Denormalise the latents as the pipelines do; decode them over the decoding group, time-parallel, round by
+        round (``models.wan_vae_parallel``)."""
+        wp = windowed(prepared.state)
+        if wp is not None:
+            return self._window_decoder(wp)
         x: _RequestState = prepared.state
         request, vae = x.request, self.components.vae
-        video = self._video_latents(latents, x).to(self.device, dtype=vae.dtype)
-        z = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(video.device, video.dtype)
-        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(video.device, video.dtype)
-        video = video / std + mean
+        video = _denormalised(vae, self._video_latents(latents, x).to(self.device, dtype=vae.dtype))
+        split = self._decode_split(request, video.shape[2])
+        decode = WanStreamedDecode(vae, vae.post_quant_conv(video), split, self.state.decoding)
+        return Decoder(split=split, frame_shape=(request.height, request.width, 3),
+                       decode_range=lambda a, b: _uint8(self.pipe, decode(a, b)))
+
+    def _decode_split(self, request: GenerationRequest, latent_frames: int) -> TemporalSplit:
         t = self.geometry.temporal_compression
         per_round = resolve_frames_per_rank(self.decode_frames_per_rank, height=request.height, width=request.width,
                                             temporal_compression=t)
-        # NOTE(decode): one rank. AutoencoderKLWan decodes a latent frame at a time, each causal convolution reading
-        # its cache of the frames before (and Resample's time convolution skipping the very first); a piece that
-        # starts later needs the cache the whole video before it left, so the pieces cannot run side by side without
-        # changing the decode. Decoding on one rank is never slower than on one rank alone.
-        split = TemporalSplit(latent_frames=video.shape[2], world=1, temporal_compression=t, frames_per_rank=per_round)
-        decode = _StreamedDecode(self.pipe, vae, video) if self.state.decoding.cp_rank == 0 else None
+        world = self.state.decoding.cp_size
+        if self.decode_frames_per_rank == AUTO:  # small frames: one rank (models.wan_vae_parallel.decode_world)
+            world = decode_world(world, height=request.height, width=request.width)
+        return TemporalSplit(latent_frames=latent_frames, world=world, temporal_compression=t,
+                             frames_per_rank=per_round, cost=decode_cost(self.components.vae, latent_frames))
+
+    def _window_decoder(self, wp: WindowPass) -> Decoder:
+        """The decode of a long video (time-parallel, as above): each window's latent frames, final as it is made, go
+        through the post-quant convolution (pointwise in time) into a whole-video buffer (``feed``); a round is
+        decoded once the frames it reads, those up to its last (the decoder is causal), are there."""
+        request, vae = wp.request, self.components.vae
+        total, like = wp.windows.latent_frames, wp.made.latents
+        buffer = torch.zeros((1, like.shape[1], total, *like.shape[3:]), dtype=vae.dtype, device=self.device)
+        split = self._decode_split(request, total)
+        decode = WanStreamedDecode(vae, buffer, split, self.state.decoding)
+        fed = [0]
+
+        def feed(state, final: int) -> None:
+            a = fed[0]
+            if final > a:
+                part = windowed(state).made.latents[:, :, a:final].to(self.device, dtype=vae.dtype)
+                decode.x[:, :, a:final] = vae.post_quant_conv(_denormalised(vae, part))
+            fed[0] = max(a, final)
+
         return Decoder(split=split, frame_shape=(request.height, request.width, 3),
-                       decode_range=lambda a, b: decode(a, b))
+                       decode_range=lambda a, b: _uint8(self.pipe, decode(a, b)), reads=lambda a, b: b, feed=feed)
 
 
-class _StreamedDecode:
-    """``AutoencoderKLWan._decode`` (the post-quant convolution over the whole latents, then the decoder on one latent
-    frame at a time with one feature cache) in pieces of whole latent frames taken in order: each piece continues the
-    cache of the one before, so the frames are those of ``vae.decode`` of the whole, bit for bit."""
+def _denormalised(vae, latents: torch.Tensor) -> torch.Tensor:
+    """The pipelines' ``latents / (1 / std) + mean`` before their decode (elementwise: any range of frames alike)."""
+    z = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+    std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+    return latents / std + mean
 
-    def __init__(self, pipe, vae, latents: torch.Tensor):
-        self.pipe, self.vae = pipe, vae
-        self.x = vae.post_quant_conv(latents)
-        self.cache: list[Any] = [None] * vae._cached_conv_counts["decoder"]
-        self.next = 0
 
-    def __call__(self, a: int, b: int) -> np.ndarray:
-        if a != self.next:
-            raise RuntimeError(f"latent frames {a}..{b} decoded out of order (the next is {self.next})")
-        vae = self.vae
-        frames = [vae.decoder(self.x[:, :, i:i + 1], feat_cache=self.cache, feat_idx=[0], first_chunk=i == 0)
-                  for i in range(a, b)]
-        out = torch.cat(frames, 2)
-        if vae.config.patch_size is not None:
-            out = unpatchify(out, patch_size=vae.config.patch_size)
-        out = torch.clamp(out, min=-1.0, max=1.0)
-        self.next = b
-        video = self.pipe.video_processor.postprocess_video(out, output_type="np")[0]
-        return (np.clip(video, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+def _uint8(pipe, video: torch.Tensor) -> np.ndarray:
+    """The pipelines' post-processing of a decoded piece ``[1, 3, F, H, W]`` to uint8 frames ``[F, H, W, 3]``."""
+    frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
+    return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
 
 def _check_scheduler(scheduler) -> None:

@@ -83,5 +83,6 @@ async def playground_options(engine: EngineDep) -> dict:
         "max_prompt_chars": limits.max_prompt_chars,
         "loras": {"adapters": [a["name"] for a in engine.adapters()], "max": MAX_LORAS, "scale": list(LORA_SCALE)},
         "temporal_compression": geometry.temporal_compression if geometry else None,
+        "window_tile_causal": engine.options.window_tile_causal,
         "spatial_step": geometry.spatial_step if geometry else None,
     }

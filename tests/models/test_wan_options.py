@@ -15,8 +15,9 @@ from models.wan_options import WanLayout, wan_options
 
 # Declared options WanPipeline does not take: frame_rate is the output's (Wan is not conditioned on it: the model
 # cards export at 16 fps); flow_shift is the scheduler's config (UniPCMultistepScheduler(flow_shift=...)), unset
-# meaning the folder's.
-_NOT_ARGUMENTS = {"frame_rate", "flow_shift"}
+# meaning the folder's. The windows' options (a video longer than one window, which WanPipeline does not make) are
+# LTXI2VLongMultiPromptPipeline's names, as LTX-Video's.
+_NOT_ARGUMENTS = {"frame_rate", "flow_shift", "temporal_tile_size", "temporal_overlap", "prompt_segments"}
 # negative_prompt=None: WanPipeline's encode_prompt turns it into "".
 _RESOLVED = {"negative_prompt": ""}
 

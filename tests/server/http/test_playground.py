@@ -178,6 +178,19 @@ def test_page_loads_asks_for_the_key_once_and_shows_the_models_options(server, b
     assert by_id(browser, "length-hint").get_attribute("data-windows") == "3"
     fill(browser, "a lighthouse", num_frames="65")
     assert by_id(browser, "length-hint").get_attribute("data-windows") == "1"
+    # A Wan model's tiles are 4k+1 frames (window_tile_causal): the page counts as models.wan_options does.
+    from models.wan_options import wan_options, wan_windows_of
+
+    assert wan_options().window_tile_causal and not server.client.get("/playground/options").json()[
+        "window_tile_causal"]
+    js(browser, "state.model.temporal_compression = 4; state.model.window_tile_causal = true;")
+    for frames, tile, overlap in (("81", "81", "20"), ("161", "81", "20"), ("161", "41", "8")):
+        fill(browser, "a lighthouse", num_frames=frames, temporal_tile_size=tile, temporal_overlap=overlap)
+        windows = wan_windows_of({"num_frames": int(frames), "temporal_tile_size": int(tile),
+                                  "temporal_overlap": int(overlap)})
+        want = 1 if windows is None else len(windows)
+        assert by_id(browser, "length-hint").get_attribute("data-windows") == str(want), (frames, tile, overlap)
+    assert want > 3
 
     # Once given, the key is not asked for again; nothing came from another origin.
     browser.refresh()
