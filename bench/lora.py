@@ -1,9 +1,12 @@
 """Per-request LoRA adapters (``models.lora``) on the medium LTX-Video: an adapter's first use (read, converted,
 injected), a cached switch (``set_adapters`` alone), and the denoising step with an unfused rank-16 adapter against
-none (the target: at most 1.1x), in one run.
+none (the target: at most 1.1x), in one run; then the adapter slots of ``--compile`` (``models.lora_slots``: 4 slots
+of rank ``--slot-rank``): a switch (the copy into the slots) and the step with them, uncompiled, and with
+``--compile`` also compiled (against the compiled model without adapters; the compiled model's graph count after
+every setting ran is reported: the slots keep it at the first request's).
 
     python bench/lora.py [--rounds 3] [--steps 8] [--frames 17] [--height 192] [--width 256] [--rank 16]
-                         [--threads 2] [--out FILE.md]
+                         [--slot-rank 64] [--compile] [--threads 2] [--out FILE.md]
 
 Model (``bench/_models.py``, written into a temporary folder with ``save_pretrained``): the medium LTX-Video (4
 layers x 16 heads x 64, tiny T5 and VAE) with CFG, in one process (the adapters' cost is per token and layer, the
@@ -64,6 +67,23 @@ def _median_step(model, request, state) -> float:
     return statistics.median(steps[1:] or steps)
 
 
+def _slotted(folder: Path, adapters: Path, state, *, rank: int, compiled: bool):
+    """The model with the adapter slots ``--compile`` makes (``models.lora_slots``); ``compiled``: compiled too,
+    else the slots alone."""
+    from models.lora import LoadedLoras, LoraDirectory, adapted_modules
+    from models.lora_slots import make_slots
+    from models.registry import open_model
+
+    if compiled:
+        return open_model(folder, dtype="fp32", state=state, compile_blocks=True, lora_dir=adapters,
+                          max_lora_rank=rank)
+    model = open_model(folder, dtype="fp32", state=state)
+    directory = LoraDirectory(adapters)
+    slots = make_slots(model.lora_parts(), adapted_modules(directory, model.lora_spec), rank=rank)
+    model.loras = LoadedLoras(directory, spec=model.lora_spec, parts=model.lora_parts(), slots=slots)
+    return model
+
+
 def _timed(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -78,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--height", type=int, default=192)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--slot-rank", type=int, default=64)
+    parser.add_argument("--compile", action="store_true", help="also the compiled model with the slots")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
@@ -109,6 +131,16 @@ def main(argv: list[str] | None = None) -> int:
                                  for _ in range(5))
         off = statistics.median(_timed(lambda: loras.activate(())) for _ in range(5))
 
+        slotted = _slotted(folder, adapters, state, rank=args.slot_rank, compiled=False)
+        slot_loras = slotted.loras
+        slot_loras.activate((LoraWeight("a"),))
+        slot_loras.activate((LoraWeight("b"),))  # both read: the switches below copy only
+        slot_switch = statistics.median(_timed(lambda n=n: slot_loras.activate((LoraWeight(n),))) for n in "ab" * 5)
+        slot_both = statistics.median(_timed(lambda s=s: slot_loras.activate((LoraWeight("a"), LoraWeight("b", s))))
+                                      for s in (0.5, 0.25) * 3)
+        slot_off = statistics.median(_timed(lambda n=n: (slot_loras.activate((LoraWeight(n),)),
+                                                         slot_loras.activate(()))) for n in "ab" * 3)
+
         def request(adapters_used):
             return GenerationRequest.of(prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=args.frames,
                                         height=args.height, width=args.width, num_inference_steps=args.steps,
@@ -118,12 +150,26 @@ def main(argv: list[str] | None = None) -> int:
         settings = [("no adapter (a model that never loaded one)", plain, ()),
                     ("no adapter (two loaded, disabled)", model, ()),
                     (f"one rank-{args.rank} adapter, unfused", model, (LoraWeight("a"),)),
-                    (f"two rank-{args.rank} adapters, unfused", model, (LoraWeight("a"), LoraWeight("b", 0.5)))]
+                    (f"two rank-{args.rank} adapters, unfused", model, (LoraWeight("a"), LoraWeight("b", 0.5))),
+                    (f"slots (4 x rank {args.slot_rank}), uncompiled: no adapter", slotted, ()),
+                    (f"slots (4 x rank {args.slot_rank}), uncompiled: one adapter", slotted, (LoraWeight("a"),))]
+        if args.compile:
+            import torch._dynamo.utils
+
+            compiled_plain = open_model(folder, dtype="fp32", state=state, compile_blocks=True)
+            compiled = _slotted(folder, adapters, state, rank=args.slot_rank, compiled=True)
+            settings += [("compiled, no adapter (a model without --lora-dir)", compiled_plain, ()),
+                         ("compiled, slots: no adapter", compiled, ()),
+                         ("compiled, slots: one adapter", compiled, (LoraWeight("a"),)),
+                         ("compiled, slots: two adapters", compiled, (LoraWeight("a"), LoraWeight("b", 0.5)))]
+            for which in (compiled_plain, compiled):  # the compiles, outside the timed rounds
+                _median_step(which, request(()), state)
         runs: dict[str, list[float]] = {label: [] for label, *_ in settings}
         _median_step(plain, request(()), state)  # warm-up
         for r in range(args.rounds):
             for label, which, used in rotated(settings, r):
                 runs[label].append(_median_step(which, request(used), state))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] if args.compile else None
     steps = {label: statistics.median(values) for label, values in runs.items()}
     base = steps[settings[0][0]]
     lines += [f"{MEDIUM_LABEL}, CFG 3: {args.frames} frames {args.width}x{args.height}, {args.steps} steps, 1 rank; "
@@ -135,9 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(table_row(["cached switch to another loaded adapter (set_adapters)", f"{switch * 1e3:.1f} ms", ""]))
     lines.append(table_row(["cached switch to two loaded adapters", f"{both * 1e3:.1f} ms", ""]))
     lines.append(table_row(["cached switch to none (disable_lora)", f"{off * 1e3:.1f} ms", ""]))
+    lines.append(table_row(["slots: switch to another read adapter (copied into slot 0)", f"{slot_switch * 1e3:.1f} ms",
+                            ""]))
+    lines.append(table_row(["slots: two read adapters, the second's scale changed", f"{slot_both * 1e3:.1f} ms", ""]))
+    lines.append(table_row(["slots: an adapter, then none (the slot zeroed)", f"{slot_off * 1e3:.1f} ms", ""]))
     for label, *_ in settings:
         lines.append(table_row([f"denoising step (CPU time): {label}", f"{steps[label] * 1e3:.0f} ms",
                                 f"{steps[label] / base:.3f}x"]))
+    if graphs is not None:
+        lines += ["", f"compiled: {graphs} dynamo graph(s) in all after every compiled setting ran {args.rounds + 1} "
+                  "time(s): the blocks of the model without adapters and of the slotted one, whatever its adapters, "
+                  "one each (2 means no recompile)"]
     one = steps[settings[2][0]] / base
     verdict = "within" if one <= _TARGET else "CHECK FAILED: over"
     lines += ["", f"{verdict} the target: one unfused adapter's step is {one:.3f}x the step without (target <= "

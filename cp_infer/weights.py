@@ -20,6 +20,9 @@ Invariants:
   holds a whole parameter it does not own, at load or after. Every rank of the world agrees on the outcome
   (:func:`agree_on_load`): a rank that could not read its shard fails every rank with its message, and none waits
   in a collective for it.
+- Layers added to a sharded module after :func:`shard_module` (a LoRA adapter's, :func:`adding_layers`) are no part
+  of any FSDP unit: FSDP2 fixed its units' parameters when it sharded them, so the new ones stay whole on every rank,
+  on the device forwards run on, and never take part in an all-gather. The base weights stay sharded.
 - An unsharded module (or a group of one rank) is left as it is: every function here is then a no-op.
 
 NOTE(inference-mode): FSDP2 keeps its all-gather buffers from one forward to the next; made under
@@ -52,6 +55,7 @@ __all__ = [
     "SafetensorsFiles",
     "ShardedWeights",
     "WeightsLoadError",
+    "adding_layers",
     "agree_on_load",
     "join_blocks",
     "join_call",
@@ -143,6 +147,38 @@ def shard_module(module: nn.Module, blocks: Sequence[nn.Module], *, mesh: Device
     handle = ShardedWeights(mesh=mesh, blocks=tuple(blocks), idle=tuple(idle), offload=offload)
     object.__setattr__(module, _HANDLE, handle)
     return handle
+
+
+@contextlib.contextmanager
+def adding_layers(module: nn.Module, tensors: Mapping[str, torch.Tensor] | None = None
+                  ) -> Iterator[dict[str, torch.Tensor]]:
+    """Layers added to (or removed from) ``module`` inside this block, as peft's adapter loader adds them, from
+    ``tensors`` (what the block gets to make them of) stay whole on every rank, on the device its forwards run on
+    (with ``offload`` the shards are on the CPU, and peft puts a new layer where its base layer's weight is). When
+    ``module`` is not sharded the block runs as it is, given ``tensors`` unchanged.
+
+    NOTE(inference-mode): ``state_dict()`` (peft's loader reads the module's) detaches every parameter, and detaching
+    a DTensor under inference mode fails ("Cannot set version_counter for inference tensor"): the block runs outside
+    inference mode (without grad). Tensors made under inference mode (a file read in the sampler's pass) cannot
+    become parameters there: the block gets copies of those."""
+    tensors = dict(tensors or {})
+    handle = sharded_weights(module)
+    if handle is None:
+        yield tensors
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield {key: t.clone() if t.is_inference() else t for key, t in tensors.items()}
+        if handle.offload:
+            _onload_unsharded(module, fully_shard.state(module)._device)
+
+
+def _onload_unsharded(module: nn.Module, device: torch.device) -> None:
+    """Every tensor of ``module`` that is not a shard (buffers, 0-d parameters, adapters' layers) on ``device``."""
+    for sub in module.modules():
+        for table in (sub._buffers, sub._parameters):
+            for t in table.values():
+                if t is not None and not isinstance(t, DTensor) and t.device != device:
+                    t.data = t.data.to(device)
 
 
 def join_blocks(blocks: Sequence[nn.Module]) -> None:
@@ -305,11 +341,7 @@ def load_shards(module: nn.Module, files: SafetensorsFiles, *, device: torch.dev
             else:
                 raise WeightsLoadError(f"the buffer {name!r} is in no file of {files.folder} and not computed")
     if offload:  # only the shards live on the CPU: buffers and unsharded (0-d) parameters are used where they are
-        for sub in module.modules():
-            for table in (sub._buffers, sub._parameters):
-                for t in table.values():
-                    if t is not None and not isinstance(t, DTensor):
-                        t.data = t.data.to(device)
+        _onload_unsharded(module, device)
     if handle is not None:
         # NOTE(lazy-init): FSDP2 finds its root and shares its streams in the root's first forward; a rank that joins
         # all-gathers (join_call) before running any forward needs that done.

@@ -23,6 +23,12 @@ Invariants:
 - Stage 2 of two-stage generation (a plan pass of kind ``refine`` / ``refine_window``) also applies the operator's
   stage-2 adapters (``--stage-2-lora``: Lightricks' distilled LoRA in the dev two-stage recipe) after the request's
   own (:func:`pass_loras`); every rank has them from its runtime settings, so every rank activates the same.
+- A sharded part (``--weights sharded``) takes an adapter's layers whole on every rank, outside its FSDP2 units
+  (``cp_infer.weights.adding_layers`` around each load and delete): its base weights stay sharded.
+- Under ``--compile`` (``slots``: ``models.lora_slots``) nothing is loaded into the parts per pass: the adapters
+  are read for, and copied into, fixed slots made before the compile, so the compiled blocks never change; the LRU
+  then holds those read tensors. What does not fit the slots (a rank over theirs, a module without one) is refused
+  by the front end's check and by the load, naming the fix.
 - Family-free: a family declares its loader (diffusers' ``*LoraLoaderMixin``, whose ``lora_state_dict`` converts
   non-diffusers keys) and its parts (``transformer``; for LTX-2 also ``connectors``) in a :class:`LoraSpec`.
 """
@@ -42,9 +48,12 @@ from pathlib import Path
 import torch
 
 from cp_infer.request import LORA_NAME, MAX_LORAS, LoraWeight
+from cp_infer.weights import adding_layers
+
+from .lora_slots import LoraSlots, SlotAdapter, outside_slots, over_slot_rank
 
 __all__ = ["DEFAULT_MAX_LORA_BYTES", "STAGE_2_KINDS", "LoadedLoras", "LoraCatalog", "LoraDirectory", "LoraSpec",
-           "LoraTargets", "apply_loras", "check_stage_2", "pass_loras", "targets_from_configs"]
+           "LoraTargets", "adapted_modules", "apply_loras", "check_stage_2", "pass_loras", "targets_from_configs"]
 
 log = logging.getLogger("cp_infer.lora")
 
@@ -170,11 +179,16 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2"
 
 class LoraCatalog:
     """What a front end checks a request's ``loras`` against before anything is broadcast: the adapter directory
-    (``None``: the deployment has none) and the model's modules (:class:`LoraTargets`, made on first use)."""
+    (``None``: the deployment has none) and the model's modules (:class:`LoraTargets`, made on first use); with
+    ``slot_rank`` (``--compile``: ``models.lora_slots``) also the slots' rank and modules (those the directory's
+    adapters name on first use, as the ranks found them when they loaded the model)."""
 
-    def __init__(self, directory: LoraDirectory | None, *, spec: LoraSpec, targets: Callable[[], LoraTargets]):
+    def __init__(self, directory: LoraDirectory | None, *, spec: LoraSpec, targets: Callable[[], LoraTargets],
+                 slot_rank: int | None = None):
         self.directory, self.spec = directory, spec
         self._targets_of, self._targets = targets, None
+        self.slot_rank = slot_rank
+        self._slot_modules: dict[str, set[str]] | None = None
         self._verdicts: dict[tuple, str | None] = {}
         self._lock = threading.Lock()
 
@@ -268,6 +282,20 @@ class LoraCatalog:
         if missing:
             log.warning("adapter %r: %d of its modules are not in the loaded model (e.g. %s); they are ignored", name,
                         len(missing), sorted(missing)[0])
+        return None if self.slot_rank is None else self._slot_verdict(converted)
+
+    def _slot_verdict(self, converted: Mapping[str, torch.Tensor]) -> str | None:
+        """Why an adapter (its converted keys and shapes) does not fit ``--compile``'s slots (``None``: it does)."""
+        if self._slot_modules is None:
+            self._slot_modules = adapted_modules(self.directory, self.spec)
+        for key, value in converted.items():
+            prefix, module, tensor = _module_of(key)
+            if self._targets.modules.get(prefix, {}).get(module) is None:
+                continue  # not a linear layer of the model: ignored, as by the ranks
+            if module not in self._slot_modules.get(prefix, ()):
+                return outside_slots(f"{prefix}.{module}")
+            if tensor.startswith(("lora_A.", "lora_down.")) and value.ndim == 2 and value.shape[0] > self.slot_rank:
+                return over_slot_rank(value.shape[0], f"{prefix}.{module}", self.slot_rank)
         return None
 
 
@@ -288,12 +316,34 @@ def _fits(tensor: str, shape: tuple[int, int], features: tuple[int, int]) -> tup
     return None, None
 
 
+def adapted_modules(directory: LoraDirectory, spec: LoraSpec) -> dict[str, set[str]]:
+    """Per part, the modules the adapters of ``directory`` name now, from their headers converted as the front end's
+    check converts them (:class:`LoraCatalog`); an adapter whose header does not convert is left out (the check
+    refuses it)."""
+    out: dict[str, set[str]] = {prefix: set() for prefix in spec.parts}
+    for name in directory.names():
+        try:
+            header = directory.header(name)
+            meta = {key: torch.empty(shape, device="meta") for key, (shape, _) in header.items()}
+            keys = list(spec.loader.lora_state_dict(meta))
+        except Exception as exc:  # noqa: BLE001 -- whatever the converter refuses, the check refuses too
+            log.warning("adapter %r: its header does not convert (%s: %s); no modules from it", name,
+                        type(exc).__name__, exc)
+            continue
+        for key in keys:
+            prefix, module, _ = _module_of(key)
+            if prefix in out:
+                out[prefix].add(module)
+    return out
+
+
 class LoadedLoras:
     """One rank's adapters in its model's parts: an LRU of at most ``max_bytes`` of adapter tensors, and the
     activation of a pass's adapters (see the module docstring)."""
 
     def __init__(self, directory: LoraDirectory, *, spec: LoraSpec, parts: Mapping[str, torch.nn.Module],
-                 max_bytes: int = DEFAULT_MAX_LORA_BYTES, stage_2: Sequence[LoraWeight] = ()):
+                 max_bytes: int = DEFAULT_MAX_LORA_BYTES, stage_2: Sequence[LoraWeight] = (),
+                 slots: LoraSlots | None = None):
         if max_bytes < 0:
             raise ValueError(f"max_lora_bytes={max_bytes} must be >= 0")
         assert set(parts) == set(spec.parts), (set(parts), set(spec.parts))
@@ -307,6 +357,10 @@ class LoadedLoras:
         """The adapters the last :meth:`activate` made active."""
         self.stage_2 = tuple(stage_2)
         """The operator's stage-2 adapters (:func:`pass_loras`)."""
+        self.slots = slots
+        """Under ``--compile``: the adapters are read for these slots and copied into them pass by pass
+        (``models.lora_slots``), never loaded into the parts as peft adapters; ``None``: the unfused peft path."""
+        self._slotted: dict[str, SlotAdapter] = {}
 
     def loaded(self) -> dict[str, int]:
         """The adapters loaded now -> their bytes, least recently used first."""
@@ -325,6 +379,10 @@ class LoadedLoras:
             except Exception as exc:
                 raise RuntimeError(f"adapter {name!r} could not be loaded: {type(exc).__name__}: {exc}") from exc
         self._make_room(0, keep=names)  # adapters of an earlier pass that were over the budget with it
+        if self.slots is not None:
+            self.slots.fill([(self._slotted[lora.name], float(lora.scale)) for lora in loras])
+            self.active = loras
+            return
         holders = [part for part in self.parts.values() if getattr(part, "peft_config", None)]
         for part in holders:
             if loras:
@@ -362,9 +420,11 @@ class LoadedLoras:
             self._delete(victim)
 
     def _delete(self, name: str) -> None:
+        self._slotted.pop(name, None)
         for part in self.parts.values():
             if name in getattr(part, "peft_config", {}):
-                part.delete_adapters(name)
+                with adding_layers(part):
+                    part.delete_adapters(name)
         with self._lock:
             self._loaded.pop(name, None)
         log.info("adapter %r unloaded", name)
@@ -380,17 +440,27 @@ class LoadedLoras:
         if not all("lora" in key for key in state_dict):
             raise ValueError("is no LoRA checkpoint (not every tensor has 'lora' in its name)")
         self.reads += 1
+        if self.slots is not None:
+            adapter = self.slots.read(state_dict, metadata, name=name)
+            self._slotted[name] = adapter
+            size = adapter.bytes
+            with self._lock:
+                self._loaded[name] = (size, signature)
+            log.info("adapter %r read for the slots (%d bytes)", name, size)
+            return
         done = []
         try:
             for prefix, part in self.parts.items():
                 own = {key: value for key, value in state_dict.items() if key.startswith(f"{prefix}.")}
                 if own:
-                    part.load_lora_adapter(own, adapter_name=name, prefix=prefix, metadata=metadata,
-                                           low_cpu_mem_usage=_LOW_CPU_MEM_USAGE_DEFAULT_LORA)
+                    with adding_layers(part, own) as own:  # a sharded part: the adapter whole on every rank
+                        part.load_lora_adapter(own, adapter_name=name, prefix=prefix, metadata=metadata,
+                                               low_cpu_mem_usage=_LOW_CPU_MEM_USAGE_DEFAULT_LORA)
                     done.append(part)
         except BaseException:
             for part in done:
-                part.delete_adapters(name)
+                with adding_layers(part):
+                    part.delete_adapters(name)
             raise
         if not done:
             raise ValueError(f"has no tensors for {', '.join(self.parts)}: it matches no module of the loaded model")

@@ -180,15 +180,17 @@ def lora_spec(family: str):
     return LORA
 
 
-def lora_catalog(info: ModelInfo, lora_dir: str | os.PathLike | None):
+def lora_catalog(info: ModelInfo, lora_dir: str | os.PathLike | None, *, slot_rank: int | None = None):
     """What a front end checks requests' ``loras`` against (``models.lora.LoraCatalog``): the adapters of
     ``lora_dir`` (``None``: none) and the modules of ``info``'s model, built on the meta device from its configs on
-    first use."""
+    first use; ``slot_rank``: the model is compiled with adapter slots of that rank (``open_model``'s
+    ``max_lora_rank``), which an adapter must fit too."""
     from .lora import LoraCatalog, LoraDirectory, targets_from_configs
 
     spec = lora_spec(info.family)
     directory = None if lora_dir is None else LoraDirectory(lora_dir)
-    return LoraCatalog(directory, spec=spec, targets=lambda: targets_from_configs(info.path, spec))
+    return LoraCatalog(directory, spec=spec, targets=lambda: targets_from_configs(info.path, spec),
+                       slot_rank=slot_rank)
 
 
 def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | torch.dtype, state: ParallelState,
@@ -209,13 +211,6 @@ def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | tor
     files = resolve_files(model, config=config, upsampler=upsampler)
     family = detect_family(files.folder)
     dtype = parse_dtype(dtype)
-    if lora_dir is not None and weights != "replicated":
-        # NOTE(lora-sharded): peft's adapter layers are not loaded into FSDP2-sharded blocks (the load fails inside
-        # the sampler's inference mode); with adapters the weights are replicated.
-        if weights == "sharded":
-            raise ModelLoadError("--weights sharded cannot be combined with --lora-dir yet: the adapters load into "
-                                 "replicated weights only; use --weights replicated (or auto)")
-        weights = "replicated"
     placement = resolve_placement(files.folder, dtype=dtype, state=state, weights=weights, offload=offload)
     loaders = sharded_loaders(family, placement)
     if family == "wan":
@@ -236,13 +231,13 @@ def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | tor
     apply_offload(adapter.components, placement)
     adapter.placement = placement
     if lora_dir is not None:
-        from .lora import DEFAULT_MAX_LORA_BYTES, LoadedLoras, LoraDirectory
+        from .lora import DEFAULT_MAX_LORA_BYTES, LoadedLoras, LoraDirectory, adapted_modules
 
         directory, slots = LoraDirectory(lora_dir), None
         if compile_blocks:
-            from .lora_slots import DEFAULT_MAX_LORA_RANK, directory_modules, make_slots
+            from .lora_slots import DEFAULT_MAX_LORA_RANK, make_slots
 
-            slots = make_slots(adapter.lora_parts(), directory_modules(directory, adapter.lora_spec),
+            slots = make_slots(adapter.lora_parts(), adapted_modules(directory, adapter.lora_spec),
                                rank=DEFAULT_MAX_LORA_RANK if max_lora_rank is None else max_lora_rank)
         adapter.loras = LoadedLoras(directory, spec=adapter.lora_spec, parts=adapter.lora_parts(),
                                     max_bytes=DEFAULT_MAX_LORA_BYTES if max_lora_bytes is None else max_lora_bytes,

@@ -54,6 +54,7 @@ from server.cli.common import (
     check_device,
     check_request_loras,
     check_stage_2_loras,
+    declared_default_options,
     fetch_model,
     guidance_first,
     lora_catalog,
@@ -79,7 +80,7 @@ def build_parser(argv: list[str] | None = None, options: ModelOptions | None = N
     that ``argv``'s ``--model`` names)."""
     if options is None:
         wants_options = argv is not None and argv[:1] in (["generate"], ["batch"])
-        options = options_for(argv[1:] if wants_options else ())
+        options = options_for(argv[1:]) if wants_options else declared_default_options()
     parser = argparse.ArgumentParser(prog=PROG, description="Long-video text-to-video inference with Ulysses "
                                      "sequence parallelism over a torchrun group.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,batch,serve,memory}")

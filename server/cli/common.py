@@ -35,6 +35,7 @@ from cp_infer.options import ModelOptions, Option
 from cp_infer.placement import OFFLOAD_COMPONENTS, WEIGHTS_MODES, parse_offload
 from cp_infer.request import LORA_SCALE, MAX_LORAS, Condition, GenerationRequest, LoraWeight
 from models.lora import DEFAULT_MAX_LORA_BYTES
+from models.lora_slots import DEFAULT_MAX_LORA_RANK
 from server.cli.launch import leader_exit_code
 from server.group import phases
 from server.outputs.piece_video import WriteError
@@ -133,6 +134,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-lora-bytes", type=_byte_count, default=DEFAULT_MAX_LORA_BYTES, metavar="BYTES",
                        help="adapter tensors each rank keeps loaded between jobs, least recently used dropped first "
                             f"(a number, or with K, M, G; default {DEFAULT_MAX_LORA_BYTES // 2**30}G)")
+    group.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_LORA_RANK, metavar="R",
+                       help="with --compile: the rank of the adapter slots the compiled blocks hold, the highest "
+                            "adapter rank that applies without recompiling (default "
+                            f"{DEFAULT_MAX_LORA_RANK})")
     group.add_argument("--stage-2-lora", dest="stage_2_loras", action="append", default=None, type=_lora_arg,
                        metavar="NAME[:SCALE]", help="an adapter of --lora-dir that stage 2 of two-stage generation "
                        "(stages=2) applies after a request's own, with SCALE (default 1): Lightricks' distilled LoRA "
@@ -200,6 +205,7 @@ def runtime_config_from_args(args: argparse.Namespace, *, replicas: bool = False
                          decode_frames_per_rank=args.decode_frames_per_rank, guidance_degree=args.guidance_degree,
                          ulysses_degree=args.ulysses_degree, compile_blocks=args.compile_blocks,
                          lora_dir=args.lora_dir, max_lora_bytes=args.max_lora_bytes,
+                         max_lora_rank=args.max_lora_rank,
                          stage_2_loras=tuple(args.stage_2_loras or ()), weights=args.weights, offload=args.offload)
 
 
@@ -332,10 +338,11 @@ def check_stage_2_loras(config, info) -> None:
 
 def lora_catalog(config, info):
     """What the front end checks a request's ``loras`` against (``models.lora.LoraCatalog``): the adapters of
-    ``config.lora_dir`` (a ``RuntimeConfig``, or the parsed ``--lora-dir``) and the modules of ``info``'s model."""
+    ``config.lora_dir`` (a ``RuntimeConfig``, or the parsed ``--lora-dir``) and the modules of ``info``'s model (with
+    ``--compile``, also its adapter slots: ``--max-lora-rank``)."""
     from models.registry import lora_catalog as catalog
 
-    return catalog(info, config.lora_dir)
+    return catalog(info, config.lora_dir, slot_rank=config.max_lora_rank if config.compile_blocks else None)
 
 
 def add_media_arguments(parser: argparse.ArgumentParser) -> None:
@@ -431,8 +438,8 @@ def field_error(exc: ValueError, options: ModelOptions | None = None, argv: Sequ
 def options_for(argv: Sequence[str]) -> ModelOptions:
     """The options of the model ``argv``'s ``--model`` (with its ``--config``, ``--upsampler``) names, from config
     files only (a hub repo's configs alone are fetched), so that the generation flags and their help are that model's.
-    A model that cannot be described gets the default model's: the run itself then reports the folder's error
-    (:func:`model_info`)."""
+    A model that cannot be described gets the default family's declared options (nothing is built or read for
+    them): the run itself then reports the model's error (:func:`model_info`)."""
     from models.loading import ModelLoadError
     from models.registry import describe_model
 
@@ -443,7 +450,16 @@ def options_for(argv: Sequence[str]) -> ModelOptions:
     try:
         return describe_model(known.model, config=known.config, upsampler=known.upsampler).options
     except (ModelLoadError, ValueError, OSError):
-        return describe_model(None).options
+        return declared_default_options()
+
+
+def declared_default_options() -> ModelOptions:
+    """The default family's declared options, nothing built or read: the generation flags of a parser whose command
+    generates nothing (``serve``, ``memory``: the default model is not built for them), or of a run whose model cannot
+    be described."""
+    from models.registry import model_options
+
+    return model_options("ltx-video", layers=1, stages=1)
 
 
 def model_info(config):

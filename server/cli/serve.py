@@ -16,7 +16,8 @@ Invariants:
 - Every rank builds the same configs from the same arguments, so limits and model agree across the group.
 - The model is fetched and checked before any group forms (``server.cli.common.fetch_model``: a hub repo downloaded
   once, here): a model that cannot be had (a missing path or hub id, a gated repo, an id not cached while offline)
-  is one line and exit code 2, not a group that fails and restarts.
+  is one line on stderr, and the front end alone serves: ``/health`` 200, everything else ``503 model_unavailable``
+  with that line (``server.http.unavailable``), not a group that fails and restarts. A bad argument is exit code 2.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def _configs(args: argparse.Namespace):
                             decode_frames_per_rank=args.decode_frames_per_rank,
                             guidance_degree=args.guidance_degree, ulysses_degree=args.ulysses_degree,
                             compile_blocks=args.compile_blocks, lora_dir=args.lora_dir,
-                            max_lora_bytes=args.max_lora_bytes, stage_2_loras=tuple(args.stage_2_loras or ()),
+                            max_lora_bytes=args.max_lora_bytes, max_lora_rank=args.max_lora_rank,
+                            stage_2_loras=tuple(args.stage_2_loras or ()),
                             weights=args.weights, offload=args.offload)
     leader = LeaderConfig(runtime=runtime, data_dir=args.data_dir, heartbeat_s=args.heartbeat_s,
                           max_queue=args.max_queue, keep_frames=args.keep_frames, model_name=args.served_model_name)
@@ -122,6 +124,7 @@ def _configs(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     """Run ``cp-infer serve``; returns the exit code."""
+    from models._folder_problems import ModelLoadError
     from server.cli.common import check_stage_2_loras, fetch_model, model_info
     from server.cli.launch import (
         count_launcher_restarts,
@@ -135,9 +138,13 @@ def run(args: argparse.Namespace) -> int:
         nproc = group_size(args.nproc)
         runtime, leader, app, restarts = _configs(args)
         if not under_launcher():  # the launcher's own process fetched it for its ranks
-            fetch_model(runtime)
+            try:
+                fetch_model(runtime)
+            except ModelLoadError as exc:  # the model cannot be had: say so where clients and operators look
+                print(f"cp-infer serve: error: {exc}", file=sys.stderr)
+                return _serve_unavailable(args, str(exc))
             check_stage_2_loras(runtime, model_info(runtime))
-    except ValueError as exc:  # a bad argument, or a ModelLoadError: the model cannot be had
+    except ValueError as exc:  # a bad argument
         print(f"cp-infer serve: error: {exc}", file=sys.stderr)
         return _USAGE_ERROR
     phases.mark("checks")
@@ -156,6 +163,18 @@ def run(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         return _run_leader(args, leader, app)
     return _run_worker(runtime)
+
+
+def _serve_unavailable(args: argparse.Namespace, reason: str) -> int:
+    """Serve ``503 model_unavailable`` with ``reason`` until stopped (SIGTERM/SIGINT)."""
+    import uvicorn
+
+    from server.http.unavailable import create_unavailable_app
+
+    config = uvicorn.Config(create_unavailable_app(reason), host=args.host, port=args.port, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=3, lifespan="on")
+    uvicorn.Server(config).run()
+    return 0
 
 
 def _run_worker(runtime_config) -> int:

@@ -233,7 +233,9 @@ class GroupLeader:
         if self._lora_catalog is None:
             from models.registry import lora_catalog
 
-            self._lora_catalog = lora_catalog(self._info, self.config.runtime.lora_dir)
+            runtime = self.config.runtime
+            self._lora_catalog = lora_catalog(self._info, runtime.lora_dir,
+                                              slot_rank=runtime.max_lora_rank if runtime.compile_blocks else None)
         return self._lora_catalog
 
     def adapters(self) -> list[dict]:

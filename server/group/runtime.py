@@ -35,6 +35,7 @@ from cp_infer.request import GenerationLimits, GenerationRequest, LoraWeight
 from cp_infer.sampler import DenoiseModel, SampleControl, StepStatus, sample
 from models.loading import parse_dtype, resolve_files
 from models.lora import DEFAULT_MAX_LORA_BYTES, LoraDirectory
+from models.lora_slots import DEFAULT_MAX_LORA_RANK
 from models.placement import measure_components, parse_offload, parse_weights
 from models.registry import open_model
 from server.group import phases, process
@@ -92,6 +93,9 @@ class RuntimeConfig:
     """A folder of ``NAME.safetensors`` LoRA adapters requests may apply by name (``models.lora``); ``None``: none."""
     max_lora_bytes: int = DEFAULT_MAX_LORA_BYTES
     """Adapter tensors each rank keeps loaded between passes (an LRU; ``models.lora.LoadedLoras``)."""
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    """With ``compile_blocks`` and ``lora_dir``: the rank of the adapter slots the compiled blocks hold (the highest
+    adapter rank that applies; ``models.lora_slots``)."""
     stage_2_loras: tuple[LoraWeight, ...] = ()
     """Adapters of ``lora_dir`` that stage 2 of two-stage generation applies after a request's own (Lightricks'
     distilled LoRA in the dev two-stage recipe; ``models.lora.pass_loras``)."""
@@ -106,6 +110,8 @@ class RuntimeConfig:
         parse_dtype(self.dtype)
         if self.max_lora_bytes < 0:
             raise ValueError(f"max_lora_bytes={self.max_lora_bytes} must be >= 0")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} must be >= 1 (--max-lora-rank)")
         if self.lora_dir is not None:
             LoraDirectory(self.lora_dir)  # raises unless it is a folder
         if self.stage_2_loras and self.lora_dir is None:
@@ -113,9 +119,6 @@ class RuntimeConfig:
                              "folder that holds it")
         parse_weights(self.weights)
         parse_offload(list(self.offload))  # raises naming the valid components
-        if self.weights == "sharded" and self.lora_dir is not None:  # NOTE(lora-sharded) in models/registry.py
-            raise ValueError("--weights sharded cannot be combined with --lora-dir yet: the adapters load into "
-                             "replicated weights only; use --weights replicated (or auto)")
         ParallelConfig(guidance_degree=self.guidance_degree, ulysses_degree=self.ulysses_degree)  # raises if < 1
         resolve_frames_per_rank(self.decode_frames_per_rank, height=1, width=1)  # raises on a bad setting
 
@@ -190,6 +193,7 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
     files = resolve_files(config.model, config=config.model_config, upsampler=config.upsampler)
     model = open_model(files, dtype=config.dtype, state=state, compile_blocks=config.compile_blocks,
                        lora_dir=config.lora_dir, max_lora_bytes=config.max_lora_bytes,
+                       max_lora_rank=config.max_lora_rank,
                        stage_2_loras=config.stage_2_loras, weights=config.weights,
                        offload=config.offload)
     model.decode_frames_per_rank = config.decode_frames_per_rank

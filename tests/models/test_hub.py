@@ -6,7 +6,8 @@ endpoint on loopback for the download path (subprocesses with ``HF_ENDPOINT`` po
 - ``org/name`` resolves to its cached snapshot and generates the local folder's frames bit for bit (the same files:
   the same weights, laid out at the same offsets); ``@revision`` (a tag, a commit) picks that commit's weights; a
   local folder of the same spelling wins; a paired ``--upsampler`` repo declares and loads two stages.
-- A missing id is one line naming the id and the fix: through ``generate`` and ``serve``, exit code 2, no traceback.
+- A missing id is one line naming the id and the fix, no traceback: ``generate`` exits 2, ``serve`` answers
+  ``503 model_unavailable`` with it.
 - Two processes resolving one id at once: one downloads, the other waits on the lock and then resolves from the
   cache; every needed file is downloaded once, and nothing else (root single files, pickle, variants) ever is.
 - The hub's answers (no such repo, no such revision, gated, unreachable) are each one line naming the id and fix.
@@ -245,24 +246,48 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def test_a_missing_id_is_one_line_and_exit_2(tmp_path):
-    """Through ``generate`` and ``serve`` (which fetches the model before any group forms)."""
+def test_a_missing_id_is_one_line_exit_2_and_a_503_from_serve(tmp_path):
+    """Through ``generate`` (exit 2) and ``serve``, which fetches the model before any group forms: the same one line,
+    then only its front end, ``503 model_unavailable`` with that line on every path but ``/health``, until stopped."""
+    import signal
+
+    import httpx
+
     from server.cli.launch import free_port
 
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
+    port = free_port()
     runs = {"generate": _cli("generate", "--model", "org/missing", "--prompt", "x", "--out",
                              str(tmp_path / "x.mp4"), env=env),
-            "serve": _cli("serve", "--model", "org/missing", "--port", str(free_port()), "--data-dir",
+            "serve": _cli("serve", "--model", "org/missing", "--port", str(port), "--data-dir",
                           str(tmp_path / "data"), "--nproc", "2", env=env)}
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert runs["serve"].poll() is None, runs["serve"].communicate()[1]
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    answers = {path: httpx.request(method, url + path, timeout=5, json={"prompt": "x"})
+               for method, path in (("POST", "/v1/videos"), ("GET", "/v1/models"), ("GET", "/ready"))}
+    runs["serve"].send_signal(signal.SIGTERM)
     for command, proc in runs.items():
         _, err = proc.communicate(timeout=300)
         lines = [line for line in err.splitlines() if line.strip()]
-        assert proc.returncode == 2, (command, err)
+        # serve: uvicorn's shutdown, then the SIGTERM re-raised, as any cp-infer server exits on it
+        assert proc.returncode == (2 if command == "generate" else -signal.SIGTERM), (command, err)
         assert len(lines) == 1 and "Traceback" not in err, (command, err)
         assert lines[0].startswith(f"cp-infer {command}: error: 'org/missing' is not a local path, and hub repo "
                                    "'org/missing'"), lines[0]
         assert "HF_HUB_OFFLINE=1" in lines[0] and "HF_HOME" in lines[0], lines[0]
+    for path, r in answers.items():
+        error = r.json()["error"]
+        assert r.status_code == 503 and error["code"] == "model_unavailable", (path, r.text)
+        assert lines[0].endswith(error["message"]), (path, error)
+    assert answers["/ready"].json()["status"] == "not_ready"
     assert not (tmp_path / "data").exists()  # serve started nothing
 
 

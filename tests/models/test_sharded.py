@@ -1,12 +1,13 @@
 """One model across the group (``--weights sharded``, ``models.placement``): the transformer and the text encoder
 sharded over the replica group with FSDP2, each rank reading only its rows, equal to the replicated run bit for bit
-(frames, latents, LTX-2's waveform), for LTX-Video and LTX-2 at N = 2 and 3 Ulysses ranks and G = 2 guidance ranks.
+(frames, latents, LTX-2's waveform), for LTX-Video and LTX-2 at N = 2 and 3 Ulysses ranks and G = 2 guidance ranks,
+and LTX-Video at N = 4 (G = 2 x U = 2).
 
 Layouts: 2 = 1 x 2 (with a First-Block Cache that skips, and LTX-2 in two stages), 3 = 1 x 3 (shards that do not
 divide), 2 = 2 x 1 (each guidance rank its own passes: LTX-Video without CFG leaves one rank with none, in one pass
 and in windows; LTX-2's four passes are one call on one rank and two on the other, and a First-Block Cache decides
 differently on the two ranks' contexts: every rank still runs every all-gather, ``cp_infer.weights.join_call`` /
-``join_blocks``).
+``join_blocks``), 4 = 2 x 2 (LTX-Video: both at once, the weights in quarters).
 
 NOTE(mmap-alignment): ``from_pretrained`` leaves a folder's weights as views into the memory-mapped safetensors file,
 at the file's offsets, and the CPU's matrix-vector kernels (a batch of one, e.g. the timestep embedding without CFG)
@@ -32,6 +33,9 @@ from ..harness import WorkerGroup
 LTX2_FOUR_PASSES = dict(guidance_scale=3.0, audio_guidance_scale=5.0, stg_scale=1.0, audio_stg_scale=0.5,
                         modality_scale=2.0, audio_modality_scale=1.5, guidance_rescale=0.7, audio_guidance_rescale=0.5)
 LAYOUTS = [(2, 1), (3, 1), (2, 2)]
+CASES = [(family, layout) for family in ("ltx-video", "ltx2") for layout in LAYOUTS] + [("ltx-video", (4, 2))]
+"""Each family at every layout of ``LAYOUTS``; LTX-Video also at 4 = 2 x 2 (a replica group of guidance x Ulysses
+ranks: each guidance rank's passes over two Ulysses ranks, the weights in quarters)."""
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +150,7 @@ def _diff(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(int) - b.astype(int)).max())
 
 
-@pytest.mark.parametrize("family", ["ltx-video", "ltx2"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda gu: f"world{gu[0]}-G{gu[1]}")
+@pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-world{w}-G{g}" for f, (w, g) in CASES])
 def test_sharded_equals_replicated(layouts, folders, family, layout):
     world, guidance = layout
     group = layouts(world, guidance)
