@@ -163,9 +163,9 @@ class ModelOptions:
     """What a request made window by window may carry besides its prompt: ``image`` (image-to-video), ``extends`` (an
     extension of a video)."""
     window_tile_causal: bool = False
-    """How ``temporal_tile_size`` frames count in latent frames: ``False``, ``tile // T`` (LTX: 8k frames);
-    ``True``, ``(tile - 1) // T + 1`` (Wan: 4k+1 frames, the first latent frame holding one). The playground counts a
-    request's windows with it."""
+    """How a window's length in frames counts in latent frames (``T``: the VAE's temporal compression): ``False``,
+    ``frames // T`` (windows of ``T * k`` frames); ``True``, ``(frames - 1) // T + 1`` (windows of ``T * k + 1``
+    frames, the first latent frame holding one). The playground counts a request's windows with it."""
     window_frames: Callable[[Mapping[str, Any]], int] | None = field(default=None, compare=False)
     """For a model that makes long videos window by window: the video frames of the longest sequence a request's
     plan denoises at once (the resolved values; the deployment's token limit applies to it). ``None``: the whole

@@ -209,9 +209,10 @@ def _check_condition(name: str, cond: object, num_frames: int, temporal_compress
                          f"{temporal_compression + 1}: use a longer clip, or an image")
 
 
-def _check_conditions(request: GenerationRequest, options: ModelOptions, geometry: VideoGeometry) -> None:
+def _check_conditions(request: GenerationRequest, options: ModelOptions, geometry: VideoGeometry, *,
+                      media_pending: bool = False) -> None:
     if request.image is None and not request.conditions:
-        if options.needs_image and request.extends is None:
+        if options.needs_image and request.extends is None and not media_pending:
             raise ValueError(f"image: the loaded model ({options.model}) is image-to-video and needs the video's first "
                              "frame; give it (the API's input_reference, the CLI's --image), or serve a text-to-video "
                              "model")
@@ -275,9 +276,10 @@ def resolve_request(request: GenerationRequest, options: ModelOptions, *,
 
 
 def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits: GenerationLimits,
-                  options: ModelOptions) -> LatentShape:
+                  options: ModelOptions, media_pending: bool = False) -> LatentShape:
     """Validate a resolved ``request`` (:func:`resolve_request`) for a model with ``geometry`` that declares
-    ``options``; return its latent shape."""
+    ``options``; return its latent shape. ``media_pending``: its media are read after this check (which then runs
+    again with them), so a model that needs an image does not miss it yet."""
     for name in ("prompt", "negative_prompt"):
         text = getattr(request, name)
         if not isinstance(text, str):
@@ -292,7 +294,7 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     unset = [name for name in options.names if values.get(name) is None and options[name].default is not None]
     assert not unset, f"check_request needs a resolved request (unset: {unset}); call resolve_request first"
     options.resolve(values, limits=limits)
-    _check_conditions(request, options, geometry)
+    _check_conditions(request, options, geometry, media_pending=media_pending)
     shape = geometry.latent_shape(request.num_frames, request.height, request.width)
     frames = request.num_frames if options.window_frames is None else options.window_frames(values)
     if request.extends is not None:

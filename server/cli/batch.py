@@ -259,10 +259,12 @@ def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
     names: dict[str, int] = {}
     base = args.prompts.parent
 
-    def check(request: GenerationRequest, media: _LineMedia | None, name: str) -> GenerationRequest:
+    def check(request: GenerationRequest, media: _LineMedia | None, name: str, *,
+              media_pending: bool = False) -> GenerationRequest:
         try:
             request = resolve_request(request, info.options, limits=limits)
-            check_request(request, geometry=info.geometry, limits=limits, options=info.options)
+            check_request(request, geometry=info.geometry, limits=limits, options=info.options,
+                          media_pending=media_pending)
             check_request_loras(adapters, request, tuple(getattr(args, "stage_2_loras", None) or ()))
             return request
         except (ValueError, TypeError) as exc:
@@ -278,7 +280,8 @@ def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
             if name in names:
                 raise _LineError(f"name {name!r} is already used on line {names[name]}", name)
             names[name] = line
-            request = check(request, media, name)  # the frames count is good before a clip is decoded up to it
+            # the frames count is good before a clip is decoded up to it
+            request = check(request, media, name, media_pending=media is not None)
             done = _output_done(_batch_output(args.out_dir, name, args.ext), args.ext)
             if media is not None and not done:
                 try:

@@ -193,10 +193,11 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     adapters = lora_catalog(config, info)
     check_stage_2_loras(config, info)
 
-    def check(request: GenerationRequest) -> GenerationRequest:
+    def check(request: GenerationRequest, *, media_pending: bool = False) -> GenerationRequest:
         try:
             request = resolve_request(request, info.options, limits=config.limits)
-            check_request(request, geometry=info.geometry, limits=config.limits, options=info.options)
+            check_request(request, geometry=info.geometry, limits=config.limits, options=info.options,
+                          media_pending=media_pending)
             check_request_loras(adapters, request, config.stage_2_loras)
         except ValueError as exc:
             raise media_error(exc, image=image, conditions=conditions, conditions_label="--video/--condition",
@@ -204,7 +205,8 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         return request
 
     # The frames count is good before a clip is decoded up to it.
-    request = check(request_from_args(args, info.options, prompt=args.prompt, seed=args.seed))
+    request = check(request_from_args(args, info.options, prompt=args.prompt, seed=args.seed),
+                    media_pending=image is not None or bool(conditions))
     if image is not None or conditions:
         request = attach_media(request, image=image, conditions=conditions)
         check(request)
