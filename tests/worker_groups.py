@@ -13,7 +13,7 @@ import pytest
 
 from .harness import WorkerGroup
 
-__all__ = ["group_per_world", "groups_by_world"]
+__all__ = ["group_per_world", "groups_by_layout", "groups_by_world"]
 
 
 def group_per_world(worlds: Sequence[int]):
@@ -41,6 +41,25 @@ def groups_by_world():
             if world not in made:
                 made[world] = WorkerGroup(world)
             return made[world]
+
+        yield get
+        for group in made.values():
+            group.close()
+
+    return groups
+
+
+def groups_by_layout():
+    """A fixture that is a function ``(world, guidance_degree) -> WorkerGroup``, each group started on first use."""
+
+    @pytest.fixture(scope="module")
+    def groups():
+        made = {}
+
+        def get(world, guidance=1):
+            if (world, guidance) not in made:
+                made[(world, guidance)] = WorkerGroup(world, guidance_degree=guidance)
+            return made[(world, guidance)]
 
         yield get
         for group in made.values():

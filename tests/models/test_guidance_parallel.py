@@ -23,7 +23,7 @@ import torch
 from cp_infer.request import Condition, GenerationRequest
 from cp_infer.sampler import SampleControl, sample
 
-from ..harness import WorkerGroup
+from ..worker_groups import groups_by_layout
 
 LTX2_THREE_PASSES = dict(guidance_scale=3.0, audio_guidance_scale=5.0, stg_scale=1.0, audio_stg_scale=0.5,
                          modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.7,
@@ -40,19 +40,7 @@ def folders(tmp_path_factory):
     return {"ltx-video": str(ensure_default_model(root / "ltx")), "ltx2": str(ensure_default_ltx2_model(root / "ltx2"))}
 
 
-@pytest.fixture(scope="module")
-def layouts():
-    """``(world, guidance_degree) -> WorkerGroup``, each started once for the module."""
-    made: dict[tuple[int, int], WorkerGroup] = {}
-
-    def get(world: int, guidance: int) -> WorkerGroup:
-        if (world, guidance) not in made:
-            made[(world, guidance)] = WorkerGroup(world, guidance_degree=guidance)
-        return made[(world, guidance)]
-
-    yield get
-    for group in made.values():
-        group.close()
+layouts = groups_by_layout()  # (world, guidance_degree) -> WorkerGroup, each started once
 
 
 def _media(rng: np.random.Generator, frames: int, height: int, width: int) -> np.ndarray:

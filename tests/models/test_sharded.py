@@ -28,7 +28,7 @@ import pytest
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import SampleControl, sample
 
-from ..harness import WorkerGroup
+from ..worker_groups import groups_by_layout
 
 LTX2_FOUR_PASSES = dict(guidance_scale=3.0, audio_guidance_scale=5.0, stg_scale=1.0, audio_stg_scale=0.5,
                         modality_scale=2.0, audio_modality_scale=1.5, guidance_rescale=0.7, audio_guidance_rescale=0.5)
@@ -47,19 +47,7 @@ def folders(tmp_path_factory):
             "root": tmp_path_factory.mktemp("sharded")}
 
 
-@pytest.fixture(scope="module")
-def layouts():
-    """``(world, guidance_degree) -> WorkerGroup``, each started once for the module."""
-    made: dict[tuple[int, int], WorkerGroup] = {}
-
-    def get(world: int, guidance: int) -> WorkerGroup:
-        if (world, guidance) not in made:
-            made[(world, guidance)] = WorkerGroup(world, guidance_degree=guidance)
-        return made[(world, guidance)]
-
-    yield get
-    for group in made.values():
-        group.close()
+layouts = groups_by_layout()  # (world, guidance_degree) -> WorkerGroup, each started once
 
 
 def _open(state, folder: str, weights: str, offload=()):

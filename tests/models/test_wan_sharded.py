@@ -17,7 +17,7 @@ import pytest
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import SampleControl, sample
 
-from ..harness import WorkerGroup
+from ..worker_groups import groups_by_layout
 
 SHARDED = ("transformer", "transformer_2", "text_encoder")
 
@@ -30,18 +30,7 @@ def folders(tmp_path_factory):
             "a14b": str(save_wan_model(tmp_path_factory.mktemp("wan-a14b") / "a14b", variant="a14b"))}
 
 
-@pytest.fixture(scope="module")
-def groups():
-    made: dict[tuple[int, int], WorkerGroup] = {}
-
-    def get(world: int, guidance: int) -> WorkerGroup:
-        if (world, guidance) not in made:
-            made[(world, guidance)] = WorkerGroup(world, guidance_degree=guidance)
-        return made[(world, guidance)]
-
-    yield get
-    for group in made.values():
-        group.close()
+groups = groups_by_layout()  # (world, guidance_degree) -> WorkerGroup, each started once
 
 
 def _run(state, folder: str, weights: str, seed: int):
