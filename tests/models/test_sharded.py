@@ -33,9 +33,9 @@ from ..worker_groups import groups_by_layout
 LTX2_FOUR_PASSES = dict(guidance_scale=3.0, audio_guidance_scale=5.0, stg_scale=1.0, audio_stg_scale=0.5,
                         modality_scale=2.0, audio_modality_scale=1.5, guidance_rescale=0.7, audio_guidance_rescale=0.5)
 LAYOUTS = [(2, 1), (3, 1), (2, 2)]
-CASES = [(family, layout) for family in ("ltx-video", "ltx2") for layout in LAYOUTS] + [("ltx-video", (4, 2))]
-"""Each family at every layout of ``LAYOUTS``; LTX-Video also at 4 = 2 x 2 (a replica group of guidance x Ulysses
-ranks: each guidance rank's passes over two Ulysses ranks, the weights in quarters)."""
+CASES = [(family, layout) for family in ("ltx-video", "ltx2") for layout in [*LAYOUTS, (4, 2)]]
+"""Each family at every layout of ``LAYOUTS`` and at 4 = 2 x 2 (a replica group of guidance x Ulysses ranks: each
+guidance rank's passes over two Ulysses ranks, the weights in quarters)."""
 
 
 @pytest.fixture(scope="module")
