@@ -238,10 +238,8 @@ class LoraCatalog:
         header = self.directory.header(name)
         if not header:
             return "holds no tensors: it is no LoRA adapter"
-        # The keys as diffusers' loader converts them; the values only carry shapes.
-        meta = {key: torch.empty(shape, device="meta") for key, (shape, _) in header.items()}
         try:
-            converted = dict(self.spec.loader.lora_state_dict(meta))
+            converted = converted_header(header, self.spec)
         except Exception as exc:  # noqa: BLE001 -- whatever the converter refuses, the client hears why
             return f"is no LoRA checkpoint diffusers can read ({type(exc).__name__}: {exc})"
         keys = list(converted)
@@ -316,6 +314,14 @@ def _fits(tensor: str, shape: tuple[int, int], features: tuple[int, int]) -> tup
     return None, None
 
 
+def converted_header(header: Mapping[str, tuple], spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """An adapter file's header (key -> (shape, dtype)) with its keys as diffusers' loader converts them, each a
+    meta tensor of its shape: what the front end's checks read instead of the tensors. Raises what the converter
+    raises."""
+    meta = {key: torch.empty(shape, device="meta") for key, (shape, _) in header.items()}
+    return dict(spec.loader.lora_state_dict(meta))
+
+
 def adapted_modules(directory: LoraDirectory, spec: LoraSpec) -> dict[str, set[str]]:
     """Per part, the modules the adapters of ``directory`` name now, from their headers converted as the front end's
     check converts them (:class:`LoraCatalog`); an adapter whose header does not convert is left out (the check
@@ -323,9 +329,7 @@ def adapted_modules(directory: LoraDirectory, spec: LoraSpec) -> dict[str, set[s
     out: dict[str, set[str]] = {prefix: set() for prefix in spec.parts}
     for name in directory.names():
         try:
-            header = directory.header(name)
-            meta = {key: torch.empty(shape, device="meta") for key, (shape, _) in header.items()}
-            keys = list(spec.loader.lora_state_dict(meta))
+            keys = list(converted_header(directory.header(name), spec))
         except Exception as exc:  # noqa: BLE001 -- whatever the converter refuses, the check refuses too
             log.warning("adapter %r: its header does not convert (%s: %s); no modules from it", name,
                         type(exc).__name__, exc)

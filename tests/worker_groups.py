@@ -31,32 +31,19 @@ def group_per_world(worlds: Sequence[int]):
 
 def groups_by_world():
     """A fixture that is a function ``world -> WorkerGroup``, each group started on first use, for modules whose
-    tests parametrise the world size themselves (or use several)."""
-
-    @pytest.fixture(scope="module")
-    def groups():
-        made = {}
-
-        def get(world):
-            if world not in made:
-                made[world] = WorkerGroup(world)
-            return made[world]
-
-        yield get
-        for group in made.values():
-            group.close()
-
-    return groups
+    tests parametrise the world size themselves (or use several): :func:`groups_by_layout`, Ulysses only."""
+    return groups_by_layout()
 
 
 def groups_by_layout():
-    """A fixture that is a function ``(world, guidance_degree) -> WorkerGroup``, each group started on first use."""
+    """A fixture that is a function ``(world, guidance_degree) -> WorkerGroup``, each group started on first use
+    (``guidance_degree`` unset: Ulysses only)."""
 
     @pytest.fixture(scope="module")
     def groups():
         made = {}
 
-        def get(world, guidance=1):
+        def get(world, guidance=None):
             if (world, guidance) not in made:
                 made[(world, guidance)] = WorkerGroup(world, guidance_degree=guidance)
             return made[(world, guidance)]

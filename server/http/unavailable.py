@@ -15,6 +15,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from server.http.health import health
 from server.http.schemas import ApiError
 
 __all__ = ["create_unavailable_app"]
@@ -27,10 +28,7 @@ def create_unavailable_app(reason: str) -> FastAPI:
     app = FastAPI(title="cp-infer (model unavailable)", openapi_url=None, docs_url=None, redoc_url=None)
     body = ApiError(503, "model_unavailable", reason).body()
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
+    app.get("/health")(health)  # the server's own: the process lives
     @app.get("/ready")
     async def ready() -> JSONResponse:
         return JSONResponse({**body, "status": "not_ready", "reason": reason, "world_size": None,

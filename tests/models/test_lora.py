@@ -32,8 +32,9 @@ from safetensors.torch import load_file, save_file
 from cp_infer.request import GenerationRequest, LoraWeight
 from cp_infer.sampler import JobFailed, SampleControl, sample
 
-from ..harness import WorkerGroup, one_thread
+from ..harness import one_thread
 from ..lora_adapters import LTX2_A, LTX2_B, LTX2_CONNECTORS, LTX_VIDEO_A, LTX_VIDEO_B, make_adapter
+from ..worker_groups import groups_by_layout
 
 FAMILIES = ("ltx-video", "ltx2")
 _LTX2_GUIDANCE = dict(guidance_scale=3.0, audio_guidance_scale=5.0, stg_scale=1.0, audio_stg_scale=0.5,
@@ -182,19 +183,7 @@ def test_one_rank_equals_the_pipeline_with_its_adapters(setup, one_rank, family)
     np.testing.assert_array_equal(ours[0][0], ours[-1][0])  # a, then a again after the others
 
 
-@pytest.fixture(scope="module")
-def groups():
-    """(world, guidance degree) -> a WorkerGroup, each started on first use."""
-    made = {}
-
-    def get(world: int, guidance: int) -> WorkerGroup:
-        if (world, guidance) not in made:
-            made[world, guidance] = WorkerGroup(world, guidance_degree=guidance)
-        return made[world, guidance]
-
-    yield get
-    for group in made.values():
-        group.close()
+groups = groups_by_layout()  # (world, guidance degree) -> a WorkerGroup, started on first use
 
 
 @pytest.mark.parametrize("family", FAMILIES)

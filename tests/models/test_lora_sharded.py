@@ -21,8 +21,8 @@ import pytest
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import SampleControl, sample
 
-from ..harness import WorkerGroup
 from ..lora_adapters import LTX2_A, LTX2_B, LTX2_CONNECTORS, LTX_VIDEO_A, LTX_VIDEO_B, make_adapter
+from ..worker_groups import groups_by_layout
 
 FAMILIES = ("ltx-video", "ltx2")
 _GUIDANCE = {"ltx-video": dict(guidance_scale=3.0),
@@ -40,19 +40,7 @@ LAYOUTS = [(2, 1), (2, 2)]
 joined)."""
 
 
-@pytest.fixture(scope="module")
-def layouts():
-    """``(world, guidance degree) -> WorkerGroup``, each started once for the module."""
-    made: dict[tuple[int, int], WorkerGroup] = {}
-
-    def get(world: int, guidance: int) -> WorkerGroup:
-        if (world, guidance) not in made:
-            made[world, guidance] = WorkerGroup(world, guidance_degree=guidance)
-        return made[world, guidance]
-
-    yield get
-    for group in made.values():
-        group.close()
+layouts = groups_by_layout()  # (world, guidance degree) -> a WorkerGroup, started on first use
 
 
 @pytest.fixture(scope="module")

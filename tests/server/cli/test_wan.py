@@ -123,15 +123,20 @@ def test_an_image_for_a_text_to_video_folder_exits_2_before_starting(commands, m
 # --------------------------------------------------------------------------------------------------- server
 
 
-@pytest.fixture(scope="module")
-def wan_server(tmp_path_factory, wan_cache):
-    server = ServerProcess(tmp_path_factory.mktemp("wan_server"), wan_cache,
-                           extra_args=["--model", "tiny-wan", "--heartbeat-s", "0.5", "--collective-timeout", "60"])
+def _serving(workdir: Path, cache: Path, model: str):
+    """A real 2-rank ``cp-infer serve --model MODEL``, ready; stopped when the fixture ends."""
+    server = ServerProcess(workdir, cache,
+                           extra_args=["--model", model, "--heartbeat-s", "0.5", "--collective-timeout", "60"])
     try:
         server.wait_ready()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def wan_server(tmp_path_factory, wan_cache):
+    yield from _serving(tmp_path_factory.mktemp("wan_server"), wan_cache, "tiny-wan")
 
 
 @pytest.mark.timeout(300)
@@ -163,14 +168,7 @@ def test_the_server_refuses_an_image_for_text_to_video_wan(wan_server):
 
 @pytest.fixture(scope="module")
 def i2v_server(tmp_path_factory, wan_cache, commands):
-    server = ServerProcess(tmp_path_factory.mktemp("wan_i2v_server"), wan_cache,
-                           extra_args=["--model", str(commands.i2v), "--heartbeat-s", "0.5",
-                                       "--collective-timeout", "60"])
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    yield from _serving(tmp_path_factory.mktemp("wan_i2v_server"), wan_cache, str(commands.i2v))
 
 
 @pytest.mark.timeout(300)
