@@ -12,9 +12,12 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -81,10 +84,31 @@ def log_failure(exc: BaseException) -> Path | None:
     summary = f"{type(exc).__name__}: {exc}".splitlines()[0]
     record = logging.LogRecord(_FAILURE_LOGGER, logging.ERROR, __file__, 0, summary, None,
                                (type(exc), exc, exc.__traceback__))
-    for handler in files:
-        handler.handle(record)
-        handler.flush()
+    with _termination_ignored():
+        for handler in files:
+            handler.handle(record)
+            handler.flush()
     return Path(files[0].baseFilename) if files else None
+
+
+@contextlib.contextmanager
+def _termination_ignored():
+    """SIGTERM and SIGINT ignored in this block (main thread only; elsewhere a no-op).
+
+    NOTE(failure-log): a failing rank writes its traceback while torchrun, which saw a peer die, terminates the
+    group; torchrun's SIGTERM handler raises inside the handler's formatting, and logging then prints its own
+    "--- Logging error ---" traceback to the terminal and leaves the log without the failure. The rank is exiting
+    anyway: the signal is dropped, not re-raised, and the handlers are put back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: a handler not set from Python, which signal() cannot put back
+                signal.signal(signum, handler)
 
 
 def last_failure(path: Path) -> str | None:
