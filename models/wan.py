@@ -47,6 +47,7 @@ from .wan_vae_parallel import WanStreamedDecode, decode_cost, decode_world
 from .wan_windows import (
     TailReplacement,
     WindowPass,
+    chained,
     checkpoint,
     finish_window,
     prepare_window,
@@ -372,7 +373,7 @@ class WanModel:
         round (``models.wan_vae_parallel``)."""
         wp = windowed(prepared.state)
         if wp is not None:
-            return self._window_decoder(wp)
+            return self._chained_decoder(wp) if chained(self) else self._window_decoder(wp)
         x: _RequestState = prepared.state
         request, vae = x.request, self.components.vae
         video = _denormalised(vae, self._video_latents(latents, x).to(self.device, dtype=vae.dtype))
@@ -411,6 +412,61 @@ class WanModel:
 
         return Decoder(split=split, frame_shape=(request.height, request.width, 3),
                        decode_range=lambda a, b: _uint8(self.pipe, decode(a, b)), reads=lambda a, b: b, feed=feed)
+
+    def decode_whole(self, latents: torch.Tensor) -> np.ndarray:
+        """The pipelines' own decode of latents ``[1, C, F, H, W]``, on this rank alone: uint8 ``[F', H, W, 3]``."""
+        vae = self.components.vae
+        video = vae.decode(_denormalised(vae, latents.to(self.device, dtype=vae.dtype)), return_dict=False)[0]
+        return _uint8(self.pipe, video)
+
+    def _chained_decoder(self, wp: WindowPass) -> Decoder:
+        """The decode of a long video of chained windows (``models.wan_windows``): each window decoded alone, its
+        repeated first frame dropped, on the decoding group's first rank. Every rank but the last window's has already
+        decoded it for the next window's image (``finish_window``): those frames are taken as they are fed; a window
+        not decoded yet (the last, or one before a resume) is decoded here. Rounds of a window's new latent frames
+        stream the video window by window."""
+        request, windows = wp.request, wp.windows
+        t = self.geometry.temporal_compression
+        split = TemporalSplit(latent_frames=windows.latent_frames, world=1, temporal_compression=t,
+                              frames_per_rank=windows.tile - windows.overlap)
+        owner = [0] * windows.latent_frames  # the window whose decode gives each latent frame's video frames
+        for w, (start, end) in enumerate(windows.spans):
+            owner[start + (w > 0):end] = [w] * (end - start - (w > 0))
+
+        def video_frame(j: int) -> int:  # the first video frame of latent frame j (the first latent frame has one)
+            return 0 if j == 0 else (j - 1) * t + 1
+
+        frames: dict[int, np.ndarray] = {}
+        latest: list[Any] = [None]
+        keeps = self.state.decoding.cp_rank == 0
+
+        def feed(state, final: int) -> None:
+            made = windowed(state).made
+            latest[0] = made
+            if made.decoded is not None:
+                if keeps:
+                    frames[made.window] = made.decoded
+                made.decoded = None
+
+        def window_frames(w: int) -> np.ndarray:
+            if w not in frames:
+                own = self.decode_whole(latest[0].own_latents(windows, w))
+                frames[w] = own if w == 0 else own[1:]
+            return frames[w]
+
+        def decode_range(a: int, b: int) -> np.ndarray:
+            out = []
+            for w in range(owner[a], owner[b - 1] + 1):
+                first = video_frame(windows.spans[w][0] + (w > 0))  # the window's first frame in the video
+                lo, hi = max(video_frame(a), first), video_frame(b)
+                own = window_frames(w)
+                out.append(own[lo - first:min(hi, first + len(own)) - first])
+                if first + len(own) <= hi:
+                    del frames[w]  # all delivered
+            return np.concatenate(out)
+
+        return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
+                       reads=lambda a, b: windows.spans[owner[b - 1]][1], feed=feed)
 
 
 def _denormalised(vae, latents: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,16 @@ from cp_infer.request import GenerationRequest
 from ._standard_options import standard_options
 from ._windows import Windows, prompt_segments_option
 
-__all__ = ["WAN_TEMPORAL_COMPRESSION", "WAN_TEXT_TOKENS", "WanLayout", "wan_options", "wan_windows_of"]
+__all__ = ["CHAINED", "WAN_TEMPORAL_COMPRESSION", "WAN_TEXT_TOKENS", "WanLayout", "wan_options", "wan_windows_of"]
 
 WAN_TEMPORAL_COMPRESSION = 4
 """Video frames per latent frame of ``AutoencoderKLWan`` (the first latent frame holds one): ``4k + 1`` frames are
 ``k + 1`` latent frames."""
+
+CHAINED = 1
+"""The overlap, in latent frames, of the windows of image-to-video folders (``WanImageToVideoPipeline``): each window
+after the first is the image-to-video of the last video frame of the one before, its own first latent frame (that
+image, a frame alone, as the causal VAE encodes a first frame) in the place of the one before's last."""
 
 WAN_TEXT_TOKENS = 512
 """The text tokens Wan 2.1 image-to-video's cross-attention takes: diffusers' ``WanAttnProcessor`` splits its
@@ -81,29 +86,36 @@ def wan_options(layout: WanLayout = WanLayout()) -> ModelOptions:
     if layout.experts == 2:
         options.append(Option("guidance_scale_2", float, None, "guidance scale of the low-noise expert "
                               "(transformer_2; unset: guidance_scale)", lo=0, limit="max_guidance", nullable=True))
-    options += [
-        Option("temporal_tile_size", int, 81, "frames per window, 4k+1: a longer video is made window by window, "
-               "each starting from the last temporal_overlap frames of the one before", lo=5, hi=100_000),
-        Option("temporal_overlap", int, 20, "frames each window starts from the one before: a multiple of 4, fewer "
-               "than temporal_tile_size", lo=4, hi=100_000, multiple_of=WAN_TEMPORAL_COMPRESSION),
-        prompt_segments_option(),
-    ]
+    if layout.image:
+        # Image-to-video folders chain their windows on one frame (models.wan_windows): no overlap to choose.
+        options.append(Option("temporal_tile_size", int, 81, "frames per window, 4k+1: a longer video is made "
+                              "window by window, each the image-to-video of the last frame of the one before",
+                              lo=5, hi=100_000))
+    else:
+        options += [
+            Option("temporal_tile_size", int, 81, "frames per window, 4k+1: a longer video is made window by window, "
+                   "each starting from the last temporal_overlap frames of the one before", lo=5, hi=100_000),
+            Option("temporal_overlap", int, 20, "frames each window starts from the one before: a multiple of 4, "
+                   "fewer than temporal_tile_size", lo=4, hi=100_000, multiple_of=WAN_TEMPORAL_COMPRESSION),
+        ]
+    options.append(prompt_segments_option())
 
     def check(values: Mapping[str, Any]) -> None:
         if layout.image_tokens:
             _check_text_tokens(values)
-        _check_windows(values, image=layout.image)
+        _check_windows(values)
 
-    # TI2V-5B's image is its first window's first frame; an image-to-video folder is refused by the check.
+    # The image is the first window's first frame (TI2V-5B, and image-to-video folders, whose later windows chain).
     return ModelOptions("Wan", tuple(options), takes_media=layout.takes_image, needs_image=layout.image, check=check,
-                        window_media=("image",) if layout.expand_timesteps else (), window_frames=_window_frames,
+                        window_media=("image",) if layout.takes_image else (), window_frames=_window_frames,
                         window_tile_causal=True)
 
 
 def wan_windows_of(values: GenerationRequest | Mapping[str, Any]) -> Windows | None:
     """The windows of a resolved request (or its option values) in latent frames, ``None`` when it fits one window:
     windows of ``(temporal_tile_size - 1) // 4 + 1`` latent frames (``models._windows.Windows``' spans), each after
-    the first starting on the last ``temporal_overlap // 4`` latent frames of the one before."""
+    the first starting on the last ``temporal_overlap // 4`` latent frames of the one before; on the last one
+    (:data:`CHAINED`) where the options have no ``temporal_overlap`` (image-to-video folders)."""
     if not isinstance(values, Mapping):
         values = {"num_frames": values.num_frames, **values.options}
     t = WAN_TEMPORAL_COMPRESSION
@@ -111,7 +123,8 @@ def wan_windows_of(values: GenerationRequest | Mapping[str, Any]) -> Windows | N
     tile = (values["temporal_tile_size"] - 1) // t + 1
     if latent <= tile:
         return None
-    return Windows(latent, tile, values["temporal_overlap"] // t)
+    overlap = values.get("temporal_overlap")
+    return Windows(latent, tile, CHAINED if overlap is None else overlap // t)
 
 
 def _window_frames(values: Mapping[str, Any]) -> int:
@@ -122,26 +135,17 @@ def _window_frames(values: Mapping[str, Any]) -> int:
     return (max(end - start for start, end in windows.spans) - 1) * WAN_TEMPORAL_COMPRESSION + 1
 
 
-def _check_windows(values: Mapping[str, Any], *, image: bool) -> None:
-    tile, overlap, t = values["temporal_tile_size"], values["temporal_overlap"], WAN_TEMPORAL_COMPRESSION
+def _check_windows(values: Mapping[str, Any]) -> None:
+    tile, overlap, t = values["temporal_tile_size"], values.get("temporal_overlap"), WAN_TEMPORAL_COMPRESSION
     if (tile - 1) % t:
         below = (tile - 1) // t * t + 1
         raise ValueError(f"temporal_tile_size={tile} is not 4k+1; try {below} or {below + t}")
-    if overlap // t >= (tile - 1) // t + 1:
+    if overlap is not None and overlap // t >= (tile - 1) // t + 1:
         raise ValueError(f"temporal_overlap={overlap} is not fewer frames than temporal_tile_size={tile} (in latent "
                          f"frames of {t}): use a smaller overlap or a larger tile")
-    windows = wan_windows_of(values)
-    if windows is None:
-        if values.get("prompt_segments"):
-            raise ValueError("prompt_segments: the video fits one window (num_frames <= temporal_tile_size); give "
-                             "one prompt, or ask for more frames")
-        return
-    if image:
-        # NOTE(i2v): WanImageToVideoPipeline conditions its 36-channel input on the image as the first frame of the
-        # sequence; a later window's first frames are the previous window's, which that input cannot take.
-        raise ValueError(f"num_frames={values['num_frames']} is longer than one window (temporal_tile_size={tile}): "
-                         "this Wan image-to-video model makes one window; ask for at most "
-                         f"{tile} frames, or set temporal_tile_size to at least num_frames (one sequence)")
+    if wan_windows_of(values) is None and values.get("prompt_segments"):
+        raise ValueError("prompt_segments: the video fits one window (num_frames <= temporal_tile_size); give one "
+                         "prompt, or ask for more frames")
 
 
 def _check_text_tokens(values: Mapping[str, Any]) -> None:

@@ -18,18 +18,23 @@ means of holding frames fixed:
   the sigma of the sample just made, with the noise the window drew for them: ``(1 - sigma) * tail + sigma * noise``,
   the flow-matching path from that noise to the tail (the sample the model expects at that sigma), ending on the
   tail itself at sigma 0. The model sees a tail consistent with its noise level at every step and continues it.
-  The I2V model's condition channels are not used for this: they are trained on the first video frame encoded
-  alone, not on a window's worth of mid-video latents. Image-to-video folders (Wan 2.1 I2V, 2.2 A14B I2V) make
-  one window (``models.wan_options`` refuses longer requests naming the fix).
+- Image-to-video folders (Wan 2.1 I2V, 2.2 A14B I2V) chain their windows on one frame
+  (``models.wan_options.CHAINED``): window ``w > 0`` is ``WanImageToVideoPipeline`` with the last video frame of
+  window ``w - 1`` (decoded and rounded to uint8, as a caller would save it) as its image. Their condition channels
+  and CLIP image tokens were trained on exactly that, a first frame encoded alone, not on a window's worth of
+  mid-video latents (which the tail replacement above would hold them to); chaining on the last frame is also what
+  their users do by hand. The window's first latent frame is that image again, so the stitched latents keep the
+  window's other frames after the one before's (the window's own first latent frame kept aside, :attr:`Made.firsts`,
+  for its decode), and the frames are each window decoded alone, the repeated frame dropped.
 
 Invariants:
 - Window 0 is the plain pass of its frames (``WanPipeline``, or TI2V-5B's ``WanImageToVideoPipeline`` with an image):
   its noise from the request's seed. Window ``w > 0`` draws its noise as the pipeline does, from ``seed + start``
   (its first latent frame), so N ranks equal 1 rank and a resumed job equals an uninterrupted one.
-- Every window ends with its first ``k`` latent frames equal to the tail it started on, bit for bit, so the video
-  is stitched by appending each window's frames after those (as ``SkyReelsV2DiffusionForcingPipeline`` appends its
-  windows' latents after their prefix; no crossfade: there is nothing to blend) and every latent frame made is
-  final at once; the next window never changes it.
+- Every window (but a chained one) ends with its first ``k`` latent frames equal to the tail it started on, bit for
+  bit, so the video is stitched by appending each window's frames after those (as
+  ``SkyReelsV2DiffusionForcingPipeline`` appends its windows' latents after their prefix; no crossfade: there is
+  nothing to blend) and every latent frame made is final at once; the next window never changes it.
 - The per-token operations (the blend, the replacement) are elementwise on tokens, applied to each rank's shard of
   the same whole-window tensors, so N ranks equal 1 rank.
 - The video made so far (:class:`Made`) is the only state a window hands the next: saved after each window
@@ -45,15 +50,15 @@ import numpy as np
 import torch
 
 from cp_infer import ShardPlan
-from cp_infer.request import GenerationRequest
+from cp_infer.request import Condition, GenerationRequest
 from cp_infer.sampler import Prepared
 
 from ._windows import Windows
-from .wan_options import WAN_TEMPORAL_COMPRESSION, wan_windows_of
+from .wan_options import CHAINED, WAN_TEMPORAL_COMPRESSION, wan_windows_of
 from .wan_parallel import pack_patches, unpack_patches
 
-__all__ = ["Made", "TailReplacement", "WindowPass", "checkpoint", "finish_window", "prepare_window", "replace_tail",
-           "restore_state", "windowed"]
+__all__ = ["Made", "TailReplacement", "WindowPass", "chained", "checkpoint", "finish_window", "prepare_window",
+           "replace_tail", "restore_state", "windowed"]
 
 
 @dataclass
@@ -63,6 +68,21 @@ class Made:
 
     latents: torch.Tensor
     window: int
+    firsts: torch.Tensor | None = None
+    """Chained windows: the own first latent frames ``[1, C, w, H, W]`` of windows ``1..w`` (each its image's), which
+    the stitched latents leave out; ``None`` for the others."""
+    last_frame: np.ndarray | None = None
+    """Chained windows: the last video frame of the last window, uint8 ``[H, W, 3]``: the next window's image."""
+    decoded: np.ndarray | None = None
+    """Chained windows: the last window's frames decoded for ``last_frame`` (the repeated first one dropped), until
+    the decoder takes them (``WanModel``'s chained decoder); never checkpointed."""
+
+    def own_latents(self, windows: Windows, w: int) -> torch.Tensor:
+        """Chained window ``w``'s own latents ``[1, C, end - start, H, W]``, as its pass made them."""
+        start, end = windows.spans[w]
+        if w == 0:
+            return self.latents[:, :, start:end]
+        return torch.cat([self.firsts[:, :, w - 1:w], self.latents[:, :, start + 1:end]], dim=2)
 
 
 @dataclass
@@ -114,14 +134,17 @@ def prepare_window(model, request: GenerationRequest, previous_state: Any) -> Pr
     start, end = windows.spans[w]
     t = WAN_TEMPORAL_COMPRESSION
     frames = (end - start - 1) * t + 1
-    # Window 0 is the request's own pass of its frames; later ones take no image and their noise from seed + start.
-    own = replace(request, num_frames=frames) if w == 0 else \
-        replace(request, num_frames=frames, seed=int(request.seed) + int(start), image=None)
+    # Window 0 is the request's own pass of its frames; later ones take their noise from seed + start, and no image
+    # (chained: the last frame of the one before).
+    own = replace(request, num_frames=frames)
+    if w > 0:
+        image = Condition(before.last_frame[None]) if chained(model) else None
+        own = replace(own, seed=int(request.seed) + int(start), image=image)
     shape = model.geometry.latent_shape(frames, request.height, request.width)
     prepared = model.prepare(own, shape)
     x = prepared.state
     x.windowed = WindowPass(request=request, windows=windows, window=w, before=before)
-    if before is None:
+    if before is None or chained(model):
         return prepared
     k, patch = windows.overlap, model.patch
     assert patch[0] == 1, patch  # a latent frame's tokens are whole: the first k frames are the first tokens
@@ -167,16 +190,36 @@ def finish_window(model, full: dict[str, torch.Tensor], prepared: Prepared) -> i
     of them: the next window keeps its tail as it is)."""
     x = prepared.state
     wp: WindowPass = x.windowed
-    video = model._video_latents(full, x).float().cpu().contiguous()
+    own = model._video_latents(full, x).float().cpu().contiguous()
+    video = own
     if wp.before is not None:
-        video = torch.cat([wp.before.latents, video[:, :, wp.windows.overlap:]], dim=2)
+        video = torch.cat([wp.before.latents, own[:, :, wp.windows.overlap:]], dim=2)
     assert video.shape[2] == wp.windows.made(wp.window), (video.shape, wp.windows.spans, wp.window)
     wp.made = Made(video, wp.window)
+    if chained(model):
+        if wp.before is not None:
+            firsts = own[:, :, :1] if wp.before.firsts is None else torch.cat([wp.before.firsts, own[:, :, :1]], 2)
+            wp.made.firsts = firsts
+        if wp.window + 1 < len(wp.windows):  # the next window's image (the last one's frames: the decoder's)
+            frames = model.decode_whole(own)
+            wp.made.last_frame = frames[-1]
+            wp.made.decoded = frames if wp.before is None else frames[1:]
     return video.shape[2]
 
 
+def chained(model) -> bool:
+    """Whether ``model``'s windows chain on one frame (an image-to-video folder; see the module docstring)."""
+    return model.layout.image
+
+
 def checkpoint(wp: WindowPass) -> dict[str, np.ndarray]:
-    return {"latents": wp.made.latents.numpy(), "window": np.array(wp.made.window, dtype=np.int64)}
+    made = wp.made
+    arrays = {"latents": made.latents.numpy(), "window": np.array(made.window, dtype=np.int64)}
+    if made.firsts is not None:
+        arrays["firsts"] = made.firsts.numpy()
+    if made.last_frame is not None:
+        arrays["last_frame"] = made.last_frame
+    return arrays
 
 
 def restore_state(request: GenerationRequest, arrays: dict[str, np.ndarray]) -> tuple[WindowPass, int]:
@@ -184,10 +227,20 @@ def restore_state(request: GenerationRequest, arrays: dict[str, np.ndarray]) -> 
     windows = wan_windows_of(request)
     try:
         made = Made(torch.from_numpy(np.array(arrays["latents"], dtype=np.float32)), int(arrays["window"]))
+        if "firsts" in arrays:
+            made.firsts = torch.from_numpy(np.array(arrays["firsts"], dtype=np.float32))
+        if "last_frame" in arrays:
+            made.last_frame = np.array(arrays["last_frame"], dtype=np.uint8)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a checkpoint of a long video: {exc}") from None
     if windows is None or not 0 <= made.window < len(windows) - 1 or made.latents.ndim != 5 \
             or made.latents.shape[2] != windows.made(made.window):
         raise ValueError("the checkpoint is not one of this request's windows")
+    chained_windows = windows.overlap == CHAINED and "temporal_overlap" not in request.options
+    if chained_windows and (made.last_frame is None or made.last_frame.ndim != 3 or (made.window > 0 and (
+            made.firsts is None or made.firsts.shape[:2] != made.latents.shape[:2]
+            or made.firsts.shape[2] != made.window))):
+        raise ValueError("the checkpoint is not one of this request's windows (chained: its last frame and the "
+                         "windows' first latent frames)")
     return WindowPass(request=request, windows=windows, window=made.window, before=None, made=made), \
         made.latents.shape[2]

@@ -1,8 +1,9 @@
 """Long Wan videos window by window (``models.wan_windows``): at 1 rank window 0 is ``WanPipeline``'s (TI2V-5B with an
 image: ``WanImageToVideoPipeline``'s) and every later window the reference loop written here from diffusers'
 components (the pipeline's prompt encoding and latents, the folder's scheduler, the transformers) following the
-module's recipe, bit for bit; the frames are ``vae.decode`` of the stitched latents, bit for bit; N = 2, 3 equal 1
-rank; a resumed job equals the whole run.
+module's recipe, bit for bit; the frames are ``vae.decode`` of the stitched latents, bit for bit. Image-to-video folders
+(Wan 2.1 I2V, 2.2 A14B I2V) chain: every window is ``WanImageToVideoPipeline`` itself, given the last frame of the one
+before, latents and frames bit for bit. N = 2, 3 equal 1 rank; a resumed job equals the whole run.
 
 Shapes: 16x80 (Wan 2.1: 8x, 2x2 patches) and 32x160 (TI2V-5B: 16x) are 1 x 5 = 5 tokens a latent frame; windows of 5
 latent frames (``temporal_tile_size=17``) are 25 tokens, which neither 2 nor 3 ranks divide. Tolerances as
@@ -28,7 +29,8 @@ from ..worker_groups import groups_by_world
 
 groups = groups_by_world()
 
-VARIANTS = ("t2v", "a14b", "ti2v")
+VARIANTS = ("t2v", "a14b", "ti2v", "i2v", "a14b-i2v")
+CHAINED = ("i2v", "a14b-i2v")  # image-to-video folders: each window the image-to-video of the last frame before
 WINDOWS = dict(temporal_tile_size=17, temporal_overlap=8)  # 5 latent frames, each window after the first on 2
 
 
@@ -60,6 +62,16 @@ def _requests(variant: str, seed: int) -> list[GenerationRequest]:
         # two windows, each switching from the high-noise expert to the low-noise one with guidance_scale_2
         return [GenerationRequest(**{**base, "options": dict(WINDOWS, guidance_scale_2=2.5)}, prompt="a lake",
                                   num_frames=29, height=16, width=80, guidance_scale=4.0, seed=seed)]
+    if variant == "i2v":
+        # 41 frames in chained windows (0, 5), (4, 9), (8, 11) of the embedded CLIP image tokens' folder
+        return [GenerationRequest(negative_prompt="blurry", num_inference_steps=3, prompt="a red fox | it jumps",
+                                  options=dict(temporal_tile_size=17), num_frames=41, height=16, width=80,
+                                  guidance_scale=4.0, seed=seed, image=Condition(_image(seed)))]
+    if variant == "a14b-i2v":
+        # two chained windows, each switching experts (guidance_scale_2)
+        return [GenerationRequest(negative_prompt="blurry", num_inference_steps=3, prompt="a lake",
+                                  options=dict(temporal_tile_size=17, guidance_scale_2=2.5), num_frames=29,
+                                  height=16, width=80, guidance_scale=4.0, seed=seed, image=Condition(_image(seed)))]
     # TI2V-5B: text only without guidance; and an image as window 0's first frame (two windows each)
     return [GenerationRequest(**base, prompt="a storm | calm", num_frames=29, height=32, width=160,
                               guidance_scale=1.0, seed=seed),
@@ -184,6 +196,38 @@ def _reference(c, r: GenerationRequest) -> tuple[np.ndarray, np.ndarray]:
     return video.numpy(), (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)
 
 
+@torch.no_grad()
+def _chained_reference(c, r: GenerationRequest) -> tuple[np.ndarray, np.ndarray]:
+    """Image-to-video folders: ``WanImageToVideoPipeline`` window by window, each after the first given the last
+    frame the one before returned (uint8, as a caller saves it) as its image and ``seed + start``; the latents are
+    stitched after each window's first (its image's) and the frames after its first (the repeated one)."""
+    from diffusers import WanImageToVideoPipeline
+
+    pipe = WanImageToVideoPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae,
+                                   scheduler=c.scheduler, transformer=c.transformer, transformer_2=c.transformer_2,
+                                   boundary_ratio=c.layout.boundary_ratio, image_encoder=c.image_encoder,
+                                   image_processor=c.image_processor)
+    pipe.set_progress_bar_config(disable=True)
+    spans = _spans((r.num_frames - 1) // 4 + 1, (r.options["temporal_tile_size"] - 1) // 4 + 1, 1)
+    prompts = [p.strip() for p in r.prompt.split("|")]
+    prompts += [prompts[-1]] * (len(spans) - len(prompts))
+    image, latents, frames = Image.fromarray(r.image.frames[0]), [], []
+    for w, (start, end) in enumerate(spans):
+        call = dict(image=image, prompt=prompts[w], negative_prompt=r.negative_prompt,
+                    num_frames=(end - start - 1) * 4 + 1, height=r.height, width=r.width,
+                    num_inference_steps=r.num_inference_steps, guidance_scale=r.guidance_scale)
+        if "guidance_scale_2" in r.options:
+            call["guidance_scale_2"] = r.options["guidance_scale_2"]
+        seed = r.seed + start
+        own = pipe(**call, generator=torch.Generator("cpu").manual_seed(seed), output_type="latent").frames
+        video = pipe(**call, generator=torch.Generator("cpu").manual_seed(seed), output_type="np").frames[0]
+        video = (np.clip(video, 0, 1) * 255).round().astype(np.uint8)
+        latents.append(own if w == 0 else own[:, :, 1:])
+        frames.append(video if w == 0 else video[1:])
+        image = Image.fromarray(video[-1])
+    return torch.cat(latents, dim=2).float().numpy(), np.concatenate(frames)
+
+
 @pytest.fixture(scope="module")
 def one_rank(folders):
     from cp_infer import single_process_state
@@ -197,8 +241,9 @@ def test_one_rank_equals_the_reference_windows(folders, one_rank, variant):
     from models.wan_loading import load_wan
 
     seed, ours = one_rank
+    reference = _chained_reference if variant in CHAINED else _reference
     for r, (frames, latents) in zip(_requests(variant, seed), ours[variant], strict=True):
-        ref_latents, ref_frames = one_thread(_reference, load_wan(folders[variant]), r)
+        ref_latents, ref_frames = one_thread(reference, load_wan(folders[variant]), r)
         assert latents.shape == ref_latents.shape and latents.shape[2] == (r.num_frames - 1) // 4 + 1
         np.testing.assert_array_equal(latents, ref_latents, err_msg=f"{variant} seed={seed}: latents differ")
         assert frames.shape == (r.num_frames, r.height, r.width, 3)
@@ -266,23 +311,30 @@ def test_n_ranks_equal_one_rank(folders, one_rank, groups, world):
             assert diff.max() <= 1 and diff.mean() < 0.01, f"{variant} world={world} seed={seed}: max {diff.max()}"
 
 
-def test_a_resumed_job_equals_the_whole_run(folders, one_rank):
+@pytest.mark.parametrize("variant", ["t2v", "i2v"])
+def test_a_resumed_job_equals_the_whole_run(folders, one_rank, variant):
     """After each window the video made so far is a checkpoint; going on from the one after window 1 (its latents
-    decoded again, then window 2's) makes the video an uninterrupted run makes, bit for bit."""
+    decoded again, then window 2's) makes the video an uninterrupted run makes, bit for bit; chained windows (i2v)
+    from either checkpoint (the last frame, the windows' first latent frames in it)."""
     from cp_infer import single_process_state
     from models.wan import WanModel
     from models.wan_loading import load_wan
 
     seed, ours = one_rank
-    (request,) = _requests("t2v", seed)
+    (request,) = _requests(variant, seed)
     state = single_process_state()
-    model = WanModel(load_wan(folders["t2v"]), state=state)
+    model = WanModel(load_wan(folders[variant]), state=state)
     model.decode_frames_per_rank = 2
     saved = {}
     one_thread(sample, model, request, state=state, control=SampleControl(on_checkpoint=saved.__setitem__))
     assert sorted(saved) == [1, 2]
-    frames = one_thread(sample, model, request, state=state, control=SampleControl(resume=(2, saved[2])))
-    np.testing.assert_array_equal(frames, ours["t2v"][0][0], err_msg=f"seed={seed}")
+    for start in (2,) if variant == "t2v" else (1, 2):
+        frames = one_thread(sample, model, request, state=state, control=SampleControl(resume=(start, saved[start])))
+        np.testing.assert_array_equal(frames, ours[variant][0][0], err_msg=f"seed={seed} from {start}")
+    if variant == "i2v":
+        broken = {k: v for k, v in saved[2].items() if k != "firsts"}
+        with pytest.raises(Exception, match="checkpoint"):
+            one_thread(sample, model, request, state=state, control=SampleControl(resume=(2, broken)))
 
 
 def test_windows_and_plan():
@@ -316,7 +368,7 @@ def test_windows_and_plan():
     ("t2v", dict(temporal_overlap=10), "temporal_overlap=10 is not a multiple of 4"),
     ("t2v", dict(temporal_tile_size=17, temporal_overlap=20), "temporal_overlap=20 is not fewer frames than"),
     ("t2v", dict(num_frames=81, prompt_segments=[{"text": "a"}]), "prompt_segments: the video fits one window"),
-    ("i2v", dict(num_frames=161), "num_frames=161 is longer than one window .*set temporal_tile_size to at least"),
+    ("i2v", dict(num_frames=161, temporal_overlap=8), "temporal_overlap"),  # chained: no overlap to choose
 ])
 def test_bad_window_requests_are_refused(layout, values, match):
     from cp_infer.request import resolve_request
@@ -325,19 +377,21 @@ def test_bad_window_requests_are_refused(layout, values, match):
     options = wan_options(WanLayout(image=True) if layout == "i2v" else WanLayout())
     with pytest.raises(ValueError, match=match):
         resolve_request(GenerationRequest(prompt="a fox", options=values), options)
-    if layout == "i2v":  # one sequence is still there, asked for
-        resolve_request(GenerationRequest(prompt="a fox", options=dict(values, temporal_tile_size=161)), options)
+    if layout == "i2v":  # windows without the overlap
+        values = {k: v for k, v in values.items() if k != "temporal_overlap"}
+        resolve_request(GenerationRequest(prompt="a fox", options=values), options)
 
 
 def test_long_requests_take_what_the_model_windows():
-    """An image windows with TI2V-5B (its first window's first frame) only; extensions are LTX's."""
+    """An image windows with TI2V-5B and image-to-video folders (the first window's first frame), not with
+    text-to-video ones; extensions are LTX's."""
     from cp_infer.request import GenerationLimits, check_request, resolve_request
     from cp_infer.shapes import VideoGeometry
     from models.wan_options import WanLayout, wan_options
 
     geometry = VideoGeometry(temporal_compression=4, spatial_compression=8, patch_size=2)
     image = Condition(_image(0))
-    for layout, ok in ((WanLayout(expand_timesteps=True), True), (WanLayout(), False)):
+    for layout, ok in ((WanLayout(expand_timesteps=True), True), (WanLayout(image=True), True), (WanLayout(), False)):
         options = wan_options(layout)
         request = GenerationRequest(prompt="a fox", num_frames=161, height=64, width=64, image=image)
         if ok:

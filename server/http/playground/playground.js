@@ -200,14 +200,16 @@ function windowsOf(frames) {
   // As models/_windows.py cuts a long video: windows of tile latent frames that start tile - overlap apart; a tile
   // of 8k frames is k latent frames (LTX), one of 4k+1 frames k+1 (Wan: window_tile_causal).
   const t = state.model.temporal_compression || 8;
+  // A model without temporal_overlap chains its windows on one latent frame (Wan image-to-video folders).
   const tileFrames = Number(optionValue("temporal_tile_size"));
-  const overlapFrames = Number(optionValue("temporal_overlap"));
-  if (!tileFrames || !Number.isFinite(overlapFrames)) return 1;
+  const overlapText = optionValue("temporal_overlap");
+  const overlap = overlapText === "" ? 1 : Math.floor(Number(overlapText) / t);
+  if (!tileFrames || !Number.isFinite(overlap)) return 1;
   const latent = Math.floor((frames - 1) / t) + 1;
   const tile = Math.max(1, state.model.window_tile_causal ? Math.floor((tileFrames - 1) / t) + 1
     : Math.floor(tileFrames / t));
   if (latent <= tile) return 1;
-  const stride = Math.max(tile - Math.floor(overlapFrames / t), 1);
+  const stride = Math.max(tile - overlap, 1);
   let count = 1;
   for (let start = 0; start + tile < latent; start += stride) count += 1;
   return count;

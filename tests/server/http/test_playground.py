@@ -191,6 +191,11 @@ def test_page_loads_asks_for_the_key_once_and_shows_the_models_options(server, b
         want = 1 if windows is None else len(windows)
         assert by_id(browser, "length-hint").get_attribute("data-windows") == str(want), (frames, tile, overlap)
     assert want > 3
+    # An image-to-video folder's windows chain on one latent frame: it declares no temporal_overlap.
+    js(browser, "document.querySelector('[data-option=\"temporal_overlap\"]').remove();")
+    fill(browser, "a lighthouse", num_frames="161", temporal_tile_size="41")
+    chained = wan_windows_of({"num_frames": 161, "temporal_tile_size": 41})
+    assert by_id(browser, "length-hint").get_attribute("data-windows") == str(len(chained)) == "4"
 
     # Once given, the key is not asked for again; nothing came from another origin.
     browser.refresh()
