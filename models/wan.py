@@ -350,7 +350,7 @@ class WanModel:
 
     def restore(self, request: GenerationRequest, arrays: dict[str, np.ndarray]):
         """The state a checkpoint was taken in, and the latent frames final in it."""
-        return restore_state(request, arrays)
+        return restore_state(request, arrays, chained_windows=chained(self))
 
     def _video_latents(self, latents: dict[str, torch.Tensor], x: _RequestState) -> torch.Tensor:
         """The final latents ``[1, C, F, H, W]`` as the pipeline has them before its decode."""

@@ -54,7 +54,7 @@ from cp_infer.request import Condition, GenerationRequest
 from cp_infer.sampler import Prepared
 
 from ._windows import Windows
-from .wan_options import CHAINED, WAN_TEMPORAL_COMPRESSION, wan_windows_of
+from .wan_options import WAN_TEMPORAL_COMPRESSION, wan_windows_of
 from .wan_parallel import pack_patches, unpack_patches
 
 __all__ = ["Made", "TailReplacement", "WindowPass", "chained", "checkpoint", "finish_window", "prepare_window",
@@ -222,8 +222,10 @@ def checkpoint(wp: WindowPass) -> dict[str, np.ndarray]:
     return arrays
 
 
-def restore_state(request: GenerationRequest, arrays: dict[str, np.ndarray]) -> tuple[WindowPass, int]:
-    """A checkpoint (:func:`checkpoint`) of ``request`` back, checked against it; and its final latent frames."""
+def restore_state(request: GenerationRequest, arrays: dict[str, np.ndarray], *,
+                  chained_windows: bool) -> tuple[WindowPass, int]:
+    """A checkpoint (:func:`checkpoint`) of ``request`` back, checked against it (``chained_windows``: the model's
+    :func:`chained`); and its final latent frames."""
     windows = wan_windows_of(request)
     try:
         made = Made(torch.from_numpy(np.array(arrays["latents"], dtype=np.float32)), int(arrays["window"]))
@@ -236,7 +238,6 @@ def restore_state(request: GenerationRequest, arrays: dict[str, np.ndarray]) -> 
     if windows is None or not 0 <= made.window < len(windows) - 1 or made.latents.ndim != 5 \
             or made.latents.shape[2] != windows.made(made.window):
         raise ValueError("the checkpoint is not one of this request's windows")
-    chained_windows = windows.overlap == CHAINED and "temporal_overlap" not in request.options
     if chained_windows and (made.last_frame is None or made.last_frame.ndim != 3 or (made.window > 0 and (
             made.firsts is None or made.firsts.shape[:2] != made.latents.shape[:2]
             or made.firsts.shape[2] != made.window))):
