@@ -1,7 +1,7 @@
 """The benchmark models the scripts share, their requests and our runner.
 
 - LTX-Video: diffusers' ``LTXVideoTransformer3DModel`` at a :class:`ModelSize`, the embedded default model's other
-  components (``models.default.build_default_components``: a tiny T5 and a tiny VAE with LTX-Video's real
+  components (``models.ltx_video.default.build_default_components``: a tiny T5 and a tiny VAE with LTX-Video's real
   compression, 8x time and 32x space) and its scheduler; the workloads of ``bench/generate.py`` and
   ``bench/conditioning.py``; :class:`OursRunner`, our engine over it, which keeps the final latents.
 - LTX-2: diffusers' ``LTX2VideoTransformer3DModel`` at 2 layers x 8 heads x 64 (audio 8 x 32) with the other
@@ -12,7 +12,7 @@
   have the LTX-Video workloads' latent token grids (4 x 8 x 16 and 16 x 16 x 16 tokens).
 
 Invariants: every process builds the same weights (LTX-Video: torch's own init under :data:`SEED`, the global RNG
-forked; LTX-2: ``models.embedded.init_deterministic`` from :data:`SEED`); everything is fp32.
+forked; LTX-2: ``models.common.embedded.init_deterministic`` from :data:`SEED`); everything is fp32.
 """
 
 from __future__ import annotations
@@ -130,13 +130,13 @@ def wan_workloads(wide: ModelSize, narrow: ModelSize) -> tuple[Workload, ...]:
 
 def build_components(size: ModelSize, family: str = LTX_VIDEO) -> Any:
     """``LTXPipeline``'s components (a dict): the benchmark transformer at ``size`` around the embedded default's
-    others; ``family="wan"``: ``WanPipeline``'s, as ``models.wan_loading.WanComponents``, around ``tiny-wan``'s."""
+    others; ``family="wan"``: ``WanPipeline``'s, as ``models.wan.loading.WanComponents``, around ``tiny-wan``'s."""
     if family == WAN:
         return _build_wan_components(size)
     import torch
     from diffusers import LTXVideoTransformer3DModel
 
-    from models.default import build_default_components
+    from models.ltx_video.default import build_default_components
 
     components = build_default_components()
     inner = size.heads * size.head_dim
@@ -155,8 +155,8 @@ def _build_wan_components(size: ModelSize) -> Any:
     import torch
     from diffusers import WanTransformer3DModel
 
-    from models.default_wan import build_wan_pipeline
-    from models.wan_loading import WanComponents
+    from models.wan.default import build_wan_pipeline
+    from models.wan.loading import WanComponents
 
     pipe = build_wan_pipeline("t2v")
     inner = size.heads * size.head_dim
@@ -182,10 +182,10 @@ def write_medium_folder(folder: Path) -> None:
 def make_request(workload: Workload, steps: int, **values: Any):
     """The workload's request, resolved against its family's declared options (diffusers' runner reads them all)."""
     from cp_infer.request import GenerationRequest, resolve_request
-    from models.ltx_video_options import ltx_video_options
+    from models.ltx_video.options import ltx_video_options
 
     if workload.family == WAN:
-        from models.wan_options import wan_options
+        from models.wan.options import wan_options
 
         req = GenerationRequest.of(prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=workload.frames,
                                    height=workload.height, width=workload.width, num_inference_steps=steps,
@@ -223,18 +223,18 @@ class _Recording:
 
 
 class OursRunner:
-    """``cp_infer.sampler.sample`` over ``models.ltx_video.LTXVideoModel`` (a components dict) or
-    ``models.wan.WanModel`` (``WanComponents``); a call returns the uint8 frames, the final latents (LTX-Video:
+    """``cp_infer.sampler.sample`` over ``models.ltx_video.adapter.LTXVideoModel`` (a components dict) or
+    ``models.wan.adapter.WanModel`` (``WanComponents``); a call returns the uint8 frames, the final latents (LTX-Video:
     packed; Wan: ``[B, C, F, H, W]``), the step times and the time from the call to the first step's start."""
 
     def __init__(self, components: Any, *, state: Any) -> None:
         self.state = state
         if isinstance(components, dict):
-            from models.ltx_video import LTXVideoModel
+            from models.ltx_video.adapter import LTXVideoModel
 
             self.model = _Recording(LTXVideoModel(SimpleNamespace(**components), state=state))
         else:
-            from models.wan import WanModel
+            from models.wan.adapter import WanModel
 
             self.model = _Recording(WanModel(components, state=state))
 
@@ -267,8 +267,8 @@ def build_ltx2_components() -> dict[str, Any]:
     others."""
     from diffusers import LTX2VideoTransformer3DModel
 
-    from models.default_ltx2 import build_ltx2_components as build_tiny
-    from models.embedded import init_deterministic
+    from models.common.embedded import init_deterministic
+    from models.ltx2.default import build_ltx2_components as build_tiny
 
     c = build_tiny(rope_type="interleaved")
     tiny = c["transformer"].config

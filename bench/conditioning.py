@@ -23,7 +23,7 @@ pixels on both sides and no resize.
 
 Configurations, each in its own fresh processes (spawn, gloo on 127.0.0.1, 1 intra-op thread per rank):
 
-- ours N=2: ``cp_infer.sampler.sample`` over ``models.ltx_video.LTXVideoModel`` on 2 ranks (``init_parallel``);
+- ours N=2: ``cp_infer.sampler.sample`` over ``models.ltx_video.adapter.LTXVideoModel`` on 2 ranks (``init_parallel``);
 - diffusers CP N=2: ``LTXPipeline.__call__`` / ``LTXConditionPipeline.__call__`` on 2 ranks after
   ``enable_parallelism(ContextParallelConfig(ulysses_degree=2))``, with ``bench/peers/diffusers_cp.py``'s patches: the
   two the text-to-video rows need (device count; per-head text mask narrowed to the local heads) and a third for
@@ -33,9 +33,9 @@ Configurations, each in its own fresh processes (spawn, gloo on 127.0.0.1, 1 int
 
 Workloads: ``bench/generate.py``'s two 512-token ones (25 frames at 256x512): comm-bound (narrow model, 8 x 2 x 64)
 and short, wide model (2 x 16 x 64). NOTE(scheduler): the default model's scheduler shifts dynamically, and
-``LTXConditionPipeline`` passes no shift, so as shipped it refuses that schedule (``models/ltx_video.py``,
+``LTXConditionPipeline`` passes no shift, so as shipped it refuses that schedule (``models/ltx_video/adapter.py``,
 NOTE(shift)); every case here, text-to-video included, runs the same scheduler with dynamic shifting off, as
-``tests/models/test_ltx_video_conditions.py`` does. The schedule's values do not change a step's cost.
+``tests/models/ltx_video/test_conditions.py`` does. The schedule's values do not change a step's cost.
 
 Measured, per generation the slowest rank, then the median over the timed rounds:
 

@@ -131,7 +131,7 @@ def _ltx_decoder(state, world, frames_per_rank, args):
     from diffusers import AutoencoderKLLTXVideo
 
     from cp_infer.decode import TemporalSplit
-    from models.ltx_vae_parallel import DecodeContext, decode_cost, decode_round, parallelize_ltx_decoder
+    from models.common.ltx_vae_parallel import DecodeContext, decode_cost, decode_round, parallelize_ltx_decoder
 
     torch.manual_seed(0)
     vae = AutoencoderKLLTXVideo().eval()
@@ -150,7 +150,7 @@ def _wan_decoder(state, world, frames_per_rank, args):
     from diffusers import AutoencoderKLWan
 
     from cp_infer.decode import TemporalSplit
-    from models.wan_vae_parallel import WanStreamedDecode, decode_cost
+    from models.wan.vae_parallel import WanStreamedDecode, decode_cost
 
     torch.manual_seed(0)
     vae = AutoencoderKLWan(**WAN_VAES[args.vae]).eval()

@@ -14,7 +14,8 @@ environment above it and one PASS/FAIL line per target below it.
 Models (``bench/_models.py``): diffusers' real ``LTXVideoTransformer3DModel`` at two benchmark sizes, random
 weights from torch's own init under a fixed seed, so every process builds the same weights (a float64 checksum of
 the parameters is compared across the processes of a workload). Text encoder, tokenizer, VAE and scheduler are the
-embedded default model's (``models.default.build_default_components``): a tiny T5 and a tiny VAE with LTX-Video's
+embedded default model's (``models.ltx_video.default.build_default_components``): a tiny T5 and a tiny VAE with
+LTX-Video's
 real compression (8x time, 32x space). The transformer does the denoising work.
 
 - wide: 2 layers, 16 heads x 64 head dim (inner 1024), 42 M parameters: a step at 4096 tokens is seconds of GEMM
@@ -43,7 +44,7 @@ Workloads (latent token counts are even, as diffusers' context parallelism requi
 
 Configurations, each in its own fresh processes (``torch.multiprocessing`` spawn, gloo on 127.0.0.1, free port):
 
-- ours N=1: ``cp_infer.sampler.sample`` over ``models.ltx_video.LTXVideoModel``, 1 process x 2 intra-op threads;
+- ours N=1: ``cp_infer.sampler.sample`` over ``models.ltx_video.adapter.LTXVideoModel``, 1 process x 2 intra-op threads;
 - ours N=2: the same on 2 ranks (``init_parallel``), 1 thread per rank;
 - diffusers CP N=2: diffusers' own ``LTXPipeline.__call__`` on 2 ranks x 1 thread after
   ``transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))``. Two patches make it run on

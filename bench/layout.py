@@ -78,13 +78,13 @@ def _model(workload: str, quick: bool, state: Any) -> tuple[Any, Any]:
     from bench import _models as m
 
     if workload == _COMM:
-        from models.ltx_video import LTXVideoModel
+        from models.ltx_video.adapter import LTXVideoModel
 
         w = m.workloads(*m.model_sizes(quick=quick))[0]  # comm-bound: the narrow model, 512 tokens
         model = LTXVideoModel(SimpleNamespace(**m.build_components(w.model)), state=state)
         return model, lambda steps: m.make_request(w, steps)
     from cp_infer.request import GenerationRequest
-    from models.ltx2 import LTX2Model
+    from models.ltx2.adapter import LTX2Model
 
     model = LTX2Model(SimpleNamespace(**m.build_ltx2_components()), state=state)
     size = dict(num_frames=25 if quick else 41, height=256, width=384 if quick else 512)

@@ -1,6 +1,7 @@
-"""Per-request LoRA adapters (``models.lora``) on the medium LTX-Video: an adapter's first use (read, converted,
+"""Per-request LoRA adapters (``models.common.lora``) on the medium LTX-Video: an adapter's first use (read, converted,
 injected), a cached switch (``set_adapters`` alone), and the denoising step with an unfused rank-16 adapter against
-none (the target: at most 1.1x), in one run; then the adapter slots of ``--compile`` (``models.lora_slots``: 4 slots
+none (the target: at most 1.1x), in one run; then the adapter slots of ``--compile`` (``models.common.lora_slots``: 4
+slots
 of rank ``--slot-rank``): a switch (the copy into the slots) and the step with them, uncompiled, and with
 ``--compile`` also compiled (against the compiled model without adapters; the compiled model's graph count after
 every setting ran is reported: the slots keep it at the first request's).
@@ -68,10 +69,10 @@ def _median_step(model, request, state) -> float:
 
 
 def _slotted(folder: Path, adapters: Path, state, *, rank: int, compiled: bool):
-    """The model with the adapter slots ``--compile`` makes (``models.lora_slots``); ``compiled``: compiled too,
+    """The model with the adapter slots ``--compile`` makes (``models.common.lora_slots``); ``compiled``: compiled too,
     else the slots alone."""
-    from models.lora import LoadedLoras, LoraDirectory, adapted_modules
-    from models.lora_slots import make_slots
+    from models.common.lora import LoadedLoras, LoraDirectory, adapted_modules
+    from models.common.lora_slots import make_slots
     from models.registry import open_model
 
     if compiled:

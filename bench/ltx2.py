@@ -9,14 +9,14 @@ nothing. NOTE(threads): on a loaded 2-core machine a 2-thread process stalls in 
 erratic); ``--n1-threads 1`` then gives a steadier, 1-core N=1 reference.
 
 Model (``bench/_models.py``): diffusers' ``LTX2VideoTransformer3DModel``, 2 layers, 8 heads x 64 (audio 8 x 32),
-weights from ``models.embedded.init_deterministic``, with the other seven components of ``tiny-ltx2``. RoPE
+weights from ``models.common.embedded.init_deterministic``, with the other seven components of ``tiny-ltx2``. RoPE
 "interleaved" everywhere: diffusers' plan splits the RoPE tables on dim 1, which for "split" (``[B, H, S, D/2]``) is
 the head dim.
 Workload: 41 frames at 320x512 = 960 video + 43 audio + 128 text tokens (``--quick``: 25 at 256x384 = 384 + 26),
 ``LTX2Pipeline``'s default guidance (CFG, STG on the last block, modality isolation, rescale): 3 transformer passes
 (batch 2 + 1 + 1) per step. Configurations, each in its own spawned processes (gloo on 127.0.0.1), all loaded at
 once, timed rounds interleaved: ours N=1 and diffusers N=1 (1 process x 2 threads, or ``--n1-threads``), ours N=2
-and diffusers CP N=2 (2 processes x 1 thread). Ours: ``cp_infer.sampler.sample`` over ``models.ltx2.LTX2Model``;
+and diffusers CP N=2 (2 processes x 1 thread). Ours: ``cp_infer.sampler.sample`` over ``models.ltx2.adapter.LTX2Model``;
 diffusers: ``LTX2Pipeline.__call__`` as shipped (every rank runs the whole pipeline, decode included).
 
 diffusers' CP on LTX-2 (``bench/peers/diffusers_cp.py``'s ``DiffusersLTX2Runner``) needs the two CPU/gloo patches
@@ -93,7 +93,7 @@ from bench.harness import (  # noqa: E402
 
 __all__ = ["main"]
 
-_WAVE_TOL = 1e-4  # as tests/models/test_ltx2_parallel.py
+_WAVE_TOL = 1e-4  # as tests/models/ltx2/test_parallel.py
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def _request(b: _Bench, steps: int):
     """Resolved against LTX-2's declared options (diffusers' runner reads them). One stage, as ``LTX2Pipeline``: the
     benchmark model has no latent upsampler (a folder with one defaults to ``stages=2``)."""
     from cp_infer.request import GenerationRequest, resolve_request
-    from models.ltx2_options import ltx2_options
+    from models.ltx2.options import ltx2_options
 
     request = GenerationRequest.of(prompt=LTX2_PROMPT, negative_prompt=LTX2_NEGATIVE, num_frames=b.frames,
                                    height=b.height, width=b.width, num_inference_steps=steps, seed=SEED, fps=FPS,
@@ -133,7 +133,7 @@ def _request(b: _Bench, steps: int):
 
 class _Ours:
     def __init__(self, components: dict[str, Any], *, state: Any) -> None:
-        from models.ltx2 import LTX2Model
+        from models.ltx2.adapter import LTX2Model
 
         self.state, self.model = state, LTX2Model(SimpleNamespace(**components), state=state)
         decoder, self.record = self.model.decoder, {}

@@ -70,13 +70,13 @@ def _write(family: str, folder: Path) -> None:
     import torch
 
     from bench._models import SEED
-    from models.embedded import init_deterministic
+    from models.common.embedded import init_deterministic
 
     if family == "ltx-video":
         from diffusers import LTXPipeline, LTXVideoTransformer3DModel
         from transformers import T5Config, T5EncoderModel
 
-        from models.default import build_default_components
+        from models.ltx_video.default import build_default_components
 
         c = build_default_components()
         text = T5EncoderModel(T5Config(vocab_size=c["text_encoder"].config.vocab_size, d_model=1024, d_kv=64,
@@ -91,7 +91,7 @@ def _write(family: str, folder: Path) -> None:
         return
     from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
 
-    from models.default_ltx2 import build_ltx2_components
+    from models.ltx2.default import build_ltx2_components
 
     c = build_ltx2_components(rope_type="interleaved")
     tiny = c["transformer"].config
@@ -145,7 +145,7 @@ def _memory_worker(rank: int, world: int, port: int, family: str, folder: str, w
     try:
         from cp_infer.request import resolve_request
         from cp_infer.sampler import sample
-        from models.placement import measure_components
+        from models.common.placement import measure_components
 
         set_malloc(*MALLOC_MEASURE)
         state = _init(rank, world, port)
@@ -280,7 +280,7 @@ def _timing(family: str, folder: Path, args, world: int) -> dict[str, dict]:
 
 def _bench(family: str, args, tmp: Path) -> list[str]:
     from cp_infer.placement import format_bytes
-    from models.placement import model_components
+    from models.common.placement import model_components
 
     folder = tmp / family
     _write(family, folder)

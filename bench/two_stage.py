@@ -38,17 +38,17 @@ def _write_medium(model_name: str, folder: Path) -> None:
     """The ``--medium`` folder of ``model_name``'s family: the benchmark transformer of ``bench/cli.py`` (LTX-Video)
     or ``bench/ltx2.py`` (LTX-2), the embedded components around it, its tiny latent upsampler."""
     from bench._models import build_ltx2_components, write_medium_folder
-    from models.embedded import LATENT_UPSAMPLER
+    from models.common.embedded import LATENT_UPSAMPLER
 
     if model_name == "tiny-ltx-video":
-        from models.default import build_latent_upsampler
+        from models.ltx_video.default import build_latent_upsampler
 
         write_medium_folder(folder)
         upsampler = build_latent_upsampler()
     else:
         from diffusers import LTX2Pipeline
 
-        from models.default_ltx2 import build_ltx2_latent_upsampler
+        from models.ltx2.default import build_ltx2_latent_upsampler
 
         LTX2Pipeline(**build_ltx2_components()).save_pretrained(folder)
         upsampler = build_ltx2_latent_upsampler()

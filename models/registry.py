@@ -2,13 +2,14 @@
 
 - :func:`describe_model` reads configs only (no weights; the VAE is built on the meta device to ask diffusers
   its compression), so a front end can check requests before any rank loads anything.
-- :func:`open_model` loads the folder's components where ``weights`` and ``offload`` put them (``models.placement``:
+- :func:`open_model` loads the folder's components where ``weights`` and ``offload`` put them
+  (``models.common.placement``:
   the transformer and text encoder sharded over the replica group, read a shard per rank, or replicated) and wraps
   them in the family's adapter; with ``compile_blocks``
   it then compiles each transformer block (:func:`compile_transformer_blocks`), after the adapter has installed its
   attention processors, so what is compiled is the parallel block.
 The family comes from the folder itself (``detect_family``): the embedded defaults, any local diffusers folder, a
-hub snapshot and a single file's config folder go through the same path (``models.loading.resolve_files``).
+hub snapshot and a single file's config folder go through the same path (``models.common.loading.resolve_files``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import torch
 from cp_infer import ParallelState, VideoGeometry
 from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationRequest
-
-from ._folder_problems import component_problem, error_line
-from .geometry import min_latent_side
-from .loading import (
+from models.common.folder_problems import component_problem, error_line
+from models.common.geometry import min_latent_side
+from models.common.loading import (
     ModelFiles,
     ModelLoadError,
     detect_family,
@@ -61,11 +61,11 @@ class ModelInfo:
         """How many transformer passes a step runs, over the denoising passes of ``request``'s plan (a resolved
         request; the plan is the adapter's own, so a second stage's own guidance counts)."""
         if self.family == "ltx-video":
-            from .ltx_video import plan_request, step_passes
+            from models.ltx_video.adapter import plan_request, step_passes
         elif self.family == "wan":
-            from .wan import plan_request, step_passes
+            from models.wan.adapter import plan_request, step_passes
         else:
-            from .ltx2 import plan_request, step_passes
+            from models.ltx2.adapter import plan_request, step_passes
         return {step_passes(p.request) for p in plan_request(request).passes}
 
 
@@ -74,16 +74,16 @@ def model_options(family: str, *, layers: int, latent_upsampler: bool = True,
     """The request options of a ``family`` model with ``layers`` transformer blocks, with or without a
     ``latent_upsampler`` (two-stage generation), whose requests get ``stages`` by default (unset: what a folder with
     or without an upsampler is recommended); ``distilled`` (LTX-2): a distilled checkpoint's defaults. A Wan model's
-    options depend on its pipeline (``models.wan_options.WanLayout``): these are Wan 2.1 text-to-video's."""
+    options depend on its pipeline (``models.wan.options.WanLayout``): these are Wan 2.1 text-to-video's."""
     if family == "wan":
-        from .wan_options import wan_options
+        from models.wan.options import wan_options
 
         return wan_options()
     if family == "ltx-video":
-        from .ltx_video_options import ltx_video_options
+        from models.ltx_video.options import ltx_video_options
 
         return ltx_video_options(latent_upsampler=latent_upsampler, stages=stages)
-    from .ltx2_options import ltx2_options
+    from models.ltx2.options import ltx2_options
 
     return ltx2_options(layers=layers, latent_upsampler=latent_upsampler, stages=stages, distilled=distilled)
 
@@ -101,14 +101,15 @@ def _classes(family: str):
 def describe_model(model: str | os.PathLike | ModelFiles | None, *, config: str | os.PathLike | None = None,
                    upsampler: str | os.PathLike | None = None) -> ModelInfo:
     """Family and video geometry of ``model`` (a folder, a hub id, an embedded default's name or None, or a single
-    file with its ``config``; with a paired ``upsampler``: ``models.loading.resolve_files``). A hub repo's configs
+    file with its ``config``; with a paired ``upsampler``: ``models.common.loading.resolve_files``). A hub repo's
+    configs
     alone are fetched for it."""
     files = resolve_files(model, config=config, upsampler=upsampler, weights=False)
     path = files.folder
     family = detect_family(path)
     if family == "wan":
-        from .wan_loading import describe_wan
-        from .wan_options import wan_options
+        from models.wan.loading import describe_wan
+        from models.wan.options import wan_options
 
         geometry, layers, layout = describe_wan(path)
         return ModelInfo(path=path, family=family, geometry=geometry, layers=layers, options=wan_options(layout))
@@ -170,22 +171,22 @@ def compile_transformer_blocks(transformer: torch.nn.Module) -> None:
 
 
 def lora_spec(family: str):
-    """How a ``family`` model's adapters load (``models.lora.LoraSpec``, declared beside its adapter)."""
+    """How a ``family`` model's adapters load (``models.common.lora.LoraSpec``, declared beside its adapter)."""
     if family == "ltx-video":
-        from .ltx_video import LORA
+        from models.ltx_video.adapter import LORA
     elif family == "wan":
-        from .wan import LORA
+        from models.wan.adapter import LORA
     else:
-        from .ltx2 import LORA
+        from models.ltx2.adapter import LORA
     return LORA
 
 
 def lora_catalog(info: ModelInfo, lora_dir: str | os.PathLike | None, *, slot_rank: int | None = None):
-    """What a front end checks requests' ``loras`` against (``models.lora.LoraCatalog``): the adapters of
+    """What a front end checks requests' ``loras`` against (``models.common.lora.LoraCatalog``): the adapters of
     ``lora_dir`` (``None``: none) and the modules of ``info``'s model, built on the meta device from its configs on
     first use; ``slot_rank``: the model is compiled with adapter slots of that rank (``open_model``'s
     ``max_lora_rank``), which an adapter must fit too."""
-    from .lora import LoraCatalog, LoraDirectory, targets_from_configs
+    from models.common.lora import LoraCatalog, LoraDirectory, targets_from_configs
 
     spec = lora_spec(info.family)
     directory = None if lora_dir is None else LoraDirectory(lora_dir)
@@ -201,12 +202,12 @@ def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | tor
     """Load ``model`` (with ``config`` and ``upsampler`` as :func:`describe_model` takes them) on ``state.device`` and
     return its parallel adapter (``LTXVideoModel``, ``LTX2Model`` or ``WanModel``); ``compile_blocks``:
     :func:`compile_transformer_blocks` on its transformer; ``lora_dir``: the adapters requests may apply
-    (``models.lora.LoadedLoras``, keeping at most ``max_lora_bytes`` of them loaded; unset: the default), and
-    ``stage_2_loras`` those stage 2 of two-stage generation adds (``models.lora.pass_loras``); with both
+    (``models.common.lora.LoadedLoras``, keeping at most ``max_lora_bytes`` of them loaded; unset: the default), and
+    ``stage_2_loras`` those stage 2 of two-stage generation adds (``models.common.lora.pass_loras``); with both
     ``compile_blocks`` and ``lora_dir`` the adapters are copied into slots of rank ``max_lora_rank`` (unset: the
-    default) made before the compile (``models.lora_slots``), so the blocks compile once for every adapter;
-    ``weights`` and ``offload``: where the components go (``models.placement``; the adapter's ``placement``)."""
-    from .placement import apply_offload, resolve_placement, sharded_loaders
+    default) made before the compile (``models.common.lora_slots``), so the blocks compile once for every adapter;
+    ``weights`` and ``offload``: where the components go (``models.common.placement``; the adapter's ``placement``)."""
+    from models.common.placement import apply_offload, resolve_placement, sharded_loaders
 
     files = resolve_files(model, config=config, upsampler=upsampler)
     family = detect_family(files.folder)
@@ -214,28 +215,28 @@ def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | tor
     placement = resolve_placement(files.folder, dtype=dtype, state=state, weights=weights, offload=offload)
     loaders = sharded_loaders(family, placement)
     if family == "wan":
-        from .wan import WanModel
-        from .wan_loading import load_wan
+        from models.wan.adapter import WanModel
+        from models.wan.loading import load_wan
 
         adapter = WanModel(load_wan(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
     elif family == "ltx-video":
-        from .loading import load_ltx_video
-        from .ltx_video import LTXVideoModel
+        from models.common.loading import load_ltx_video
+        from models.ltx_video.adapter import LTXVideoModel
 
         adapter = LTXVideoModel(load_ltx_video(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
     else:
-        from .loading import load_ltx2
-        from .ltx2 import LTX2Model
+        from models.common.loading import load_ltx2
+        from models.ltx2.adapter import LTX2Model
 
         adapter = LTX2Model(load_ltx2(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
     apply_offload(adapter.components, placement)
     adapter.placement = placement
     if lora_dir is not None:
-        from .lora import DEFAULT_MAX_LORA_BYTES, LoadedLoras, LoraDirectory, adapted_modules
+        from models.common.lora import DEFAULT_MAX_LORA_BYTES, LoadedLoras, LoraDirectory, adapted_modules
 
         directory, slots = LoraDirectory(lora_dir), None
         if compile_blocks:
-            from .lora_slots import DEFAULT_MAX_LORA_RANK, make_slots
+            from models.common.lora_slots import DEFAULT_MAX_LORA_RANK, make_slots
 
             slots = make_slots(adapter.lora_parts(), adapted_modules(directory, adapter.lora_spec),
                                rank=DEFAULT_MAX_LORA_RANK if max_lora_rank is None else max_lora_rank)

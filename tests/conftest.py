@@ -30,7 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
         cache = os.path.abspath(given)
     else:
         cache = _made_cache = tempfile.mkdtemp(prefix="cp-infer-test-cache-")
-    # Not models.embedded.CACHE_ENV: importing models here would import torch before pytest has configured.
+    # Not models.common.embedded.CACHE_ENV: importing models here would import torch before pytest has configured.
     os.environ["CP_INFER_CACHE"] = cache
     os.environ["HF_HUB_OFFLINE"] = "1"
 

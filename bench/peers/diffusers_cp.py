@@ -156,7 +156,7 @@ class DiffusersRunner:
                                    image_cond_noise_scale=o["image_cond_noise_scale"], **common).frames[0]
         else:
             video = self.pipe(**common).frames[0]
-        # The same float -> uint8 conversion as models.ltx_video.LTXVideoModel.decode.
+        # The same float -> uint8 conversion as models.ltx_video.adapter.LTXVideoModel.decode.
         record["frames"] = (np.clip(video, 0.0, 1.0) * 255.0).round().astype(np.uint8)
         return record
 

@@ -34,8 +34,8 @@ from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK
 from cp_infer.options import ModelOptions, Option
 from cp_infer.placement import OFFLOAD_COMPONENTS, WEIGHTS_MODES, parse_offload
 from cp_infer.request import LORA_SCALE, MAX_LORAS, Condition, GenerationRequest, LoraWeight
-from models.lora import DEFAULT_MAX_LORA_BYTES
-from models.lora_slots import DEFAULT_MAX_LORA_RANK
+from models.common.lora import DEFAULT_MAX_LORA_BYTES
+from models.common.lora_slots import DEFAULT_MAX_LORA_RANK
 from server.cli.launch import leader_exit_code
 from server.group import phases
 from server.outputs.piece_video import WriteError
@@ -145,7 +145,7 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_placement_arguments(group) -> None:
-    """``--weights`` and ``--offload``: where the components' weights go (``models.placement``; also
+    """``--weights`` and ``--offload``: where the components' weights go (``models.common.placement``; also
     ``cp-infer memory``'s)."""
     group.add_argument("--weights", default="auto", choices=WEIGHTS_MODES,
                        help="sharded: the transformer and the text encoder 1/N on each of a replica group's N ranks "
@@ -318,8 +318,8 @@ def _byte_count(text: str) -> int:
 
 def check_request_loras(adapters, request: GenerationRequest, stage_2) -> None:
     """A resolved request's adapters against the front end's catalog (``adapters``, :func:`lora_catalog`), and with
-    the operator's ``stage_2`` adapters counted in stage 2 (``models.lora.check_stage_2``)."""
-    from models.lora import check_stage_2
+    the operator's ``stage_2`` adapters counted in stage 2 (``models.common.lora.check_stage_2``)."""
+    from models.common.lora import check_stage_2
 
     adapters.check(request.loras)
     check_stage_2(request.loras, stage_2, stages=request.options.get("stages", 1))
@@ -337,7 +337,7 @@ def check_stage_2_loras(config, info) -> None:
 
 
 def lora_catalog(config, info):
-    """What the front end checks a request's ``loras`` against (``models.lora.LoraCatalog``): the adapters of
+    """What the front end checks a request's ``loras`` against (``models.common.lora.LoraCatalog``): the adapters of
     ``config.lora_dir`` (a ``RuntimeConfig``, or the parsed ``--lora-dir``) and the modules of ``info``'s model (with
     ``--compile``, also its adapter slots: ``--max-lora-rank``)."""
     from models.registry import lora_catalog as catalog
@@ -440,7 +440,7 @@ def options_for(argv: Sequence[str]) -> ModelOptions:
     files only (a hub repo's configs alone are fetched), so that the generation flags and their help are that model's.
     A model that cannot be described gets the default family's declared options (nothing is built or read for
     them): the run itself then reports the model's error (:func:`model_info`)."""
-    from models.loading import ModelLoadError
+    from models.common.loading import ModelLoadError
     from models.registry import describe_model
 
     pre = argparse.ArgumentParser(add_help=False)
@@ -478,7 +478,7 @@ def fetch_model(config) -> None:
     Nothing to do for the default model (no ``--model``), which the ranks build themselves."""
     if config.model is None and config.model_config is None and config.upsampler is None:
         return
-    from models.loading import resolve_files
+    from models.common.loading import resolve_files
     from models.registry import describe_model
 
     # Its configs read too: a folder that is no model of a supported family fails here, not on the ranks.

@@ -2,7 +2,7 @@
 can be sized before it exists.
 
 Invariants:
-- No weight is read: every component is built on the meta device from its config (``models.placement``), so a
+- No weight is read: every component is built on the meta device from its config (``models.common.placement``), so a
   folder of configs without weights is enough (``bench/configs/ltx2/`` is LTX-2 at its released size).
 - The numbers are the plan's (``cp_infer.placement.plan_memory``), the same arithmetic ``--weights auto`` decides by
   and what a loaded rank then holds (FSDP2's rows of each shard, to the byte). Rank 0 holds the most of every shard,
@@ -45,8 +45,8 @@ def add_memory_parser(commands) -> None:
 
 def run_memory(args: argparse.Namespace, _argv: list[str]) -> int:
     from cp_infer.mesh import MeshLayout
-    from models.loading import resolve_files
-    from models.placement import AUTO_FRACTION, auto_shards, model_components
+    from models.common.loading import resolve_files
+    from models.common.placement import AUTO_FRACTION, auto_shards, model_components
 
     if args.device_memory is not None and not args.device_memory > 0:
         raise ValueError(f"--device-memory {args.device_memory}: give each GPU's free memory in GiB, e.g. 24")

@@ -124,7 +124,7 @@ def _configs(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     """Run ``cp-infer serve``; returns the exit code."""
-    from models._folder_problems import ModelLoadError
+    from models.common.folder_problems import ModelLoadError
     from server.cli.common import check_stage_2_loras, fetch_model, model_info
     from server.cli.launch import (
         count_launcher_restarts,

@@ -75,7 +75,8 @@ class LeaderConfig:
     keep_frames: bool = False
     """Also keep each video's raw uint8 frames (``.npy``, lossless) for ``variant=frames`` (large; for tests)."""
     model_name: str | None = None
-    """The name clients pass as ``model``; default: ``models.loading.model_name`` (a hub id as written, a folder's
+    """The name clients pass as ``model``; default: ``models.common.loading.model_name`` (a hub id as written, a
+    folder's
     name, ``tiny-ltx-video``)."""
 
     def __post_init__(self) -> None:
@@ -89,7 +90,7 @@ class LeaderConfig:
     def served_model(self) -> str:
         if self.model_name:
             return self.model_name
-        from models.loading import model_name
+        from models.common.loading import model_name
 
         return model_name(self.runtime.model)
 
@@ -229,7 +230,7 @@ class GroupLeader:
 
     @property
     def _loras(self):
-        """The front end's ``models.lora.LoraCatalog`` (the ``--lora-dir`` adapters and the model's modules)."""
+        """The front end's ``models.common.lora.LoraCatalog`` (the ``--lora-dir`` adapters and the model's modules)."""
         if self._lora_catalog is None:
             from models.registry import lora_catalog
 
@@ -249,7 +250,7 @@ class GroupLeader:
     def check_loras(self, loras, *, stages: int = 1) -> None:
         """``ValueError`` naming ``loras[i]`` for an adapter this server cannot apply (``Engine.check_loras``)."""
         if loras:
-            from models.lora import check_stage_2
+            from models.common.lora import check_stage_2
 
             self._loras.check(loras)
             check_stage_2(loras, self.config.runtime.stage_2_loras, stages=stages)

@@ -33,10 +33,10 @@ from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, resolve_frames_per_rank
 from cp_infer.placement import RankMemory
 from cp_infer.request import GenerationLimits, GenerationRequest, LoraWeight
 from cp_infer.sampler import DenoiseModel, SampleControl, StepStatus, sample
-from models.loading import parse_dtype, resolve_files
-from models.lora import DEFAULT_MAX_LORA_BYTES, LoraDirectory
-from models.lora_slots import DEFAULT_MAX_LORA_RANK
-from models.placement import measure_components, parse_offload, parse_weights
+from models.common.loading import parse_dtype, resolve_files
+from models.common.lora import DEFAULT_MAX_LORA_BYTES, LoraDirectory
+from models.common.lora_slots import DEFAULT_MAX_LORA_RANK
+from models.common.placement import measure_components, parse_offload, parse_weights
 from models.registry import open_model
 from server.group import phases, process
 
@@ -64,7 +64,7 @@ class RuntimeConfig:
     """A local diffusers-format LTX-Video, LTX-2 or Wan folder, a hub id (``org/name[@revision]``), a single-file
     ``.safetensors`` checkpoint (with ``model_config``), or an embedded default's name (``tiny-ltx-video``,
     ``tiny-ltx2``, ``tiny-wan``); ``None`` serves tiny-ltx-video. Every rank resolves it
-    (``models.loading.resolve_files``)."""
+    (``models.common.loading.resolve_files``)."""
     model_config: str | None = None
     """``--config``: the diffusers folder or hub id a single-file ``model`` takes its configs and its other components
     from; ``None`` for any other model."""
@@ -90,19 +90,20 @@ class RuntimeConfig:
     """``torch.compile`` each transformer block (``models.registry.compile_transformer_blocks``): the first request
     of each shape pays the compile, later ones run the compiled block."""
     lora_dir: str | None = None
-    """A folder of ``NAME.safetensors`` LoRA adapters requests may apply by name (``models.lora``); ``None``: none."""
+    """A folder of ``NAME.safetensors`` LoRA adapters requests may apply by name (``models.common.lora``); ``None``:
+    none."""
     max_lora_bytes: int = DEFAULT_MAX_LORA_BYTES
-    """Adapter tensors each rank keeps loaded between passes (an LRU; ``models.lora.LoadedLoras``)."""
+    """Adapter tensors each rank keeps loaded between passes (an LRU; ``models.common.lora.LoadedLoras``)."""
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     """With ``compile_blocks`` and ``lora_dir``: the rank of the adapter slots the compiled blocks hold (the highest
-    adapter rank that applies; ``models.lora_slots``)."""
+    adapter rank that applies; ``models.common.lora_slots``)."""
     stage_2_loras: tuple[LoraWeight, ...] = ()
     """Adapters of ``lora_dir`` that stage 2 of two-stage generation applies after a request's own (Lightricks'
-    distilled LoRA in the dev two-stage recipe; ``models.lora.pass_loras``)."""
+    distilled LoRA in the dev two-stage recipe; ``models.common.lora.pass_loras``)."""
     weights: str = "auto"
     """``sharded``: the transformer and the text encoder 1/N on each of a replica group's N ranks (FSDP2, read a shard
     at a time); ``replicated``: whole on every rank; ``auto``: sharded where the replicated weights would not fit the
-    device's free memory (never on the CPU). ``models.placement``."""
+    device's free memory (never on the CPU). ``models.common.placement``."""
     offload: tuple[str, ...] = ()
     """Components kept on the CPU between uses: ``text_encoder``, ``vae``, ``transformer_blocks``."""
 

@@ -11,7 +11,7 @@ import pytest
 from cp_infer.options import ModelOptions, Option, UnknownOption
 from cp_infer.request import GenerationLimits, GenerationRequest, check_request, resolve_request
 from cp_infer.shapes import VideoGeometry
-from models._standard_options import standard_options
+from models.common.standard_options import standard_options
 
 
 def _declaration(**kw) -> ModelOptions:
@@ -102,7 +102,7 @@ def test_the_engine_names_no_model_family_and_no_familys_option():
     import cp_infer
     from cp_infer.step_cache import CACHE_OPTIONS
     from models.registry import model_options
-    from models.wan_options import WanLayout, wan_options
+    from models.wan.options import WanLayout, wan_options
 
     declared = [*(model_options(family, layers=48) for family in ("ltx-video", "ltx2")),
                 wan_options(WanLayout(image=True, experts=2, boundary_ratio=0.9, image_tokens=True))]

@@ -18,7 +18,7 @@ from cp_infer.plan import DenoisePass, Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, JobFailed, Prepared, SampleControl, sample
 from cp_infer.shapes import VideoGeometry
-from models._standard_options import standard_options
+from models.common.standard_options import standard_options
 
 from ..harness import WorkerGroup
 

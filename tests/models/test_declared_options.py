@@ -44,8 +44,8 @@ _FROM = {("ltx-video", "image_cond_noise_scale"): LTXConditionPipeline,
              "prompt_segments")},
          **{("ltx2", name): LTXI2VLongMultiPromptPipeline for name in (
              "temporal_tile_size", "temporal_overlap", "temporal_overlap_cond_strength", "prompt_segments")}}
-# Options of a recipe over several pipelines, an argument of none (stages: models.ltx2_stages,
-# models.ltx_video_stages; cache: which of diffusers' cache configs, cp_infer.step_cache).
+# Options of a recipe over several pipelines, an argument of none (stages: models.ltx2.stages,
+# models.ltx_video.stages; cache: which of diffusers' cache configs, cp_infer.step_cache).
 _RECIPE = {("ltx2", "stages"), ("ltx-video", "stages"), ("ltx2", "cache"), ("ltx-video", "cache")}
 # The step cache's settings: fields of diffusers' cache configs (transformer.enable_cache(config)), not pipeline
 # arguments; declared option -> (config, field).

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-import models.default_ltx2 as default_ltx2
-from models.default_ltx2 import default_ltx2_model_dir, ensure_default_ltx2_model
-from models.embedded import MARKER_FILE, cache_root, check_folder
-from models.loading import load_ltx2
+import models.ltx2.default as default_ltx2
+from models.common.embedded import MARKER_FILE, cache_root, check_folder
+from models.common.loading import load_ltx2
+from models.ltx2.default import default_ltx2_model_dir, ensure_default_ltx2_model
 
 from ..harness import WorkerGroup
 

@@ -6,7 +6,7 @@ passes, uneven on two ranks, also in windows), 4 = 2 x 2
 (both models, every LTX-2 guidance with the rescale's std over the Ulysses group), 3 = 3 x 1 (LTX-2's default
 guidance: CFG's pair, STG and modality isolation, shared 2 + 1 + 1).
 
-Tolerances are the Ulysses tests' (tests/models/test_ltx_video_parallel.py, test_ltx2_parallel.py), for the same
+Tolerances are the Ulysses tests' (tests/models/ltx_video/test_parallel.py, ltx2/test_parallel.py), for the same
 reason: the maths is the same, but a pass run in a batch of one instead of CFG's batch of two, or over a shard, may
 sum its matmuls in another order (fp32, ~1e-6 relative), which can flip a rounding to uint8: frames within 1 level
 and on average 0.01 (LTX-Video) / 0.02 (LTX-2), the waveform within 1e-4.
@@ -33,8 +33,8 @@ LTX2_FOUR_PASSES = dict(LTX2_THREE_PASSES, modality_scale=2.0, audio_modality_sc
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from models.default import ensure_default_model
-    from models.default_ltx2 import ensure_default_ltx2_model
+    from models.ltx2.default import ensure_default_ltx2_model
+    from models.ltx_video.default import ensure_default_model
 
     root = tmp_path_factory.mktemp("guidance")
     return {"ltx-video": str(ensure_default_model(root / "ltx")), "ltx2": str(ensure_default_ltx2_model(root / "ltx2"))}
@@ -76,7 +76,7 @@ def _ltx_video_requests(seed: int, *, conditioned: bool) -> list[GenerationReque
 
 def _ltx2_requests(seed: int, guidance: dict | None, *, windows: bool = False) -> list[GenerationRequest]:
     """``guidance=None``: the model's declared defaults (CFG, STG, modality isolation and the rescale all on);
-    ``windows``: also a long video made in 3 windows (``models.ltx2_windows``)."""
+    ``windows``: also a long video made in 3 windows (``models.ltx2.windows``)."""
     base = dict(prompt="a drummer plays on a rainy street", negative_prompt="silence, blurry", height=64, width=96,
                 num_inference_steps=2, fps=24, **(guidance or {}))
     requests = [GenerationRequest.of(**base, num_frames=9, seed=seed)]
@@ -89,13 +89,13 @@ def _ltx2_requests(seed: int, guidance: dict | None, *, windows: bool = False) -
 def _sample(state, family: str, folder: str, requests: list[GenerationRequest]) -> list[tuple]:
     """``(frames, audio)`` per request; ``audio``: the soundtrack handed to ``on_audio`` (LTX-2), else empty."""
     if family == "ltx-video":
-        from models.loading import load_ltx_video
-        from models.ltx_video import LTXVideoModel
+        from models.common.loading import load_ltx_video
+        from models.ltx_video.adapter import LTXVideoModel
 
         model = LTXVideoModel(load_ltx_video(folder), state=state)
     else:
-        from models.loading import load_ltx2
-        from models.ltx2 import LTX2Model
+        from models.common.loading import load_ltx2
+        from models.ltx2.adapter import LTX2Model
 
         model = LTX2Model(load_ltx2(folder), state=state)
     model.decode_frames_per_rank = 1

@@ -1,4 +1,5 @@
-"""Hub ids (``--model org/name[@revision]``, ``--upsampler``; ``models.hub``), all offline: a hub cache laid out by
+"""Hub ids (``--model org/name[@revision]``, ``--upsampler``; ``models.common.hub``), all offline: a hub cache laid out
+by
 the test under a temporary ``HF_HOME`` (``HF_HUB_OFFLINE=1``, as ``tests/conftest.py`` sets it), and a fake hub
 endpoint on loopback for the download path (subprocesses with ``HF_ENDPOINT`` pointing at it).
 
@@ -28,8 +29,8 @@ import torch
 
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import sample
-from models.hub import FileSelection, HubRef, hub_cache, needed_files, parse_hub_ref
-from models.loading import ModelLoadError, resolve_files, resolve_model
+from models.common.hub import FileSelection, HubRef, hub_cache, needed_files, parse_hub_ref
+from models.common.loading import ModelLoadError, resolve_files, resolve_model
 
 from ._hub_fixtures import FakeHub, HubRepo, folder_files, lay_out_snapshot
 
@@ -169,7 +170,7 @@ def test_hub_id_generates_as_the_local_folder(hf_home, tiny):
 def test_revision_picks_its_commit(hf_home, tiny):
     from safetensors.torch import load, save
 
-    from models.loading import load_ltx_video
+    from models.common.loading import load_ltx_video
 
     files = _repo_files(tiny)
     lay_out_snapshot(hf_home, "org/tiny", files, commit=COMMIT_A)
@@ -295,8 +296,8 @@ def test_a_missing_id_is_one_line_exit_2_and_a_503_from_serve(tmp_path):
 _RESOLVE = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-from models._folder_problems import ModelLoadError  # as models.hub: no diffusers import
-from models.hub import fetch, parse_hub_ref
+from models.common.folder_problems import ModelLoadError  # as models.common.hub: no diffusers import
+from models.common.hub import fetch, parse_hub_ref
 out = {}
 for spec in sys.argv[1:]:
     try:

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.default import default_model_dir, ensure_default_model
-from models.loading import (
+from models.common.loading import (
     LTXVideoComponents,
     ModelLoadError,
     detect_family,
@@ -19,6 +18,7 @@ from models.loading import (
     parse_dtype,
     resolve_model,
 )
+from models.ltx_video.default import default_model_dir, ensure_default_model
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_resolve_model(tmp_path, monkeypatch, model_dir):
 
 def test_the_served_name_of_a_model(tmp_path):
     """What ``serve`` answers to as ``model`` by default: a hub id as written, a folder's name, a file's stem."""
-    from models.loading import model_name
+    from models.common.loading import model_name
 
     (tmp_path / "my-ltx").mkdir()
     (tmp_path / "ltxv-2b.safetensors").write_bytes(b"")

@@ -1,4 +1,5 @@
-"""Per-request LoRA adapters (``models.lora``) on both tiny models: at 1 rank each request of an interleaved sequence
+"""Per-request LoRA adapters (``models.common.lora``) on both tiny models: at 1 rank each request of an interleaved
+sequence
 (a, none, b, a+b, c in Lightricks'/ComfyUI's key layout, a) on one loaded model is bit-identical to diffusers'
 pipeline given the same adapters (``load_lora_weights`` + ``set_adapters``, or ``disable_lora``), and the base
 weights are unchanged after; N = 2 (guidance 2 x Ulysses 1) and 3 (Ulysses 3) ranks equal 1 rank; a two-stage
@@ -51,7 +52,7 @@ N_RANKS = (0, 1, 3, 4)
 
 
 def _components(folder: str, family: str):
-    from models.loading import load_ltx2, load_ltx_video
+    from models.common.loading import load_ltx2, load_ltx_video
 
     return (load_ltx_video if family == "ltx-video" else load_ltx2)(folder)
 
@@ -73,8 +74,8 @@ def _comfy(path: Path, family: str) -> None:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """family -> (model folder, adapter folder with a, b and c)."""
-    from models.default import ensure_default_model
-    from models.default_ltx2 import ensure_default_ltx2_model
+    from models.ltx2.default import ensure_default_ltx2_model
+    from models.ltx_video.default import ensure_default_model
 
     root = tmp_path_factory.mktemp("lora")
     out = {}
@@ -207,7 +208,7 @@ def test_n_ranks_equal_one_rank(setup, one_rank, groups, family, world, guidance
 def _fail_on_rank_1(state, folder: str, adapters: str, broken: str, seed: int):
     """Rank 1 reads its adapters from ``broken`` (an ``a`` that is not safetensors): a request for ``a`` fails on
     every rank; the next (``b``, which rank 1 has too, and then none) runs."""
-    from models.lora import LoraDirectory
+    from models.common.lora import LoraDirectory
     from models.registry import open_model
 
     model = open_model(folder, dtype="fp32", state=state, lora_dir=adapters)
@@ -253,7 +254,7 @@ def _fp32_bytes(directory, name: str) -> int:
 
 def test_lru_evicts_and_reloads(setup, tmp_path):
     from cp_infer import single_process_state
-    from models.lora import LoraDirectory
+    from models.common.lora import LoraDirectory
 
     folder, adapters = setup["ltx-video"]
     sizes = {name: _fp32_bytes(LoraDirectory(adapters), name) for name in ("a", "b")}
@@ -288,11 +289,11 @@ def test_a_changed_file_is_read_again(setup, tmp_path):
 
 def _two_stage_and_windows(state, folder: str, adapters: str, seed: int):
     """A two-stage image-to-video request and a long video (3 windows), both with adapters a and b."""
-    from models.lora import LoadedLoras, LoraDirectory
-    from models.ltx_video import LORA, LTXVideoModel
+    from models.common.lora import LoadedLoras, LoraDirectory
+    from models.ltx_video.adapter import LORA, LTXVideoModel
 
-    from . import test_ltx_video_two_stage as two_stage
-    from . import test_ltx_video_windows as windows
+    from .ltx_video import test_ltx_video_two_stage as two_stage
+    from .ltx_video import test_ltx_video_windows as windows
 
     loras = (LoraWeight("a", 0.7), LoraWeight("b", 1.2))
     out = {}

@@ -1,6 +1,8 @@
-"""Per-request LoRA under ``--compile`` (``models.lora_slots``) on the tiny LTX-Video: the interleaved requests a,
+"""Per-request LoRA under ``--compile`` (``models.common.lora_slots``) on the tiny LTX-Video: the interleaved requests
+a,
 none, b, a+b, a (a Lightricks/ComfyUI-layout adapter among them) on one compiled model, at 1 rank and at Ulysses 2,
-each equal the eager engine at 1 rank (``models.lora``'s peft path) with the same adapters, and the blocks compile on
+each equal the eager engine at 1 rank (``models.common.lora``'s peft path) with the same adapters, and the blocks
+compile on
 the first request only (dynamo's ``error_on_recompile`` on from then on, and its graph count unchanged on every
 rank); the slots uncompiled equal the eager path,
 a request without adapters is the model without any, and what cannot fit the slots is refused naming the fix.
@@ -37,8 +39,8 @@ SEQUENCE = (("a", (("a", 0.8),)), ("none", ()), ("b", (("c", 1.3),)), ("a+b", ((
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(model folder, adapter folder with a, b and c)."""
-    from models.default import ensure_default_model
-    from models.loading import load_ltx_video
+    from models.common.loading import load_ltx_video
+    from models.ltx_video.default import ensure_default_model
 
     root = tmp_path_factory.mktemp("lora-compile")
     folder = str(ensure_default_model(root / "cache"))
@@ -145,8 +147,8 @@ def test_two_ranks_compiled_equal_one_rank_eager(setup, eager):
 def _slotted(folder: str, adapters: str, *, rank: int = 8):
     """The tiny model with the slots of ``adapters`` made as ``open_model`` makes them for ``--compile``, uncompiled."""
     from cp_infer import single_process_state
-    from models.lora import LoadedLoras, LoraDirectory, adapted_modules
-    from models.lora_slots import make_slots
+    from models.common.lora import LoadedLoras, LoraDirectory, adapted_modules
+    from models.common.lora_slots import make_slots
     from models.registry import open_model
 
     state = single_process_state()
@@ -173,7 +175,7 @@ def _uncompiled(folder: str, adapters: str, seed: int):
 
 
 def test_uncompiled_slots_equal_the_peft_path(setup):
-    from models.lora_slots import SLOT_NAMES
+    from models.common.lora_slots import SLOT_NAMES
 
     seed = random.randrange(2**31)
     out, plain, layers, linear = one_thread(_uncompiled, *setup, seed)
@@ -193,7 +195,7 @@ def _refusals(folder: str, adapters: str, tmp: str):
     from pathlib import Path
 
     from cp_infer.request import LoraWeight
-    from models.loading import load_ltx_video
+    from models.common.loading import load_ltx_video
 
     own = Path(tmp) / "own"
     shutil.copytree(adapters, own)

@@ -1,4 +1,5 @@
-"""Per-request LoRA adapters (``models.lora``) with ``--weights sharded`` (``cp_infer.weights.adding_layers``): at
+"""Per-request LoRA adapters (``models.common.lora``) with ``--weights sharded`` (``cp_infer.weights.adding_layers``):
+at
 N = 2 (Ulysses 2, and guidance 2), LTX-Video's and LTX-2's interleaved requests (a, none, b, a+b, a again; LTX-2's
 ``a`` also in its connectors) on the sharded model equal the replicated model given the same adapters, bit for bit
 (frames, and LTX-2's soundtrack); the base weights stay sharded (each rank holds the plan's shard bytes of the
@@ -46,9 +47,9 @@ layouts = groups_by_layout()  # (world, guidance degree) -> a WorkerGroup, start
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """family -> (model folder, adapter folder with a and b)."""
-    from models.default import ensure_default_model
-    from models.default_ltx2 import ensure_default_ltx2_model
-    from models.loading import load_ltx2, load_ltx_video
+    from models.common.loading import load_ltx2, load_ltx_video
+    from models.ltx2.default import ensure_default_ltx2_model
+    from models.ltx_video.default import ensure_default_model
 
     root = tmp_path_factory.mktemp("lora_sharded")
     out = {}
@@ -67,7 +68,7 @@ def setup(tmp_path_factory):
 
 def _budget(adapters: str) -> int:
     """Room for one of a and b at a time (fp32: peft casts the adapters to the base layers' dtype)."""
-    from models.lora import LoraDirectory
+    from models.common.lora import LoraDirectory
 
     directory = LoraDirectory(adapters)
     return max(sum(int(np.prod(shape)) * 4 for shape, _ in directory.header(name).values())
@@ -79,7 +80,7 @@ def _run(state, folder: str, adapters: str, family: str, weights: str, seed: int
     components without the adapters', and a hash of the adapters' tensors (with whether any is a shard)."""
     from torch.distributed.tensor import DTensor
 
-    from models.placement import measure_components
+    from models.common.placement import measure_components
     from models.registry import open_model
 
     model = open_model(folder, dtype="fp32", state=state, weights=weights, lora_dir=adapters,
@@ -115,7 +116,7 @@ def _run(state, folder: str, adapters: str, family: str, weights: str, seed: int
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda gu: f"world{gu[0]}-G{gu[1]}")
 def test_sharded_with_adapters_equals_replicated(setup, layouts, family, layout):
-    from models.placement import model_components
+    from models.common.placement import model_components
 
     folder, adapters = setup[family]
     group = layouts(*layout)

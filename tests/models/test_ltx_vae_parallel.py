@@ -23,7 +23,7 @@ ATOL = 5e-5  # float32 summation order inside a conv3d on a shorter input; see t
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    from models.default import ensure_default_model
+    from models.ltx_video.default import ensure_default_model
 
     path = tmp_path_factory.mktemp("cache")
     ensure_default_model(path)
@@ -42,7 +42,7 @@ def _to_uint8(video):
 
 
 def _tiny_vae():
-    from models.default import build_default_components
+    from models.ltx_video.default import build_default_components
 
     return build_default_components()["vae"]
 
@@ -54,7 +54,7 @@ def _decode_rounds(state, vae, ctx, latents, temb, frames_per_rank, *, scoped=No
     equal decoder work, as the models cut them (else to equal frames)."""
     import contextlib
 
-    from models.ltx_vae_parallel import decode_cost, decode_round
+    from models.common.ltx_vae_parallel import decode_cost, decode_round
 
     split = TemporalSplit(latent_frames=latents.shape[2], world=state.cp_size, frames_per_rank=frames_per_rank,
                           cost=decode_cost(vae, latents.shape[2]) if balanced else None)
@@ -82,9 +82,9 @@ def _decode_rounds(state, vae, ctx, latents, temb, frames_per_rank, *, scoped=No
 
 
 def _model_decode(state, cache_dir, seed):
-    from models.default import ensure_default_model
-    from models.loading import load_ltx_video
-    from models.ltx_video import LTXVideoModel
+    from models.common.loading import load_ltx_video
+    from models.ltx_video.adapter import LTXVideoModel
+    from models.ltx_video.default import ensure_default_model
 
     model = LTXVideoModel(load_ltx_video(ensure_default_model(cache_dir)), state=state)
     out = {}
@@ -114,9 +114,9 @@ def _assert_equal(got, whole, what):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_streamed_parallel_decode_equals_whole_decode(cache_dir, groups, world):
     from cp_infer import single_process_state
-    from models.default import ensure_default_model
-    from models.loading import load_ltx_video
-    from models.ltx_video import LTXVideoModel
+    from models.common.loading import load_ltx_video
+    from models.ltx_video.adapter import LTXVideoModel
+    from models.ltx_video.default import ensure_default_model
 
     seed = random.randrange(2**31)
     vae = LTXVideoModel(load_ltx_video(ensure_default_model(cache_dir)), state=single_process_state()).components.vae
@@ -138,7 +138,7 @@ def test_receptive_field_is_the_one_the_decoder_has():
     latent frame changes exactly the video frames the plan says read it."""
     from diffusers import AutoencoderKLLTXVideo
 
-    from models.ltx_vae_parallel import decoder_receptive_field
+    from models.common.ltx_vae_parallel import decoder_receptive_field
 
     with torch.device("meta"):
         assert decoder_receptive_field(AutoencoderKLLTXVideo()) == (24, 24)  # LTX-Video 0.9.0 (measured alike)
@@ -161,7 +161,7 @@ def test_receptive_field_is_the_one_the_decoder_has():
 
 
 def _long_decode(state, latent_frames, frames_per_rank, seed):
-    from models.ltx_vae_parallel import DecodeContext, parallelize_ltx_decoder
+    from models.common.ltx_vae_parallel import DecodeContext, parallelize_ltx_decoder
 
     vae = _tiny_vae()
     ctx = DecodeContext(state=state)
@@ -198,7 +198,7 @@ def test_long_video_decodes_with_bounded_memory(groups, world):
 
 
 def _tiled_decode(state, seed):
-    from models.ltx_vae_parallel import DecodeContext, parallelize_ltx_decoder
+    from models.common.ltx_vae_parallel import DecodeContext, parallelize_ltx_decoder
 
     vae = _tiny_vae()
     # Tiles of 2x2 latent pixels at stride 1 on a 4x6 latent frame: overlapping tiles, blended.
@@ -247,7 +247,7 @@ def _ltx2_vae(causal):
 
 
 def _ltx2_decode(state, causal, seed, frames_per_rank):
-    from models.ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
+    from models.common.ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
 
     vae = _ltx2_vae(causal)
     with torch.no_grad():  # the injected noise scales start at zero: give them weight so they are exercised

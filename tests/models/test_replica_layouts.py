@@ -20,8 +20,8 @@ from .test_guidance_parallel import LTX2_THREE_PASSES, _check, _ltx2_requests, _
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from models.default import ensure_default_model
-    from models.default_ltx2 import ensure_default_ltx2_model
+    from models.ltx2.default import ensure_default_ltx2_model
+    from models.ltx_video.default import ensure_default_model
 
     root = tmp_path_factory.mktemp("replicas")
     return {"ltx-video": str(ensure_default_model(root / "ltx")), "ltx2": str(ensure_default_ltx2_model(root / "ltx2"))}

@@ -1,4 +1,4 @@
-"""One model across the group (``--weights sharded``, ``models.placement``): the transformer and the text encoder
+"""One model across the group (``--weights sharded``, ``models.common.placement``): the transformer and the text encoder
 sharded over the replica group with FSDP2, each rank reading only its rows, equal to the replicated run bit for bit
 (frames, latents, LTX-2's waveform), for LTX-Video and LTX-2 at N = 2 and 3 Ulysses ranks and G = 2 guidance ranks,
 and LTX-Video at N = 4 (G = 2 x U = 2).
@@ -40,8 +40,8 @@ guidance rank's passes over two Ulysses ranks, the weights in quarters)."""
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from models.default import ensure_default_model
-    from models.default_ltx2 import ensure_default_ltx2_model
+    from models.ltx2.default import ensure_default_ltx2_model
+    from models.ltx_video.default import ensure_default_model
 
     return {"ltx-video": str(ensure_default_model()), "ltx2": str(ensure_default_ltx2_model()),
             "root": tmp_path_factory.mktemp("sharded")}
@@ -65,8 +65,8 @@ def _open(state, folder: str, weights: str, offload=()):
 def _run(state, folder: str, weights: str, requests: list[GenerationRequest], offload=(), traces: bool = False):
     """Per request ``(frames, latents, waveform, cache totals)`` (frames, latents and waveform on the delivering rank),
     with ``traces`` each pass's step-cache decisions on this rank; and what this rank holds."""
-    from models import ltx2
-    from models.placement import measure_components
+    from models.common.placement import measure_components
+    from models.ltx2 import adapter as ltx2
 
     model = _open(state, folder, weights, offload)
     caches, make = [], ltx2.pass_cache
@@ -157,7 +157,7 @@ def test_sharded_equals_replicated(layouts, folders, family, layout):
 def _assert_held_share(held, whole, folder: str, ranks: int) -> None:
     """Each rank holds at most 1/N of the transformer (and of the text encoder) plus one block's worth; the other
     components as the replicated rank does."""
-    from models.placement import model_components
+    from models.common.placement import model_components
 
     mine, all_of = _bytes(held), _bytes(whole)
     plan = {c.name: c for c in model_components(folder, dtype="fp32")}
@@ -217,7 +217,7 @@ def test_offload_runs_and_changes_nothing_on_the_cpu(layouts, folders):
 
 
 def _open_error(state, folder: str) -> str | None:
-    from models.loading import ModelLoadError
+    from models.common.loading import ModelLoadError
 
     try:
         _open(state, folder, "sharded")

@@ -1,4 +1,4 @@
-"""Single-file checkpoints (``--model FILE.safetensors --config DIR|ORG/NAME``, ``models.single_file``): a tiny
+"""Single-file checkpoints (``--model FILE.safetensors --config DIR|ORG/NAME``, ``models.common.single_file``): a tiny
 model's transformer and VAEs written in Lightricks' original key layout (diffusers' own converters, inverted here)
 load through ``from_single_file`` and generate the frames (and LTX-2's soundtrack) of the diffusers folder they came
 from, bit for bit; files that cannot be told or are not safetensors are refused in one line.
@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import SampleControl, sample
-from models.loading import ModelLoadError, resolve_files
+from models.common.loading import ModelLoadError, resolve_files
 
 from ._hub_fixtures import folder_files, lay_out_snapshot
 
@@ -134,7 +134,7 @@ def _write_single_file(folder: Path, family: str, out: Path) -> dict[str, dict[s
 @pytest.fixture(scope="module", params=["ltx-video", "ltx2"])
 def case(request, tmp_path_factory):
     """(family, the embedded folder, the single file made from it, its components' diffusers state dicts)."""
-    from models.loading import resolve_model
+    from models.common.loading import resolve_model
 
     family = request.param
     folder = resolve_model("tiny-ltx-video" if family == "ltx-video" else "tiny-ltx2")
@@ -144,7 +144,7 @@ def case(request, tmp_path_factory):
 
 def _config_files(folder: Path, path: Path) -> dict[str, bytes]:
     """The folder's files but the weights of the components the single file ``path`` supplies."""
-    from models.single_file import checkpoint_contents
+    from models.common.single_file import checkpoint_contents
 
     held = checkpoint_contents(path).components
     assert held == {"transformer", "vae"}  # LTX-2's audio VAE too comes from the config (diffusers 0.42)
@@ -283,8 +283,8 @@ def test_a_distilled_single_file_declares_the_distilled_recipe(case, tmp_path):
     """A distilled LTX-2 checkpoint is told by its file's name (``ltx-2-19b-distilled.safetensors``) when its configs
     come from a dev folder, and the loaded model records the file; LTX-Video has no distilled recipe, so the name
     changes nothing there."""
-    from models.loading import load_ltx2, load_ltx_video, resolve_files
-    from models.ltx2_options import DISTILLED_SIGMAS
+    from models.common.loading import load_ltx2, load_ltx_video, resolve_files
+    from models.ltx2.options import DISTILLED_SIGMAS
     from models.registry import describe_model
 
     family, folder, path, _ = case

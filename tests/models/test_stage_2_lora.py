@@ -19,7 +19,7 @@ from cp_infer.sampler import SampleControl, sample
 
 from ..harness import one_thread
 from ..lora_adapters import LTX2_A, LTX2_B, LTX2_CONNECTORS, make_adapter
-from .test_ltx2_parallel import GUIDANCE
+from .ltx2.test_parallel import GUIDANCE
 
 REQUEST = dict(prompt="a drummer plays on a rainy street", negative_prompt="silence, blurry", num_inference_steps=2,
                fps=24, max_sequence_length=128, spatio_temporal_guidance_blocks=(0,), stages=2, num_frames=9,
@@ -29,8 +29,8 @@ OWN, STAGE_2 = LoraWeight("style", 0.7), LoraWeight("distilled", 0.9)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from models.default_ltx2 import ensure_default_ltx2_model
-    from models.loading import load_ltx2
+    from models.common.loading import load_ltx2
+    from models.ltx2.default import ensure_default_ltx2_model
 
     folder = str(ensure_default_ltx2_model())
     adapters = tmp_path_factory.mktemp("adapters")
@@ -57,8 +57,8 @@ def _reference(folder, adapters, seed):
     from diffusers import LTX2LatentUpsamplePipeline, LTX2Pipeline
     from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
 
-    from models.loading import load_ltx2
-    from models.ltx2_stages import REFINE_SETTINGS, refine_scheduler
+    from models.common.loading import load_ltx2
+    from models.ltx2.stages import REFINE_SETTINGS, refine_scheduler
 
     c = load_ltx2(folder)
     parts = dict(scheduler=c.scheduler, vae=c.vae, audio_vae=c.audio_vae, text_encoder=c.text_encoder,
@@ -97,7 +97,7 @@ def test_stage_2_adds_the_operators_adapter_as_diffusers_recipe_does(setup):
 
 
 def test_pass_loras_and_the_cap():
-    from models.lora import check_stage_2, pass_loras
+    from models.common.lora import check_stage_2, pass_loras
 
     a, b = LoraWeight("a", 0.5), LoraWeight("distilled", 0.2)
     assert pass_loras((a, b), (STAGE_2,), kind="denoise") == (a, b)

@@ -1,5 +1,5 @@
 """LTX-Video's and LTX-2's cross-attention with the text's keys and values kept through a request
-(``_TextKVProcessor``, ``models._text_kv``): bit-identical to diffusers' processors at every call, per view of the
+(``_TextKVProcessor``, ``models.common.text_kv``): bit-identical to diffusers' processors at every call, per view of the
 embeddings (a guidance rank's rows), never serving other embeddings, and let go with them."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from diffusers.models.transformers.transformer_ltx2 import (
 )
 
 from cp_infer import single_process_state
-from models.ltx2 import _TextKVProcessor as LTX2TextKVProcessor
-from models.ltx_video import _TextKVProcessor
+from models.ltx2.adapter import _TextKVProcessor as LTX2TextKVProcessor
+from models.ltx_video.adapter import _TextKVProcessor
 
 
 def _attention() -> LTXAttention:
@@ -92,8 +92,8 @@ def test_ltx2_kept_keys_and_values_give_diffusers_output_bit_for_bit(gated, thei
 def test_ltx2_transformer_keeps_the_text_in_every_block_and_projection():
     """``parallelize_ltx2_transformer``: every block's two text cross-attentions keep their keys and values (each its
     own), and the caption projections run once per view of the embeddings."""
-    from models.default_ltx2 import build_ltx2_components
-    from models.ltx2 import _ShardContext, parallelize_ltx2_transformer
+    from models.ltx2.adapter import _ShardContext, parallelize_ltx2_transformer
+    from models.ltx2.default import build_ltx2_components
 
     transformer = build_ltx2_components()["transformer"].eval()
     parallelize_ltx2_transformer(transformer, _ShardContext(single_process_state(torch.device("cpu"))))

@@ -7,7 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer, T5Tokenizer, T5TokenizerFast
 
-from models.tokenizer import MODEL_MAX_LENGTH, build_offline_t5_tokenizer, offline_vocab
+from models.common.tokenizer import MODEL_MAX_LENGTH, build_offline_t5_tokenizer, offline_vocab
 
 PAD, EOS, UNK = 0, 1, 2
 

@@ -193,7 +193,7 @@ class ServerProcess:
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """The default model, built once here so that the servers' ranks only load it."""
-    from models.default import ensure_default_model
+    from models.ltx_video.default import ensure_default_model
 
     path = tmp_path_factory.mktemp("cp_infer_cache")
     ensure_default_model(path)

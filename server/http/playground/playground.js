@@ -197,7 +197,7 @@ function optionValue(name) {
 }
 
 function windowsOf(frames) {
-  // As models/_windows.py cuts a long video: windows of tile latent frames that start tile - overlap apart; a tile
+  // As models/common/windows.py cuts a long video: windows of tile latent frames that start tile - overlap apart; a tile
   // of 8k frames is k latent frames (LTX), one of 4k+1 frames k+1 (Wan: window_tile_causal).
   const t = state.model.temporal_compression || 8;
   // A model without temporal_overlap chains its windows on one latent frame (Wan image-to-video folders).

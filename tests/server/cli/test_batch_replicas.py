@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cp_infer.video_io import read_frames_dir
-from models.default import ensure_default_model
+from models.ltx_video.default import ensure_default_model
 
 REPO = Path(__file__).resolve().parents[3]
 LINES = [{"prompt": f"a paper boat on a stream, take {i}", "seed": 40 + i} for i in range(4)]

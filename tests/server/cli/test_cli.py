@@ -20,7 +20,7 @@ from cp_infer import VideoGeometry
 from cp_infer.request import GenerationLimits, resolve_request
 from cp_infer.sampler import JobFailed
 from cp_infer.video_io import read_frames_dir, read_mp4, write_mp4
-from models.default import ensure_default_model
+from models.ltx_video.default import ensure_default_model
 from models.registry import ModelInfo, model_options
 from server.cli import batch
 from server.cli import command as cli

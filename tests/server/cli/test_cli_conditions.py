@@ -22,7 +22,7 @@ from PIL import Image
 from cp_infer import VideoGeometry
 from cp_infer.request import GenerationLimits
 from cp_infer.video_io import read_frames_dir, write_mp4, write_output
-from models.default import ensure_default_model
+from models.ltx_video.default import ensure_default_model
 from models.registry import ModelInfo, describe_model, model_options
 from server.cli import batch
 from server.cli import command as cli

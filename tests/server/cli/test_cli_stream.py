@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cp_infer.video_io import read_mp4
-from models.default import ensure_default_model
+from models.ltx_video.default import ensure_default_model
 
 REPO = Path(__file__).resolve().parents[3]
 ARGS = ["generate", "--prompt", "a fox in snow", "--frames", "17", "--height", "64", "--width", "96", "--steps", "2",

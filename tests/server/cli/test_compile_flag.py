@@ -22,8 +22,8 @@ def test_compile_flag_reaches_runtime_config(command):
 @pytest.mark.parametrize("command", [["generate", "--prompt", "a fox", "--out", "x.mp4"],
                                      ["batch", "prompts.jsonl", "--out-dir", "videos"]])
 def test_max_lora_rank_reaches_runtime_config(command):
-    """The adapter slots' rank under ``--compile`` (``models.lora_slots``); a rank below 1 names the flag."""
-    from models.lora_slots import DEFAULT_MAX_LORA_RANK
+    """The adapter slots' rank under ``--compile`` (``models.common.lora_slots``); a rank below 1 names the flag."""
+    from models.common.lora_slots import DEFAULT_MAX_LORA_RANK
     from server.cli.common import runtime_config_from_args
     from server.group.runtime import RuntimeConfig
 

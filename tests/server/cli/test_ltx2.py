@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from cp_infer.video_io import read_audio, read_frames_dir, read_mp4, write_mp4
-from models.default_ltx2 import ensure_default_ltx2_model
+from models.ltx2.default import ensure_default_ltx2_model
 
 from ..conftest import ServerProcess
 
@@ -106,7 +106,7 @@ def test_job_store_keeps_the_ltx2_options(tmp_path):
     """A queued request comes back from SQLite equal to what was submitted (the block list a tuple again), every
     declared option in the job object."""
     from cp_infer.request import GenerationRequest, resolve_request
-    from models.ltx2_options import ltx2_options
+    from models.ltx2.options import ltx2_options
     from server.group.jobs import JobStore
 
     rng = np.random.default_rng()

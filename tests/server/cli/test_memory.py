@@ -49,7 +49,7 @@ def _header_shard_bytes(path: Path, world: int) -> int:
 
 
 def test_the_tiny_models_plan_is_its_files_shards(capsys):
-    from models.default import ensure_default_model
+    from models.ltx_video.default import ensure_default_model
 
     folder = ensure_default_model()
     for world in (2, 3):

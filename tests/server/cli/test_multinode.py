@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cp_infer.video_io import read_frames_dir
-from models.default import ensure_default_model
+from models.ltx_video.default import ensure_default_model
 
 from ...harness import free_port
 

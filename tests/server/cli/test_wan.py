@@ -2,7 +2,7 @@
 on two guidance ranks, the layout the command picks), ``--image`` on a Wan 2.1 image-to-video folder, a refused
 image, and a real 2-rank ``cp-infer serve --model tiny-wan``.
 
-The videos come out at WanPipeline's 16 fps. That N ranks make the 1-rank video is tests/models/test_wan.py's to
+The videos come out at WanPipeline's 16 fps. That N ranks make the 1-rank video is tests/models/wan/test_wan.py's to
 check (in process, on lossless frames); here the front ends are. Process start-up dominates, so every command and the
 server start once per module.
 """
@@ -63,7 +63,7 @@ class Commands:
 @pytest.fixture(scope="module")
 def wan_cache(tmp_path_factory) -> Path:
     """tiny-wan, built once here so that the ranks of every process only load it."""
-    from models.default_wan import ensure_default_wan_model
+    from models.wan.default import ensure_default_wan_model
 
     path = tmp_path_factory.mktemp("wan_cache")
     ensure_default_wan_model(path)
@@ -72,7 +72,7 @@ def wan_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory, wan_cache) -> Commands:
-    from models.default_wan import save_wan_model
+    from models.wan.default import save_wan_model
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
     env.update(CP_INFER_CACHE=str(wan_cache), PYTHONPATH=str(REPO))

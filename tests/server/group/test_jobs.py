@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from cp_infer.request import GenerationRequest, resolve_request
-from models.ltx_video_options import ltx_video_options
+from models.ltx_video.options import ltx_video_options
 from server.group.jobs import JobStore, _mp4_complete
 
 _ORDER = {"queued": 0, "in_progress": 1, "completed": 2, "failed": 2, "cancelled": 2}

@@ -21,7 +21,7 @@ import cp_infer.collectives
 import server.group.runtime
 from cp_infer import VideoGeometry, single_process_state
 from cp_infer.request import GenerationRequest, resolve_request
-from models.ltx_video_options import ltx_video_options
+from models.ltx_video.options import ltx_video_options
 from server.cli.common import run_group
 from server.group.jobs import JobStore
 from server.group.leader import GroupLeader, LeaderConfig

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ..conftest import API_ARGS, ServerProcess, lossless_frames, tiny
-from ..group.test_server_faults import _wait_running
+from .test_server_faults import _wait_running
 
 
 @pytest.fixture(scope="module")

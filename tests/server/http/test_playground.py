@@ -30,8 +30,8 @@ SMALL = {"num_frames": "9", "width": "96", "height": "64", "num_inference_steps"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, cache_dir):
-    from models.default import ensure_default_model
-    from models.loading import load_ltx_video
+    from models.common.loading import load_ltx_video
+    from models.ltx_video.default import ensure_default_model
 
     from ...lora_adapters import LTX_VIDEO_A, make_adapter
 
@@ -178,8 +178,8 @@ def test_page_loads_asks_for_the_key_once_and_shows_the_models_options(server, b
     assert by_id(browser, "length-hint").get_attribute("data-windows") == "3"
     fill(browser, "a lighthouse", num_frames="65")
     assert by_id(browser, "length-hint").get_attribute("data-windows") == "1"
-    # A Wan model's tiles are 4k+1 frames (window_tile_causal): the page counts as models.wan_options does.
-    from models.wan_options import wan_options, wan_windows_of
+    # A Wan model's tiles are 4k+1 frames (window_tile_causal): the page counts as models.wan.options does.
+    from models.wan.options import wan_options, wan_windows_of
 
     assert wan_options().window_tile_causal and not server.client.get("/playground/options").json()[
         "window_tile_causal"]
@@ -361,7 +361,7 @@ def test_without_a_key_the_page_and_its_options_need_none(tmp_path):
 
     from server.http.app import AppConfig, create_app
 
-    from ..http.test_server_app import _stub
+    from .test_server_app import _stub
 
     with TestClient(create_app(AppConfig(), _stub(tmp_path))) as client:
         files = {"/": "index.html", "/playground/playground.js": "playground.js",
@@ -384,7 +384,7 @@ def test_the_site_icon_is_served_with_and_without_a_key(tmp_path, api_key):
 
     from server.http.app import AppConfig, create_app
 
-    from ..http.test_server_app import _stub
+    from .test_server_app import _stub
 
     with TestClient(create_app(AppConfig(api_key=api_key), _stub(tmp_path))) as client:
         r = client.get("/favicon.ico")

@@ -12,7 +12,7 @@ from typing_extensions import get_protocol_members
 
 from cp_infer.request import GenerationLimits
 from cp_infer.shapes import VideoGeometry
-from models.ltx_video_options import ltx_video_options
+from models.ltx_video.options import ltx_video_options
 from server.group.jobs import JobStore
 from server.group.leader import GroupLeader, Histogram, LeaderConfig
 from server.http.app import AppConfig, create_app

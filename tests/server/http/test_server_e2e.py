@@ -1,7 +1,7 @@
 """End to end against the real server (a 2-rank torchrun group on CPU): submit, follow, download, list, delete.
 
 Frames: the server keeps the raw uint8 frames (``--keep-frames``), so 2 ranks are compared with 1 rank
-losslessly, with the tolerance of tests/models/test_ltx_video_parallel.py (fp32 summation order may flip a
+losslessly, with the tolerance of tests/models/ltx_video/test_parallel.py (fp32 summation order may flip a
 rounding: within 1 level, mean under 0.01); the MP4s of both are compared after h264 too.
 """
 
@@ -123,8 +123,8 @@ def test_a_cached_request_reports_its_steps(api_server):
 def test_ready_and_metrics_say_where_the_weights_are(api_server):
     """Start-up measures what every rank holds of each component and where: ``/ready`` lists it per rank, ``/metrics``
     has the same bytes. On the CPU ``--weights auto`` replicates, so both ranks hold the same whole components."""
-    from models.default import ensure_default_model
-    from models.placement import model_components
+    from models.common.placement import model_components
+    from models.ltx_video.default import ensure_default_model
 
     s = api_server
     memory = s.client.get("/ready").json()["memory"]
@@ -163,7 +163,7 @@ def test_multipart_form_if_available(api_server):
 @pytest.fixture(scope="module")
 def one_rank(cache_dir):
     """The same engine in this process, alone: the 1-rank reference (the server has built the model)."""
-    from models.default import ensure_default_model
+    from models.ltx_video.default import ensure_default_model
     from server.group.runtime import RuntimeConfig, start_runtime
 
     return start_runtime(RuntimeConfig(model=str(ensure_default_model(cache_dir)), device="cpu"))

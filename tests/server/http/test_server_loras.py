@@ -1,5 +1,5 @@
 """``loras`` through the HTTP API: every refusal is a 400 naming ``loras`` and the fix, in JSON and form bodies,
-checked in process against a real adapter directory (``models.lora.LoraCatalog`` over the tiny model, from the
+checked in process against a real adapter directory (``models.common.lora.LoraCatalog`` over the tiny model, from the
 files' headers); and against the real server (a 2-rank group), a job with adapters completes with them in its job
 object, differs from the same job without, is refused there the same way, and ``GET /v1/models`` lists the
 adapters and which are loaded."""
@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 
 from cp_infer.request import LoraWeight
-from models.default import ensure_default_model
-from models.loading import load_ltx_video
+from models.common.loading import load_ltx_video
+from models.ltx_video.default import ensure_default_model
 from models.registry import describe_model, lora_catalog
 from server.http.app import AppConfig, create_app
 

@@ -21,7 +21,7 @@ from cp_infer.video_io import read_mp4
 
 from ..conftest import tiny
 from ..group.test_server_faults import _next_job_completes, _wait_running
-from ..http.test_server_e2e import luma
+from .test_server_e2e import luma
 
 
 def _post_streamed(s, body: dict, *, query: bool = True):

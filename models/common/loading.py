@@ -1,0 +1,604 @@
+"""Load a diffusers-format model folder (LTX-Video or LTX-2; Wan's through `models.wan.loading`, on the same helpers)
+into its components, with errors that say what is wrong; find the folder first (`resolve_model`, `resolve_files`):
+an embedded default, a local folder, a hub id (`models.common.hub`), a single-file checkpoint with its config folder
+(`models.common.single_file`), a paired latent upsampler.
+
+Invariants:
+- Loading is local only: every `from_pretrained` gets `local_files_only=True`, so a bad path never turns into a hub
+  download attempt; only `resolve_model` reaches the hub, for a name that is no local path and reads as a hub id.
+- Every failure a user can cause (wrong path, wrong folder, missing component, broken weights) is a
+  `ModelLoadError`, a `ValueError` whose message names the path or subfolder, what is wrong with it (the file
+  that is missing, truncated or unreadable, where it can tell) and the underlying error in one line. For an
+  embedded default's folder (one with `MARKER_FILE`) the fix is to load it by name, which rebuilds it.
+- Loaded models are in eval mode, on `device`, in `dtype` (the VAE included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKLLTX2Audio,
+    AutoencoderKLLTX2Video,
+    AutoencoderKLLTXVideo,
+    FlowMatchEulerDiscreteScheduler,
+    LTX2VideoTransformer3DModel,
+    LTXEulerAncestralRFScheduler,
+    LTXVideoTransformer3DModel,
+)
+from diffusers.pipelines.ltx.modeling_latent_upsampler import LTXLatentUpsamplerModel
+from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
+from transformers import Gemma3ForConditionalGeneration, GemmaTokenizer, T5EncoderModel, T5Tokenizer
+
+from models.common.embedded import LATENT_UPSAMPLER, MARKER_FILE, check_folder
+from models.common.folder_problems import ModelLoadError, component_problem, error_line
+from models.common.hub import ALL_FILES, FileSelection, fetch, parse_hub_ref
+from models.common.single_file import check_checkpoint, checkpoint_contents, load_from_checkpoint
+from models.ltx2.default import DEFAULT_LTX2_NAME, ensure_default_ltx2_model
+from models.ltx_video.default import DEFAULT_MODEL_NAME, ensure_default_model
+from models.wan.default import DEFAULT_WAN_NAME, ensure_default_wan_model
+
+__all__ = [
+    "LTX2Components",
+    "LTXVideoComponents",
+    "ModelFiles",
+    "ModelLoadError",
+    "detect_family",
+    "is_distilled",
+    "model_name",
+    "load_ltx2",
+    "load_ltx_video",
+    "parse_dtype",
+    "recommended_stages",
+    "resolve_files",
+    "resolve_model",
+]
+
+# model_index.json `_class_name` -> family. The LTX-Video image-to-video and condition pipelines ship the
+# same five components as LTXPipeline, so their folders load the same way.
+_PIPELINE_FAMILIES = {
+    "LTXPipeline": "ltx-video",
+    "LTXImageToVideoPipeline": "ltx-video",
+    "LTXConditionPipeline": "ltx-video",
+    "LTX2Pipeline": "ltx2",
+    "LTX2ImageToVideoPipeline": "ltx2",
+    "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan",
+}
+# transformer/config.json `_class_name` -> family, for folders without a model_index.json.
+_TRANSFORMER_FAMILIES = {
+    "LTXVideoTransformer3DModel": "ltx-video",
+    "LTX2VideoTransformer3DModel": "ltx2",
+    "WanTransformer3DModel": "wan",
+}
+_LTX_VIDEO_SUBFOLDERS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
+_LTX2_SUBFOLDERS = (
+    "transformer",
+    "vae",
+    "audio_vae",
+    "vocoder",
+    "connectors",
+    "scheduler",
+    "text_encoder",
+    "tokenizer",
+)
+# The loader for each family, named in the error when a folder of the other family is passed.
+_FAMILY_LOADERS = {"ltx-video": "load_ltx_video", "ltx2": "load_ltx2", "wan": "models.wan.loading.load_wan"}
+# Either one carries the vocabulary: tokenizer.json (tokenizers) or spiece.model (SentencePiece).
+_TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
+# The same for Gemma, whose SentencePiece file is tokenizer.model.
+_GEMMA_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# vocoder/config.json `_class_name` -> class: LTX-2.0 ships the plain vocoder, LTX-2.3 the one with bandwidth
+# extension (48 kHz); LTX2Pipeline takes either.
+_VOCODERS = {"LTX2Vocoder": LTX2Vocoder, "LTX2VocoderWithBWE": LTX2VocoderWithBWE}
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class LTXVideoComponents:
+    """The five LTXPipeline components of one loaded LTX-Video folder."""
+
+    transformer: LTXVideoTransformer3DModel
+    """Denoiser, eval mode, in `dtype` on `device`."""
+    vae: AutoencoderKLLTXVideo
+    """Video VAE (32x spatial, 8x temporal compression), eval mode, `dtype` (see NOTE(vae-dtype))."""
+    scheduler: FlowMatchEulerDiscreteScheduler
+    """Stateful sampler schedule; copy it per request rather than sharing one across requests."""
+    text_encoder: T5EncoderModel
+    """T5 encoder, eval mode, in `dtype` on `device`."""
+    tokenizer: T5Tokenizer
+    """Tokenizers-backed T5 tokenizer (in transformers 5 `T5TokenizerFast` is the same class)."""
+    path: Path
+    """The folder the components were loaded from."""
+    dtype: torch.dtype
+    """Parameter dtype of the three models."""
+    device: torch.device
+    """Device of the three models."""
+    latent_upsampler: LTXLatentUpsamplerModel | None = None
+    """The 2x latent upsampler of two-stage generation (``latent_upsampler/``), eval mode, `dtype`, `device`;
+    ``None`` when the folder has none."""
+    checkpoint: Path | None = None
+    """The single-file checkpoint the transformer and VAE came from (``--model file --config``); ``None``: the
+    folder's own."""
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    """Map "fp32" / "bf16" / "fp16" (or their long names, or the torch dtype itself) to a torch dtype."""
+    if isinstance(value, torch.dtype):
+        if value in _DTYPES.values():
+            return value
+    elif isinstance(value, str) and value.strip().lower() in _DTYPES:
+        return _DTYPES[value.strip().lower()]
+    raise ValueError(f"dtype={value!r} is not supported; use one of 'fp32', 'bf16', 'fp16'")
+
+
+@dataclass(frozen=True)
+class LTX2Components:
+    """The eight LTX2Pipeline components of one loaded LTX-2 folder."""
+
+    transformer: LTX2VideoTransformer3DModel
+    """Audio-video denoiser, eval mode, in `dtype` on `device`."""
+    vae: AutoencoderKLLTX2Video
+    """Video VAE (32x spatial, 8x temporal compression), eval mode, in `dtype` on `device`."""
+    audio_vae: AutoencoderKLLTX2Audio
+    """Audio VAE (mel spectrogram <-> latents, 4x in time), eval mode, in `dtype` on `device`."""
+    vocoder: LTX2Vocoder | LTX2VocoderWithBWE
+    """Mel spectrogram -> waveform at `vocoder.config.output_sampling_rate`, eval mode, `dtype`, `device`."""
+    connectors: LTX2TextConnectors
+    """Text connectors (Gemma hidden states -> video and audio prompt embeddings), eval, `dtype`, `device`."""
+    scheduler: FlowMatchEulerDiscreteScheduler
+    """Stateful sampler schedule; copy it per request rather than sharing one across requests."""
+    text_encoder: Gemma3ForConditionalGeneration
+    """Gemma 3 (the pipeline reads its per-layer hidden states), eval mode, in `dtype` on `device`."""
+    tokenizer: GemmaTokenizer
+    """Tokenizers-backed Gemma tokenizer (in transformers 5 `GemmaTokenizerFast` is the same class)."""
+    path: Path
+    """The folder the components were loaded from."""
+    dtype: torch.dtype
+    """Parameter dtype of the six models."""
+    device: torch.device
+    """Device of the six models."""
+    latent_upsampler: LTX2LatentUpsamplerModel | None = None
+    """The 2x latent upsampler of two-stage generation (``latent_upsampler/``, diffusers' layout), eval mode,
+    `dtype`, `device`; ``None`` when the folder has none."""
+    checkpoint: Path | None = None
+    """The single-file checkpoint the transformer and VAEs came from (``--model file --config``); ``None``: the
+    folder's own."""
+
+
+def recommended_stages(path: str | os.PathLike, *, upsampler: bool | None = None) -> int:
+    """How many denoising stages a folder's requests get by default: 2 (half size, the latent upsampler, a short
+    refine at full size: Lightricks' recommended recipe) when it has a latent upsampler (``upsampler``: whether one
+    is loaded with it, a paired one included; None: whether it holds ``latent_upsampler/``); 1 without one, and for
+    the embedded defaults (toy models whose reference is the one-pass pipeline, at sizes too small to halve)."""
+    root = Path(path)
+    if not ((root / LATENT_UPSAMPLER).is_dir() if upsampler is None else upsampler):
+        return 1
+    return 1 if (root / MARKER_FILE).is_file() else 2
+
+
+def is_distilled(path: str | os.PathLike, *, checkpoint: str | os.PathLike | None = None) -> bool:
+    """Whether a folder (or the single-file ``checkpoint`` loaded with its configs) holds a distilled checkpoint,
+    whose requests default to its fixed few-step schedule without guidance. A diffusers folder does not record it in
+    its configs; its name does, as the distilled repositories and files are named
+    (``diffusers/LTX-2.3-Distilled-Diffusers``, ``ltx-2-19b-distilled.safetensors``): the folder's own name, for a hub
+    snapshot (``models--org--name/snapshots/<commit>``) the repository's, and the checkpoint file's."""
+    root = Path(path).absolute()
+    names = [root.name, *(p.name for p in root.parents if p.name.startswith("models--"))]
+    if checkpoint is not None:
+        names.append(Path(checkpoint).name)
+    return any("distilled" in name.lower() for name in names)
+
+
+_DEFAULT_MODELS = {DEFAULT_MODEL_NAME: ensure_default_model, DEFAULT_LTX2_NAME: ensure_default_ltx2_model,
+                   DEFAULT_WAN_NAME: ensure_default_wan_model}
+
+
+def resolve_model(model: str | os.PathLike | None, *, files: FileSelection = ALL_FILES) -> Path:
+    """The local folder (or single file) that ``model`` names, in this order:
+
+    - None or "tiny-ltx-video", "tiny-ltx2", "tiny-wan": the embedded defaults, built on first use;
+    - an existing local path: a diffusers folder, or a single-file ``.safetensors`` checkpoint (checked readable);
+      it wins over a hub id of the same spelling;
+    - ``org/name`` or ``org/name@revision``: that repo's snapshot folder in the hub cache (``models.common.hub.fetch``:
+      the
+      files ``files`` selects, downloaded once per node; ``HF_HUB_OFFLINE=1``: from the cache alone).
+
+    Anything else is a :class:`ModelLoadError` naming it and the fix."""
+    if model is None:
+        return ensure_default_model()
+    if str(model) in _DEFAULT_MODELS:
+        return _DEFAULT_MODELS[str(model)]()
+    if (ref := _hub_ref(model)) is not None:
+        return fetch(ref, files)
+    path = Path(model).expanduser()
+    if path.is_file():
+        return check_checkpoint(path)
+    return _require_dir(path)
+
+
+def model_name(model: str | os.PathLike | None) -> str:
+    """The name a model is served under (the ``model`` clients pass) by default: an embedded default's name, a hub
+    id as written (``Lightricks/LTX-Video``, with ``@revision`` when one is given), a local folder's name, a single
+    file's stem."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    if str(model) not in _DEFAULT_MODELS and (ref := _hub_ref(model)) is not None:
+        return str(ref)
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".safetensors" else path.name
+
+
+def _hub_ref(model: str | os.PathLike):
+    """``model`` as a hub id (``models.common.hub.HubRef``) when it spells one and no local path of that name exists (a
+    local path wins), else None."""
+    if Path(model).expanduser().exists():
+        return None
+    return parse_hub_ref(str(model))
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where one model's files are on this node (:func:`resolve_files`)."""
+
+    folder: Path
+    """The diffusers folder: model_index.json, every component's config, and the weights of every component that
+    ``checkpoint`` does not hold."""
+    checkpoint: Path | None = None
+    """A single-file checkpoint in Lightricks' layout holding the transformer and the VAE(s)
+    (``models.common.single_file``);
+    None: every component comes from ``folder``."""
+    upsampler: Path | None = None
+    """The folder holding the latent upsampler's config.json and weights (a paired one, else
+    ``folder/latent_upsampler``); None: the model has none."""
+
+
+# latent upsampler config `_class_name` -> the family whose latents it upsamples.
+_UPSAMPLER_FAMILIES = {"LTXLatentUpsamplerModel": "ltx-video", "LTX2LatentUpsamplerModel": "ltx2"}
+
+
+def resolve_files(model: str | os.PathLike | None, *, config: str | os.PathLike | None = None,
+                  upsampler: str | os.PathLike | None = None, weights: bool = True) -> ModelFiles:
+    """:func:`resolve_model` for ``model``, for ``config`` (the diffusers folder or hub id that a single-file
+    ``model`` takes its configs and every component the file does not hold from: ``--config``) and for ``upsampler``
+    (a latent-upsampler folder or hub id to pair with the model: ``--upsampler``), checked against each other. A
+    model that is a :class:`ModelFiles` already is returned as it is. ``weights=False`` fetches a hub repo's configs
+    alone (enough to describe the model); a local path is used as it is either way."""
+    if isinstance(model, ModelFiles):
+        return model
+    selection = FileSelection(weights=weights)
+    path = resolve_model(model, files=selection)
+    checkpoint = None
+    if path.is_file():
+        if config is None:
+            raise ModelLoadError(
+                f"{str(path)!r} is a single-file checkpoint: name the diffusers folder or hub id its configs and its "
+                "other components come from with --config (e.g. Lightricks/LTX-Video, Lightricks/LTX-2)")
+        contents = checkpoint_contents(path)
+        checkpoint, path = path, resolve_model(config, files=FileSelection(weights=weights,
+                                                                             skip_weights=contents.components))
+        family = detect_family(path)
+        if family != contents.family:
+            raise ModelLoadError(f"single-file checkpoint {str(checkpoint)!r} is an {contents.family} model, but "
+                                 f"its --config {str(config)!r} is an {family} folder; pass a config of its family")
+    elif config is not None:
+        raise ModelLoadError(f"--config {str(config)!r} is for a single-file checkpoint, but the model "
+                             f"{str(path)!r} is a folder, which holds its own configs; drop --config")
+    if upsampler is None:
+        paired = path / LATENT_UPSAMPLER if (path / LATENT_UPSAMPLER).is_dir() else None
+    else:
+        paired = _upsampler_folder(
+            resolve_model(upsampler, files=FileSelection(weights=weights, only=frozenset({LATENT_UPSAMPLER}))),
+            family=detect_family(path), spec=upsampler)
+    return ModelFiles(folder=path, checkpoint=checkpoint, upsampler=paired)
+
+
+def _upsampler_folder(root: Path, *, family: str, spec: str | os.PathLike) -> Path:
+    """The folder of ``--upsampler``'s latent upsampler (its root's config.json, or ``latent_upsampler/``), checked
+    to be an upsampler of ``family``'s latents."""
+    if root.is_file():
+        raise ModelLoadError(f"--upsampler {str(spec)!r} is a file; pass the folder or hub id that holds the "
+                             "upsampler's config.json and weights (at its root or in latent_upsampler/)")
+    folder = next((f for f in (root / LATENT_UPSAMPLER, root) if (f / "config.json").is_file()), None)
+    if folder is None:
+        raise ModelLoadError(f"--upsampler {str(spec)!r} holds no latent upsampler: no config.json at its root or "
+                             f"in {LATENT_UPSAMPLER}/ ({str(root)!r})")
+    class_name = _read_class_name(folder / "config.json")
+    if _UPSAMPLER_FAMILIES.get(class_name) != family:
+        wants = [name for name, f in _UPSAMPLER_FAMILIES.items() if f == family]
+        if not wants:
+            raise ModelLoadError(f"--upsampler {str(spec)!r}: a {family} model takes no latent upsampler; drop it")
+        raise ModelLoadError(f"--upsampler {str(spec)!r} is a {class_name}, but the model is {family}, whose latents "
+                             f"a {wants[0]} upsamples; pass an upsampler of the model's family")
+    return folder
+
+
+def _require_dir(path: str | os.PathLike) -> Path:
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise ModelLoadError(
+            f"model path {str(root)!r} does not exist; pass a diffusers-format model folder, a hub id "
+            f"(org/name[@revision]), or {DEFAULT_MODEL_NAME!r} / {DEFAULT_LTX2_NAME!r} / {DEFAULT_WAN_NAME!r} for an "
+            "embedded default model"
+        )
+    if not root.is_dir():
+        raise ModelLoadError(
+            f"model path {str(root)!r} is a file, not a directory; pass the diffusers-format folder that "
+            "holds model_index.json, or a single-file .safetensors checkpoint with --config naming its configs"
+        )
+    return root.resolve()
+
+
+def _read_class_name(config_file: Path) -> str:
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{config_file} is not readable JSON ({error_line(exc)})") from exc
+    if not isinstance(config, dict) or not isinstance(config.get("_class_name"), str):
+        raise ModelLoadError(f"{config_file} has no '_class_name' string, so it names no class to load")
+    return config["_class_name"]
+
+
+def detect_family(path: str | os.PathLike) -> str:
+    """Return "ltx-video", "ltx2" or "wan" for a diffusers-format folder, from model_index.json or the
+    transformer."""
+    root = _require_dir(path)
+    index_file = root / "model_index.json"
+    transformer_config = root / "transformer" / "config.json"
+    if index_file.is_file():
+        class_name, known, what = _read_class_name(index_file), _PIPELINE_FAMILIES, "pipeline"
+    elif transformer_config.is_file():
+        class_name, known, what = _read_class_name(transformer_config), _TRANSFORMER_FAMILIES, "transformer"
+    else:
+        raise ModelLoadError(
+            f"{str(root)!r} is not a diffusers-format folder; expected model_index.json with subfolders "
+            f"{', '.join(s + '/' for s in _LTX_VIDEO_SUBFOLDERS)}"
+        )
+    if class_name not in known:
+        raise ModelLoadError(
+            f"{what} class {class_name!r} in {str(root)!r} is not supported; supported: {', '.join(known)}"
+        )
+    return known[class_name]
+
+
+def _embedded_marker(root: Path) -> dict[str, Any] | None:
+    """The name and format version in `root`'s marker when it is an embedded default's folder, else None."""
+    try:
+        marker = json.loads((root / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("name") not in _DEFAULT_MODELS:
+        return None
+    return {"name": marker["name"], "format_version": marker.get("format_version")}
+
+
+def _load_error(root: Path, subfolder: str, exc: Exception, *, config: str | None, weights: bool) -> str:
+    """The message of a failed load of `root/subfolder`: what is wrong with it and the underlying error."""
+    problem = component_problem(root, subfolder, config=config, weights=weights)
+    embedded = _embedded_marker(root)
+    if embedded is not None:
+        problem = problem or check_folder(root, embedded)
+        fix = (f"; it is the embedded default model {embedded['name']!r}: load it by that name to rebuild it, "
+               "or delete the folder")
+    else:
+        fix = "; restore what is missing or broken from the checkpoint the folder came from" if problem else ""
+    what = f"{problem} ({error_line(exc)})" if problem else error_line(exc)
+    return f"could not load {subfolder}/ from {str(root)!r}: {what}{fix}"
+
+
+def _load(root: Path, subfolder: str, loader: Any, *, config: str | None = "config.json", weights: bool = True,
+          **kwargs: Any) -> Any:
+    """`loader(root, subfolder=subfolder, ...)`; `config` and `weights` are what the subfolder must hold (the
+    config file's name, whether a weights file), which the error checks when the load fails."""
+    try:
+        return loader(root, subfolder=subfolder, local_files_only=True, **kwargs)
+    # The loaders raise a zoo of types for one cause (OSError, SafetensorError, ValueError,
+    # json errors, RuntimeError on shape mismatch); each means "this subfolder is unusable".
+    except Exception as exc:
+        raise ModelLoadError(_load_error(root, subfolder, exc, config=config, weights=weights)) from exc
+
+
+def _require_family(root: Path, family: str, what: str, subfolders: tuple[str, ...]) -> None:
+    found = detect_family(root)
+    if found != family:
+        raise ModelLoadError(
+            f"{str(root)!r} is an {found} model folder, not {what}; load it with {_FAMILY_LOADERS[found]}()"
+        )
+    missing = [name for name in subfolders if not (root / name).is_dir()]
+    if missing:
+        raise ModelLoadError(
+            f"{str(root)!r} is missing the subfolder(s) {', '.join(m + '/' for m in missing)}; an {what} "
+            f"folder needs {', '.join(s + '/' for s in subfolders)}"
+        )
+
+
+def _require_tokenizer_files(root: Path, names: tuple[str, ...]) -> None:
+    # NOTE(empty-tokenizer): transformers 5 builds a placeholder tokenizer (a few special tokens) from a
+    # folder with no vocabulary file instead of raising, which would turn every prompt into <unk>s.
+    if not any((root / "tokenizer" / name).is_file() for name in names):
+        raise ModelLoadError(
+            f"could not load tokenizer/ from {str(root)!r}: it holds none of {', '.join(names)}, the files "
+            "a tokenizer's vocabulary is in"
+        )
+
+
+def _pick_class(root: Path, subfolder: str, classes: dict[str, Any]) -> Any:
+    class_name = _read_class_name(root / subfolder / "config.json")
+    if class_name not in classes:
+        raise ModelLoadError(
+            f"{subfolder} class {class_name!r} in {str(root)!r} is not supported; supported: {', '.join(classes)}"
+        )
+    return classes[class_name]
+
+
+# The schedulers the adapters run: LTX-Video's and LTX-2's own, and the per-step-noise Euler-ancestral one
+# LTXI2VLongMultiPromptPipeline is made for (its noise is drawn for the whole sequence on every rank).
+_SCHEDULERS = {"FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscreteScheduler,
+               "LTXEulerAncestralRFScheduler": LTXEulerAncestralRFScheduler}
+
+
+def _pick_scheduler(root: Path, schedulers: dict[str, Any] = _SCHEDULERS) -> Any:
+    """The class of ``root``'s scheduler among ``schedulers`` (a family's: class name -> class, its usual one first)."""
+    path = root / "scheduler" / "scheduler_config.json"
+    usual = next(iter(schedulers.values()))
+    try:
+        name = json.loads(path.read_text()).get("_class_name", usual.__name__)
+    except (OSError, ValueError):
+        return usual  # the load names the missing or broken file
+    if name not in schedulers:
+        raise ModelLoadError(f"scheduler class {name!r} in {str(root)!r} is not supported; supported: "
+                             f"{', '.join(schedulers)}")
+    return schedulers[name]
+
+
+def _load_components(
+    files: ModelFiles,
+    components_class: Any,
+    *,
+    family: str,
+    what: str,
+    subfolders: tuple[str, ...],
+    models: tuple[tuple[str, Any], ...],
+    text_encoder: Any,
+    tokenizer: Any,
+    tokenizer_files: tuple[str, ...],
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    loaders: dict[str, Any] | None = None,
+    schedulers: dict[str, Any] = _SCHEDULERS,
+) -> Any:
+    """Load a `family` folder into `components_class`, whose fields are named after the subfolders.
+
+    `models` are the diffusers models in load order: (subfolder, class), or (subfolder, {`_class_name`: class})
+    where the subfolder's config.json picks the class; those `files.checkpoint` holds come from it instead. Then come
+    the scheduler, the transformers `text_encoder` and the `tokenizer`, whose folder must hold one of
+    `tokenizer_files` (see NOTE(empty-tokenizer)). `loaders`: subfolder -> a loader called as `from_pretrained`
+    is, used instead of it (``models.common.placement.sharded_loaders``: a shard per rank), whose module is left where
+    it
+    put it. `schedulers`: the scheduler classes the family's adapter runs (class name -> class).
+    """
+    loaders = loaders or {}
+    dtype = parse_dtype(dtype)
+    device = torch.device(device)
+    root = _require_dir(files.folder)
+    _require_family(root, family, what, subfolders)
+    contents = None if files.checkpoint is None else checkpoint_contents(files.checkpoint)
+
+    # low_cpu_mem_usage=False: the default wants `accelerate`, and without it diffusers warns on every load.
+    # NOTE(vae-dtype): on this path diffusers leaves the LTX-Video VAE decoder's 0-d `timestep_scale_multiplier`
+    # (created explicitly float32) in float32, as the stock LTXPipeline.from_pretrained does; a 0-d
+    # operand does not promote, so the decode still runs and returns in `dtype`.
+    diffusers_kwargs = dict(dtype=dtype, low_cpu_mem_usage=False)
+    components = {}
+    for subfolder, model_class in models:
+        if isinstance(model_class, dict):
+            model_class = _pick_class(root, subfolder, model_class)
+        if contents is not None and subfolder in contents.components:
+            components[subfolder] = load_from_checkpoint(files.checkpoint, subfolder, model_class, folder=root,
+                                                         contents=contents, dtype=dtype)
+        else:
+            loader = loaders.get(subfolder, model_class.from_pretrained)
+            components[subfolder] = _load(root, subfolder, loader, **diffusers_kwargs)
+    components["scheduler"] = _load(root, "scheduler", _pick_scheduler(root, schedulers).from_pretrained,
+                                    config="scheduler_config.json", weights=False)
+    components["text_encoder"] = _load(root, "text_encoder", loaders.get("text_encoder", text_encoder.from_pretrained),
+                                       dtype=dtype)
+    _require_tokenizer_files(root, tokenizer_files)
+    components["tokenizer"] = _load(root, "tokenizer", tokenizer.from_pretrained, config=None, weights=False)
+    for name in (*(subfolder for subfolder, _ in models), "text_encoder"):
+        # Device only: the dtype was set at load time, and a dtype cast here would bypass diffusers'
+        # keep-in-fp32 module list (and warn about it).
+        if name not in loaders or (contents is not None and name in contents.components):
+            components[name].to(device)
+        components[name].eval()
+    if files.checkpoint is not None:  # the families that read single files record which
+        components["checkpoint"] = files.checkpoint
+    return components_class(**components, path=root, dtype=dtype, device=device)
+
+
+def _model_files(path: str | os.PathLike | ModelFiles) -> ModelFiles:
+    """A folder's files: every component from it, its own ``latent_upsampler/`` where it has one."""
+    if isinstance(path, ModelFiles):
+        return path
+    root = Path(path).expanduser()
+    return ModelFiles(folder=root, upsampler=root / LATENT_UPSAMPLER if (root / LATENT_UPSAMPLER).is_dir() else None)
+
+
+def load_ltx_video(
+    path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None
+) -> LTXVideoComponents:
+    """Load an LTX-Video diffusers folder (e.g. Lightricks/LTX-Video, or `ensure_default_model()`), with its latent
+    upsampler where it has ``latent_upsampler/``; or the model of ``resolve_files`` (a single-file checkpoint with
+    its config folder, a paired upsampler)."""
+    files = _model_files(path)
+    components = _load_components(
+        files,
+        LTXVideoComponents,
+        family="ltx-video",
+        what="LTX-Video",
+        subfolders=_LTX_VIDEO_SUBFOLDERS,
+        models=(("transformer", LTXVideoTransformer3DModel), ("vae", AutoencoderKLLTXVideo)),
+        text_encoder=T5EncoderModel,
+        tokenizer=T5Tokenizer,
+        tokenizer_files=_TOKENIZER_FILES,
+        dtype=dtype,
+        device=device,
+        loaders=loaders,
+    )
+    return _with_latent_upsampler(components, LTXLatentUpsamplerModel, files.upsampler)
+
+
+def load_ltx2(
+    path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None
+) -> LTX2Components:
+    """Load an LTX-2 diffusers folder (e.g. Lightricks/LTX-2, or `ensure_default_ltx2_model()`), with its latent
+    upsampler where it has ``latent_upsampler/``; or the model of ``resolve_files`` (a single-file checkpoint with its
+    config folder, a paired upsampler)."""
+    files = _model_files(path)
+    components = _load_components(
+        files,
+        LTX2Components,
+        family="ltx2",
+        what="LTX-2",
+        subfolders=_LTX2_SUBFOLDERS,
+        models=(
+            ("transformer", LTX2VideoTransformer3DModel),
+            ("vae", AutoencoderKLLTX2Video),
+            ("audio_vae", AutoencoderKLLTX2Audio),
+            ("vocoder", _VOCODERS),
+            ("connectors", LTX2TextConnectors),
+        ),
+        text_encoder=Gemma3ForConditionalGeneration,
+        tokenizer=GemmaTokenizer,
+        tokenizer_files=_GEMMA_TOKENIZER_FILES,
+        dtype=dtype,
+        device=device,
+        loaders=loaders,
+    )
+    return _with_latent_upsampler(components, LTX2LatentUpsamplerModel, files.upsampler)
+
+
+def _with_latent_upsampler(components: Any, upsampler_class: Any, folder: Path | None) -> Any:
+    """``components`` with the latent upsampler in ``folder`` loaded (unchanged for None)."""
+    if folder is None:
+        return components
+    upsampler = _load(folder.parent, folder.name, upsampler_class.from_pretrained,
+                      dtype=components.dtype, low_cpu_mem_usage=False)
+    return replace(components, latent_upsampler=upsampler.to(components.device).eval())

@@ -1,0 +1,1 @@
+"""LTX-Video (`LTXConditionPipeline`, `LTXPipeline`): its options, adapter, stages, windows and embedded default."""

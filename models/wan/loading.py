@@ -1,0 +1,146 @@
+"""Load a diffusers-format Wan folder (``WanPipeline`` or ``WanImageToVideoPipeline``: Wan 2.1, Wan 2.2 A14B and
+TI2V-5B) into its components, and describe one from its configs alone.
+
+Invariants:
+- The same loading path and errors as the other families (``models.common.loading``: local files only, a
+  ``ModelLoadError`` naming the subfolder and what is wrong with it; eval mode, ``device``, ``dtype``).
+- What the folder's pipeline is (one or two experts, image-to-video, per-token timesteps, CLIP image tokens) is
+  read from its ``model_index.json`` and transformer config once (:class:`models.wan.options.WanLayout`): the
+  options, the adapter and the description all take it from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKLWan,
+    FlowMatchEulerDiscreteScheduler,
+    UniPCMultistepScheduler,
+    WanTransformer3DModel,
+)
+from transformers import CLIPVisionModel, T5Tokenizer, UMT5EncoderModel
+
+from cp_infer import VideoGeometry
+from models.common.folder_problems import ModelLoadError, component_problem, error_line
+from models.common.loading import ModelFiles, _load, _load_components, _model_files, _require_dir
+
+from .options import WanLayout
+
+__all__ = ["WanComponents", "describe_wan", "load_wan", "wan_layout"]
+
+_SUBFOLDERS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
+# Wan's diffusers folders ship UniPC on flow-matching sigmas; some fine-tunes ship the flow-matching Euler one.
+_SCHEDULERS = {"UniPCMultistepScheduler": UniPCMultistepScheduler,
+               "FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscreteScheduler}
+_TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
+
+
+@dataclass(frozen=True)
+class WanComponents:
+    """The components of one loaded Wan folder (``WanPipeline``'s, with ``WanImageToVideoPipeline``'s image ones)."""
+
+    transformer: WanTransformer3DModel
+    """The denoiser (Wan 2.2 A14B: the high-noise expert), eval mode, in `dtype` on `device`."""
+    vae: AutoencoderKLWan
+    """Wan's causal video VAE (8x or 16x spatial, 4x temporal), eval mode, `dtype`, `device`."""
+    scheduler: Any
+    """UniPC (or flow-matching Euler); stateful, reset by every request's ``set_timesteps``."""
+    text_encoder: UMT5EncoderModel
+    tokenizer: T5Tokenizer
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+    layout: WanLayout = WanLayout()
+    transformer_2: WanTransformer3DModel | None = None
+    """Wan 2.2 A14B's low-noise expert; ``None`` for one expert."""
+    image_encoder: CLIPVisionModel | None = None
+    """Wan 2.1 I2V's CLIP vision tower (its second-to-last hidden states are the image tokens); else ``None``."""
+    image_processor: Any = None
+    """Its ``CLIPImageProcessor``; ``None`` without an image encoder."""
+
+
+class _Transformer:
+    """``WanTransformer3DModel.from_pretrained`` with ``low_cpu_mem_usage=True``.
+
+    NOTE(fp32-modules): the class keeps modules in float32 (``_keep_in_fp32_modules``), for which diffusers refuses
+    ``low_cpu_mem_usage=False`` (the other families' setting); the weights read are the same."""
+
+    @staticmethod
+    def from_pretrained(*args: Any, **kwargs: Any) -> WanTransformer3DModel:
+        return WanTransformer3DModel.from_pretrained(*args, **{**kwargs, "low_cpu_mem_usage": True})
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path} is not readable JSON ({error_line(exc)})") from exc
+    return value if isinstance(value, dict) else {}
+
+
+def wan_layout(path: str | os.PathLike) -> WanLayout:
+    """The pipeline a Wan folder holds, from its ``model_index.json`` and ``transformer/config.json``."""
+    root = Path(path)
+    return WanLayout.from_index(_read_json(root / "model_index.json"), _read_json(root / "transformer" / "config.json"))
+
+
+def describe_wan(path: str | os.PathLike) -> tuple[VideoGeometry, int, WanLayout]:
+    """``(geometry, layers, layout)`` of a Wan folder, from its configs alone (no weights)."""
+    root = _require_dir(path)
+    transformer = _read_json(root / "transformer" / "config.json")
+    vae = _read_json(root / "vae" / "config.json")
+    if not transformer or not vae:
+        problem = component_problem(root, "transformer", config="config.json") or component_problem(
+            root, "vae", config="config.json")
+        raise ModelLoadError(f"could not read the transformer/ and vae/ configs of {str(root)!r}: "
+                             f"{problem or 'a config.json is missing or empty'}")
+    patch_t, patch_h, patch_w = transformer.get("patch_size", (1, 2, 2))
+    if patch_h != patch_w:
+        raise ModelLoadError(f"{str(root)!r}: a transformer patch of {patch_h}x{patch_w} pixels is not square; the "
+                             "engine's sizes take square patches")
+    # AutoencoderKLWan's own defaults for a config that leaves them out.
+    geometry = VideoGeometry(temporal_compression=int(vae.get("scale_factor_temporal", 4)),
+                             spatial_compression=int(vae.get("scale_factor_spatial", 8)),
+                             patch_size=int(patch_h), patch_size_t=int(patch_t))
+    return geometry, int(transformer.get("num_layers", 0)), wan_layout(root)
+
+
+def load_wan(path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
+             device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None) -> WanComponents:
+    """Load a Wan diffusers folder (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or ``ensure_default_wan_model()``): its
+    ``WanPipeline`` components, the second expert of Wan 2.2 A14B, and the image encoder of Wan 2.1 I2V."""
+    files = _model_files(path)
+    if files.checkpoint is not None:
+        raise ModelLoadError("single-file checkpoints are read for LTX-Video and LTX-2; load a Wan model from its "
+                             "diffusers folder")
+    root = _require_dir(files.folder)
+    layout = wan_layout(root)
+    models: list[tuple[str, Any]] = [("transformer", _Transformer), ("vae", AutoencoderKLWan)]
+    if layout.experts == 2:
+        models.append(("transformer_2", _Transformer))
+    components = _load_components(
+        files, WanComponents, family="wan", what="Wan", subfolders=_SUBFOLDERS + tuple(n for n, _ in models[2:]),
+        models=tuple(models), text_encoder=UMT5EncoderModel, tokenizer=T5Tokenizer, tokenizer_files=_TOKENIZER_FILES,
+        dtype=dtype, device=device, loaders=loaders, schedulers=_SCHEDULERS)
+    extra: dict[str, Any] = {"layout": layout}
+    if layout.image_tokens:
+        from transformers import CLIPImageProcessor
+
+        for name in ("image_encoder", "image_processor"):
+            if not (root / name).is_dir():
+                raise ModelLoadError(f"{str(root)!r} is a Wan 2.1 image-to-video folder (its transformer takes image "
+                                     f"tokens) without {name}/; restore it from the checkpoint the folder came from")
+        encoder = _load(root, "image_encoder", CLIPVisionModel.from_pretrained, dtype=components.dtype)
+        extra["image_encoder"] = encoder.to(components.device).eval()
+        extra["image_processor"] = _load(root, "image_processor", CLIPImageProcessor.from_pretrained,
+                                         config="preprocessor_config.json", weights=False)
+    return replace(components, **extra)
+
