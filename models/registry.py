@@ -1,4 +1,4 @@
-"""One entry point from a model folder to a parallelised model, for every supported family.
+"""One entry point from a model folder to a parallelised model, for every family of ``models.families``.
 
 - :func:`describe_model` reads configs only (no weights; the VAE is built on the meta device to ask diffusers
   its compression), so a front end can check requests before any rank loads anything.
@@ -24,20 +24,11 @@ import torch
 from cp_infer import ParallelState, VideoGeometry
 from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationRequest
-from models.common.folder_problems import component_problem, error_line
-from models.common.geometry import min_latent_side
-from models.common.loading import (
-    ModelFiles,
-    ModelLoadError,
-    detect_family,
-    is_distilled,
-    parse_dtype,
-    recommended_stages,
-    resolve_files,
-)
+from models.common.loading import ModelFiles, detect_family, parse_dtype, resolve_files
+from models.families import DEFAULT_FAMILY, family
 
-__all__ = ["ModelInfo", "compile_transformer_blocks", "describe_model", "lora_catalog", "lora_spec", "model_options",
-           "open_model"]
+__all__ = ["ModelInfo", "compile_transformer_blocks", "default_model_options", "describe_model", "lora_catalog",
+           "lora_spec", "model_options", "open_model"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +37,7 @@ class ModelInfo:
 
     path: Path
     family: str
-    """``ltx-video``, ``ltx2`` or ``wan``."""
+    """Its family's name in ``models.families.FAMILIES``."""
     geometry: VideoGeometry
     layers: int
     """Transformer blocks."""
@@ -55,47 +46,28 @@ class ModelInfo:
 
     @property
     def has_audio(self) -> bool:
-        return self.family == "ltx2"
+        return family(self.family).has_audio
 
     def step_passes(self, request: GenerationRequest) -> set[int]:
         """How many transformer passes a step runs, over the denoising passes of ``request``'s plan (a resolved
         request; the plan is the adapter's own, so a second stage's own guidance counts)."""
-        if self.family == "ltx-video":
-            from models.ltx_video.adapter import plan_request, step_passes
-        elif self.family == "wan":
-            from models.wan.adapter import plan_request, step_passes
-        else:
-            from models.ltx2.adapter import plan_request, step_passes
-        return {step_passes(p.request) for p in plan_request(request).passes}
+        return family(self.family).step_passes(request)
 
 
-def model_options(family: str, *, layers: int, latent_upsampler: bool = True,
+def model_options(family_name: str, *, layers: int, latent_upsampler: bool = True,
                   stages: int | None = None, distilled: bool = False) -> ModelOptions:
-    """The request options of a ``family`` model with ``layers`` transformer blocks, with or without a
+    """The request options of a ``family_name`` model with ``layers`` transformer blocks, with or without a
     ``latent_upsampler`` (two-stage generation), whose requests get ``stages`` by default (unset: what a folder with
     or without an upsampler is recommended); ``distilled`` (LTX-2): a distilled checkpoint's defaults. A Wan model's
     options depend on its pipeline (``models.wan.options.WanLayout``): these are Wan 2.1 text-to-video's."""
-    if family == "wan":
-        from models.wan.options import wan_options
-
-        return wan_options()
-    if family == "ltx-video":
-        from models.ltx_video.options import ltx_video_options
-
-        return ltx_video_options(latent_upsampler=latent_upsampler, stages=stages)
-    from models.ltx2.options import ltx2_options
-
-    return ltx2_options(layers=layers, latent_upsampler=latent_upsampler, stages=stages, distilled=distilled)
+    return family(family_name).options(layers=layers, latent_upsampler=latent_upsampler, stages=stages,
+                                       distilled=distilled)
 
 
-def _classes(family: str):
-    if family == "ltx-video":
-        from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
-
-        return LTXVideoTransformer3DModel, AutoencoderKLLTXVideo
-    from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
-
-    return LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video
+def default_model_options() -> ModelOptions:
+    """The options of the model served when none is named (``models.families.DEFAULT_FAMILY``'s), at one block and
+    one stage: what the CLI shows before it knows the model."""
+    return model_options(DEFAULT_FAMILY, layers=1, stages=1)
 
 
 def describe_model(model: str | os.PathLike | ModelFiles | None, *, config: str | os.PathLike | None = None,
@@ -105,38 +77,9 @@ def describe_model(model: str | os.PathLike | ModelFiles | None, *, config: str 
     configs
     alone are fetched for it."""
     files = resolve_files(model, config=config, upsampler=upsampler, weights=False)
-    path = files.folder
-    family = detect_family(path)
-    if family == "wan":
-        from models.wan.loading import describe_wan
-        from models.wan.options import wan_options
-
-        geometry, layers, layout = describe_wan(path)
-        return ModelInfo(path=path, family=family, geometry=geometry, layers=layers, options=wan_options(layout))
-    transformer_cls, vae_cls = _classes(family)
-    try:
-        transformer = transformer_cls.load_config(path, subfolder="transformer", local_files_only=True)
-        vae_config = vae_cls.load_config(path, subfolder="vae", local_files_only=True)
-        # The compression ratios are diffusers' own arithmetic on the config: build the VAE on the meta
-        # device (no memory, no weights) and ask it.
-        with torch.device("meta"):
-            vae = vae_cls.from_config(vae_config)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        problem = component_problem(path, "transformer", config="config.json") or component_problem(
-            path, "vae", config="config.json")
-        what = f"{problem} ({error_line(exc)})" if problem else error_line(exc)
-        raise ModelLoadError(f"could not read the transformer/ and vae/ configs of {str(path)!r}: {what}") from exc
-    geometry = VideoGeometry(
-        temporal_compression=vae.temporal_compression_ratio, spatial_compression=vae.spatial_compression_ratio,
-        patch_size=transformer.get("patch_size", 1), patch_size_t=transformer.get("patch_size_t", 1),
-        min_latent_side=min_latent_side(vae_config),
-    )
-    layers = int(transformer.get("num_layers", 0))
-    upsampler = files.upsampler is not None
-    stages = recommended_stages(path, upsampler=upsampler)
-    return ModelInfo(path=path, family=family, geometry=geometry, layers=layers,
-                     options=model_options(family, layers=layers, latent_upsampler=upsampler, stages=stages,
-                                           distilled=is_distilled(path, checkpoint=files.checkpoint)))
+    name = detect_family(files.folder)
+    geometry, layers, options = family(name).describe(files)
+    return ModelInfo(path=files.folder, family=name, geometry=geometry, layers=layers, options=options)
 
 
 _RECOMPILE_LIMIT = 64
@@ -170,15 +113,9 @@ def compile_transformer_blocks(transformer: torch.nn.Module) -> None:
     transformer.compile_repeated_blocks(dynamic=False)
 
 
-def lora_spec(family: str):
-    """How a ``family`` model's adapters load (``models.common.lora.LoraSpec``, declared beside its adapter)."""
-    if family == "ltx-video":
-        from models.ltx_video.adapter import LORA
-    elif family == "wan":
-        from models.wan.adapter import LORA
-    else:
-        from models.ltx2.adapter import LORA
-    return LORA
+def lora_spec(family_name: str):
+    """How a ``family_name`` model's adapters load (``models.common.lora.LoraSpec``, declared beside its adapter)."""
+    return family(family_name).lora_spec()
 
 
 def lora_catalog(info: ModelInfo, lora_dir: str | os.PathLike | None, *, slot_rank: int | None = None):
@@ -210,25 +147,12 @@ def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | tor
     from models.common.placement import apply_offload, resolve_placement, sharded_loaders
 
     files = resolve_files(model, config=config, upsampler=upsampler)
-    family = detect_family(files.folder)
+    name = detect_family(files.folder)
     dtype = parse_dtype(dtype)
     placement = resolve_placement(files.folder, dtype=dtype, state=state, weights=weights, offload=offload)
-    loaders = sharded_loaders(family, placement)
-    if family == "wan":
-        from models.wan.adapter import WanModel
-        from models.wan.loading import load_wan
-
-        adapter = WanModel(load_wan(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
-    elif family == "ltx-video":
-        from models.common.loading import load_ltx_video
-        from models.ltx_video.adapter import LTXVideoModel
-
-        adapter = LTXVideoModel(load_ltx_video(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
-    else:
-        from models.common.loading import load_ltx2
-        from models.ltx2.adapter import LTX2Model
-
-        adapter = LTX2Model(load_ltx2(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
+    loaders = sharded_loaders(name, placement)
+    chosen = family(name)
+    adapter = chosen.wrap(chosen.load(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
     apply_offload(adapter.components, placement)
     adapter.placement = placement
     if lora_dir is not None:

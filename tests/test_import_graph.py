@@ -2,12 +2,18 @@
 ``TYPE_CHECKING`` too): no cycle anywhere in ``cp_infer/``, ``models/``, ``server/`` and ``bench/``, and every import
 points downward through the layers ``bench -> server.cli -> server.http -> server.group -> server.outputs -> models ->
 cp_infer``. A cycle means two modules are one concept or a third is missing; an upward import means a wing knows
-what sits above it."""
+what sits above it. Inside ``models/``: a family package imports no other family package, and the shared package
+``models.common`` imports none (nor the registry above them); the families are found through the one table,
+``models.families``, and nothing else names one: no ``family == "..."`` outside it, no family's name in ``server/``
+or ``cp_infer/``."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+from models.families import FAMILIES, all_families
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("cp_infer", "models", "server", "bench")
@@ -111,3 +117,52 @@ def test_imports_point_down_the_layers():
     upward = [f"{name} ({LAYERS[_layer(name)]}) imports {target} ({LAYERS[_layer(target)]})"
               for name, targets in _graph().items() for target in sorted(targets) if _layer(target) > _layer(name)]
     assert not upward, "imports that point up the layers " + " > ".join(reversed(LAYERS)) + ":\n" + "\n".join(upward)
+
+
+def _family_packages() -> dict[str, str]:
+    """Family name -> its package (``models.families.FAMILIES``' module, less its last part)."""
+    return {name: module.rpartition(".")[0] for name, (module, _) in FAMILIES.items()}
+
+
+def _package_of(module: str, packages) -> str | None:
+    return next((p for p in packages if module == p or module.startswith(p + ".")), None)
+
+
+def test_a_family_package_imports_no_other_family():
+    packages = set(_family_packages().values())
+    assert packages == {"models.ltx_video", "models.ltx2", "models.wan"} <= set(_graph())
+    crossing = [f"{name} imports {target}" for name, targets in _graph().items()
+                if (own := _package_of(name, packages)) is not None
+                for target in sorted(targets) if _package_of(target, packages) not in (None, own)]
+    assert not crossing, "a family package imports another family's package:\n" + "\n".join(crossing)
+
+
+def test_the_shared_package_imports_no_family():
+    above = {*_family_packages().values(), "models.registry"}
+    upward = [f"{name} imports {target}" for name, targets in _graph().items() if name.startswith("models.common")
+              for target in sorted(targets) if _package_of(target, above) is not None]
+    assert not upward, "models.common imports what sits above it:\n" + "\n".join(upward)
+
+
+# `family == "wan"`, `"ltx2" != family`, `info.family in ("ltx-video", ...)`: a family chosen by its name.
+_COMPARISON = re.compile(r"""family\w*\s*(?:[!=]=|(?:not\s+)?in)\s*[\(\[{]?\s*["']|["']\s*[!=]=\s*[\w.]*family""")
+
+
+def test_no_family_is_chosen_by_comparing_its_name():
+    table = {REPO / "models" / "families.py"}
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for package in ("models", "server", "cp_infer")
+             for path in sorted((REPO / package).rglob("*.py")) if path not in table
+             for n, line in enumerate(path.read_text().splitlines(), 1) if _COMPARISON.search(line)]
+    assert not found, "ask models.families instead of comparing family names:\n" + "\n".join(found)
+    assert _COMPARISON.search('if family == "wan":') and _COMPARISON.search("info.family in ('ltx2', 'wan')")
+
+
+def test_server_and_engine_name_no_family():
+    names = [*FAMILIES, *(f.default_name for f in all_families()),
+             *(module.split(".")[1] for module, _ in FAMILIES.values())]
+    word = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for package in ("server", "cp_infer")
+             for path in sorted((REPO / package).rglob("*")) if path.suffix in (".py", ".js", ".html", ".css")
+             for n, line in enumerate(path.read_text().splitlines(), 1) if word.search(line)]
+    assert not found, "server/ and cp_infer/ name a family (ask models.families):\n" + "\n".join(found)
+    assert word.search("model_options('ltx-video')") and not word.search("tiny-ltx2-v3")

@@ -9,6 +9,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -18,7 +19,8 @@ from cp_infer.request import GenerationRequest
 
 from .ltx_vae_parallel import DecodeContext, decode_cost, decode_round
 
-__all__ = ["DecodeNoise", "decode_round_uint8", "decode_split", "noise_for_decode", "refuse_stochastic_sampling"]
+__all__ = ["DecodeNoise", "decode_round_uint8", "decode_split", "noise_for_decode", "refuse_stochastic_sampling",
+           "scoped"]
 
 
 def refuse_stochastic_sampling(scheduler) -> None:
@@ -85,3 +87,13 @@ def decode_round_uint8(pipe, vae, ctx: DecodeContext, latents: torch.Tensor, a: 
         video = decode_round(vae, ctx, latents, a, b, timestep)
     frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
     return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+
+
+@contextlib.contextmanager
+def scoped(ctx: object, name: str, value: object) -> Iterator[None]:
+    """Set ``ctx.name`` for the duration of a block (a model's per-call parallel context)."""
+    setattr(ctx, name, value)
+    try:
+        yield
+    finally:
+        setattr(ctx, name, None)

@@ -35,9 +35,23 @@ from typing import Any
 import torch
 
 __all__ = [
+    "LTX_SCHEDULER_CONFIG",
     "CACHE_ENV", "LATENT_UPSAMPLER", "MARKER_FILE", "cache_root", "check_folder", "ensure_folder",
     "init_deterministic", "write_pipeline",
 ]
+
+# The scheduler config LTX-Video 0.9.x (and LTX-2.0) ships: resolution-dependent ("dynamic") shift between
+# base_shift at 1024 latent tokens and max_shift at 4096, with the schedule stretched to end at sigma 0.1.
+LTX_SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.95,
+    max_shift=2.05,
+    base_image_seq_len=1024,
+    max_image_seq_len=4096,
+    shift_terminal=0.1,
+)
 
 log = logging.getLogger("cp_infer.models")
 

@@ -1,5 +1,6 @@
-"""Load a diffusers-format model folder (LTX-Video or LTX-2; Wan's through `models.wan.loading`, on the same helpers)
-into its components, with errors that say what is wrong; find the folder first (`resolve_model`, `resolve_files`):
+"""What loading a diffusers-format model folder takes, whatever its family (each family's `loading` module loads
+its own components on these helpers), with errors that say what is wrong; find the folder first (`resolve_model`,
+`resolve_files`):
 an embedded default, a local folder, a hub id (`models.common.hub`), a single-file checkpoint with its config folder
 (`models.common.single_file`), a paired latent upsampler.
 
@@ -23,81 +24,31 @@ from typing import Any
 
 import torch
 from diffusers import (
-    AutoencoderKLLTX2Audio,
-    AutoencoderKLLTX2Video,
-    AutoencoderKLLTXVideo,
     FlowMatchEulerDiscreteScheduler,
-    LTX2VideoTransformer3DModel,
     LTXEulerAncestralRFScheduler,
-    LTXVideoTransformer3DModel,
 )
-from diffusers.pipelines.ltx.modeling_latent_upsampler import LTXLatentUpsamplerModel
-from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
-from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
-from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
-from transformers import Gemma3ForConditionalGeneration, GemmaTokenizer, T5EncoderModel, T5Tokenizer
 
 from models.common.embedded import LATENT_UPSAMPLER, MARKER_FILE, check_folder
 from models.common.folder_problems import ModelLoadError, component_problem, error_line
 from models.common.hub import ALL_FILES, FileSelection, fetch, parse_hub_ref
 from models.common.single_file import check_checkpoint, checkpoint_contents, load_from_checkpoint
-from models.ltx2.default import DEFAULT_LTX2_NAME, ensure_default_ltx2_model
-from models.ltx_video.default import DEFAULT_MODEL_NAME, ensure_default_model
-from models.wan.default import DEFAULT_WAN_NAME, ensure_default_wan_model
+from models.families import DEFAULT_FAMILY, all_families, by_default_name, by_pipeline, by_transformer, by_upsampler
+from models.families import family as family_named
 
 __all__ = [
-    "LTX2Components",
-    "LTXVideoComponents",
     "ModelFiles",
     "ModelLoadError",
     "detect_family",
     "is_distilled",
     "model_name",
-    "load_ltx2",
-    "load_ltx_video",
     "parse_dtype",
     "recommended_stages",
     "resolve_files",
     "resolve_model",
 ]
 
-# model_index.json `_class_name` -> family. The LTX-Video image-to-video and condition pipelines ship the
-# same five components as LTXPipeline, so their folders load the same way.
-_PIPELINE_FAMILIES = {
-    "LTXPipeline": "ltx-video",
-    "LTXImageToVideoPipeline": "ltx-video",
-    "LTXConditionPipeline": "ltx-video",
-    "LTX2Pipeline": "ltx2",
-    "LTX2ImageToVideoPipeline": "ltx2",
-    "WanPipeline": "wan",
-    "WanImageToVideoPipeline": "wan",
-}
-# transformer/config.json `_class_name` -> family, for folders without a model_index.json.
-_TRANSFORMER_FAMILIES = {
-    "LTXVideoTransformer3DModel": "ltx-video",
-    "LTX2VideoTransformer3DModel": "ltx2",
-    "WanTransformer3DModel": "wan",
-}
-_LTX_VIDEO_SUBFOLDERS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
-_LTX2_SUBFOLDERS = (
-    "transformer",
-    "vae",
-    "audio_vae",
-    "vocoder",
-    "connectors",
-    "scheduler",
-    "text_encoder",
-    "tokenizer",
-)
-# The loader for each family, named in the error when a folder of the other family is passed.
-_FAMILY_LOADERS = {"ltx-video": "load_ltx_video", "ltx2": "load_ltx2", "wan": "models.wan.loading.load_wan"}
-# Either one carries the vocabulary: tokenizer.json (tokenizers) or spiece.model (SentencePiece).
-_TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
-# The same for Gemma, whose SentencePiece file is tokenizer.model.
-_GEMMA_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-# vocoder/config.json `_class_name` -> class: LTX-2.0 ships the plain vocoder, LTX-2.3 the one with bandwidth
-# extension (48 kHz); LTX2Pipeline takes either.
-_VOCODERS = {"LTX2Vocoder": LTX2Vocoder, "LTX2VocoderWithBWE": LTX2VocoderWithBWE}
+# The subfolders a diffusers folder has at least, named when a folder is not one.
+_FOLDER_EXAMPLE = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -109,34 +60,6 @@ _DTYPES = {
 }
 
 
-@dataclass(frozen=True)
-class LTXVideoComponents:
-    """The five LTXPipeline components of one loaded LTX-Video folder."""
-
-    transformer: LTXVideoTransformer3DModel
-    """Denoiser, eval mode, in `dtype` on `device`."""
-    vae: AutoencoderKLLTXVideo
-    """Video VAE (32x spatial, 8x temporal compression), eval mode, `dtype` (see NOTE(vae-dtype))."""
-    scheduler: FlowMatchEulerDiscreteScheduler
-    """Stateful sampler schedule; copy it per request rather than sharing one across requests."""
-    text_encoder: T5EncoderModel
-    """T5 encoder, eval mode, in `dtype` on `device`."""
-    tokenizer: T5Tokenizer
-    """Tokenizers-backed T5 tokenizer (in transformers 5 `T5TokenizerFast` is the same class)."""
-    path: Path
-    """The folder the components were loaded from."""
-    dtype: torch.dtype
-    """Parameter dtype of the three models."""
-    device: torch.device
-    """Device of the three models."""
-    latent_upsampler: LTXLatentUpsamplerModel | None = None
-    """The 2x latent upsampler of two-stage generation (``latent_upsampler/``), eval mode, `dtype`, `device`;
-    ``None`` when the folder has none."""
-    checkpoint: Path | None = None
-    """The single-file checkpoint the transformer and VAE came from (``--model file --config``); ``None``: the
-    folder's own."""
-
-
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     """Map "fp32" / "bf16" / "fp16" (or their long names, or the torch dtype itself) to a torch dtype."""
     if isinstance(value, torch.dtype):
@@ -145,40 +68,6 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     elif isinstance(value, str) and value.strip().lower() in _DTYPES:
         return _DTYPES[value.strip().lower()]
     raise ValueError(f"dtype={value!r} is not supported; use one of 'fp32', 'bf16', 'fp16'")
-
-
-@dataclass(frozen=True)
-class LTX2Components:
-    """The eight LTX2Pipeline components of one loaded LTX-2 folder."""
-
-    transformer: LTX2VideoTransformer3DModel
-    """Audio-video denoiser, eval mode, in `dtype` on `device`."""
-    vae: AutoencoderKLLTX2Video
-    """Video VAE (32x spatial, 8x temporal compression), eval mode, in `dtype` on `device`."""
-    audio_vae: AutoencoderKLLTX2Audio
-    """Audio VAE (mel spectrogram <-> latents, 4x in time), eval mode, in `dtype` on `device`."""
-    vocoder: LTX2Vocoder | LTX2VocoderWithBWE
-    """Mel spectrogram -> waveform at `vocoder.config.output_sampling_rate`, eval mode, `dtype`, `device`."""
-    connectors: LTX2TextConnectors
-    """Text connectors (Gemma hidden states -> video and audio prompt embeddings), eval, `dtype`, `device`."""
-    scheduler: FlowMatchEulerDiscreteScheduler
-    """Stateful sampler schedule; copy it per request rather than sharing one across requests."""
-    text_encoder: Gemma3ForConditionalGeneration
-    """Gemma 3 (the pipeline reads its per-layer hidden states), eval mode, in `dtype` on `device`."""
-    tokenizer: GemmaTokenizer
-    """Tokenizers-backed Gemma tokenizer (in transformers 5 `GemmaTokenizerFast` is the same class)."""
-    path: Path
-    """The folder the components were loaded from."""
-    dtype: torch.dtype
-    """Parameter dtype of the six models."""
-    device: torch.device
-    """Device of the six models."""
-    latent_upsampler: LTX2LatentUpsamplerModel | None = None
-    """The 2x latent upsampler of two-stage generation (``latent_upsampler/``, diffusers' layout), eval mode,
-    `dtype`, `device`; ``None`` when the folder has none."""
-    checkpoint: Path | None = None
-    """The single-file checkpoint the transformer and VAEs came from (``--model file --config``); ``None``: the
-    folder's own."""
 
 
 def recommended_stages(path: str | os.PathLike, *, upsampler: bool | None = None) -> int:
@@ -205,10 +94,6 @@ def is_distilled(path: str | os.PathLike, *, checkpoint: str | os.PathLike | Non
     return any("distilled" in name.lower() for name in names)
 
 
-_DEFAULT_MODELS = {DEFAULT_MODEL_NAME: ensure_default_model, DEFAULT_LTX2_NAME: ensure_default_ltx2_model,
-                   DEFAULT_WAN_NAME: ensure_default_wan_model}
-
-
 def resolve_model(model: str | os.PathLike | None, *, files: FileSelection = ALL_FILES) -> Path:
     """The local folder (or single file) that ``model`` names, in this order:
 
@@ -221,9 +106,9 @@ def resolve_model(model: str | os.PathLike | None, *, files: FileSelection = ALL
 
     Anything else is a :class:`ModelLoadError` naming it and the fix."""
     if model is None:
-        return ensure_default_model()
-    if str(model) in _DEFAULT_MODELS:
-        return _DEFAULT_MODELS[str(model)]()
+        return family_named(DEFAULT_FAMILY).ensure_default()
+    if (embedded := by_default_name(str(model))) is not None:
+        return embedded.ensure_default()
     if (ref := _hub_ref(model)) is not None:
         return fetch(ref, files)
     path = Path(model).expanduser()
@@ -237,8 +122,8 @@ def model_name(model: str | os.PathLike | None) -> str:
     id as written (``Lightricks/LTX-Video``, with ``@revision`` when one is given), a local folder's name, a single
     file's stem."""
     if model is None:
-        return DEFAULT_MODEL_NAME
-    if str(model) not in _DEFAULT_MODELS and (ref := _hub_ref(model)) is not None:
+        return family_named(DEFAULT_FAMILY).default_name
+    if by_default_name(str(model)) is None and (ref := _hub_ref(model)) is not None:
         return str(ref)
     path = Path(model).expanduser()
     return path.stem if path.suffix == ".safetensors" else path.name
@@ -266,10 +151,6 @@ class ModelFiles:
     upsampler: Path | None = None
     """The folder holding the latent upsampler's config.json and weights (a paired one, else
     ``folder/latent_upsampler``); None: the model has none."""
-
-
-# latent upsampler config `_class_name` -> the family whose latents it upsamples.
-_UPSAMPLER_FAMILIES = {"LTXLatentUpsamplerModel": "ltx-video", "LTX2LatentUpsamplerModel": "ltx2"}
 
 
 def resolve_files(model: str | os.PathLike | None, *, config: str | os.PathLike | None = None,
@@ -319,8 +200,9 @@ def _upsampler_folder(root: Path, *, family: str, spec: str | os.PathLike) -> Pa
         raise ModelLoadError(f"--upsampler {str(spec)!r} holds no latent upsampler: no config.json at its root or "
                              f"in {LATENT_UPSAMPLER}/ ({str(root)!r})")
     class_name = _read_class_name(folder / "config.json")
-    if _UPSAMPLER_FAMILIES.get(class_name) != family:
-        wants = [name for name, f in _UPSAMPLER_FAMILIES.items() if f == family]
+    upsampled = by_upsampler(class_name)
+    if upsampled is None or upsampled.name != family:
+        wants = family_named(family).upsamplers
         if not wants:
             raise ModelLoadError(f"--upsampler {str(spec)!r}: a {family} model takes no latent upsampler; drop it")
         raise ModelLoadError(f"--upsampler {str(spec)!r} is a {class_name}, but the model is {family}, whose latents "
@@ -333,7 +215,7 @@ def _require_dir(path: str | os.PathLike) -> Path:
     if not root.exists():
         raise ModelLoadError(
             f"model path {str(root)!r} does not exist; pass a diffusers-format model folder, a hub id "
-            f"(org/name[@revision]), or {DEFAULT_MODEL_NAME!r} / {DEFAULT_LTX2_NAME!r} / {DEFAULT_WAN_NAME!r} for an "
+            f"(org/name[@revision]), or {' / '.join(repr(f.default_name) for f in all_families())} for an "
             "embedded default model"
         )
     if not root.is_dir():
@@ -355,25 +237,28 @@ def _read_class_name(config_file: Path) -> str:
 
 
 def detect_family(path: str | os.PathLike) -> str:
-    """Return "ltx-video", "ltx2" or "wan" for a diffusers-format folder, from model_index.json or the
+    """The name of the family (``models.families``) of a diffusers-format folder, from model_index.json or the
     transformer."""
     root = _require_dir(path)
     index_file = root / "model_index.json"
     transformer_config = root / "transformer" / "config.json"
     if index_file.is_file():
-        class_name, known, what = _read_class_name(index_file), _PIPELINE_FAMILIES, "pipeline"
+        class_name, find, what = _read_class_name(index_file), by_pipeline, "pipeline"
+        known = [name for f in all_families() for name in f.pipelines]
     elif transformer_config.is_file():
-        class_name, known, what = _read_class_name(transformer_config), _TRANSFORMER_FAMILIES, "transformer"
+        class_name, find, what = _read_class_name(transformer_config), by_transformer, "transformer"
+        known = [name for f in all_families() for name in f.transformers]
     else:
         raise ModelLoadError(
             f"{str(root)!r} is not a diffusers-format folder; expected model_index.json with subfolders "
-            f"{', '.join(s + '/' for s in _LTX_VIDEO_SUBFOLDERS)}"
+            f"{', '.join(s + '/' for s in _FOLDER_EXAMPLE)}"
         )
-    if class_name not in known:
+    found = find(class_name)
+    if found is None:
         raise ModelLoadError(
             f"{what} class {class_name!r} in {str(root)!r} is not supported; supported: {', '.join(known)}"
         )
-    return known[class_name]
+    return found.name
 
 
 def _embedded_marker(root: Path) -> dict[str, Any] | None:
@@ -382,7 +267,7 @@ def _embedded_marker(root: Path) -> dict[str, Any] | None:
         marker = json.loads((root / MARKER_FILE).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(marker, dict) or marker.get("name") not in _DEFAULT_MODELS:
+    if not isinstance(marker, dict) or by_default_name(str(marker.get("name"))) is None:
         return None
     return {"name": marker["name"], "format_version": marker.get("format_version")}
 
@@ -417,7 +302,7 @@ def _require_family(root: Path, family: str, what: str, subfolders: tuple[str, .
     found = detect_family(root)
     if found != family:
         raise ModelLoadError(
-            f"{str(root)!r} is an {found} model folder, not {what}; load it with {_FAMILY_LOADERS[found]}()"
+            f"{str(root)!r} is an {found} model folder, not {what}; load it with {family_named(found).loader}()"
         )
     missing = [name for name in subfolders if not (root / name).is_dir()]
     if missing:
@@ -537,62 +422,6 @@ def _model_files(path: str | os.PathLike | ModelFiles) -> ModelFiles:
         return path
     root = Path(path).expanduser()
     return ModelFiles(folder=root, upsampler=root / LATENT_UPSAMPLER if (root / LATENT_UPSAMPLER).is_dir() else None)
-
-
-def load_ltx_video(
-    path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
-    device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None
-) -> LTXVideoComponents:
-    """Load an LTX-Video diffusers folder (e.g. Lightricks/LTX-Video, or `ensure_default_model()`), with its latent
-    upsampler where it has ``latent_upsampler/``; or the model of ``resolve_files`` (a single-file checkpoint with
-    its config folder, a paired upsampler)."""
-    files = _model_files(path)
-    components = _load_components(
-        files,
-        LTXVideoComponents,
-        family="ltx-video",
-        what="LTX-Video",
-        subfolders=_LTX_VIDEO_SUBFOLDERS,
-        models=(("transformer", LTXVideoTransformer3DModel), ("vae", AutoencoderKLLTXVideo)),
-        text_encoder=T5EncoderModel,
-        tokenizer=T5Tokenizer,
-        tokenizer_files=_TOKENIZER_FILES,
-        dtype=dtype,
-        device=device,
-        loaders=loaders,
-    )
-    return _with_latent_upsampler(components, LTXLatentUpsamplerModel, files.upsampler)
-
-
-def load_ltx2(
-    path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
-    device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None
-) -> LTX2Components:
-    """Load an LTX-2 diffusers folder (e.g. Lightricks/LTX-2, or `ensure_default_ltx2_model()`), with its latent
-    upsampler where it has ``latent_upsampler/``; or the model of ``resolve_files`` (a single-file checkpoint with its
-    config folder, a paired upsampler)."""
-    files = _model_files(path)
-    components = _load_components(
-        files,
-        LTX2Components,
-        family="ltx2",
-        what="LTX-2",
-        subfolders=_LTX2_SUBFOLDERS,
-        models=(
-            ("transformer", LTX2VideoTransformer3DModel),
-            ("vae", AutoencoderKLLTX2Video),
-            ("audio_vae", AutoencoderKLLTX2Audio),
-            ("vocoder", _VOCODERS),
-            ("connectors", LTX2TextConnectors),
-        ),
-        text_encoder=Gemma3ForConditionalGeneration,
-        tokenizer=GemmaTokenizer,
-        tokenizer_files=_GEMMA_TOKENIZER_FILES,
-        dtype=dtype,
-        device=device,
-        loaders=loaders,
-    )
-    return _with_latent_upsampler(components, LTX2LatentUpsamplerModel, files.upsampler)
 
 
 def _with_latent_upsampler(components: Any, upsampler_class: Any, folder: Path | None) -> Any:

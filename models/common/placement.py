@@ -42,6 +42,7 @@ from cp_infer.placement import (
 )
 from cp_infer.state import ParallelState
 from cp_infer.weights import replica_mesh
+from models.families import family
 
 from .loading import ModelLoadError, detect_family, parse_dtype
 from .sharded import (
@@ -71,51 +72,15 @@ the activations, the allocator's fragmentation and CUDA's own context."""
 # ---------------------------------------------------------------------------------------------- the families
 
 
-def _component_classes(family: str, root: Path | None) -> list[tuple[str, Any, bool]]:
-    """``(subfolder, class, is_transformers)`` of every component with weights, in load order (the vocoder's class
-    read off ``root``'s config; without a root, the plain one)."""
-    import json
-
-    if family not in ("ltx-video", "ltx2", "wan"):
-        raise ModelLoadError(f"the memory plan and the sharded loaders know LTX-Video's, LTX-2's and Wan's "
-                             f"components, not {family}'s; {family} models load replicated")
-    if family == "wan":
-        from diffusers import AutoencoderKLWan, WanTransformer3DModel
-        from transformers import CLIPVisionModel, UMT5EncoderModel
-
-        # transformer_2: Wan 2.2 A14B's low-noise expert; image_encoder: Wan 2.1 I2V's CLIP (where the folder has them).
-        return [("transformer", WanTransformer3DModel, False), ("transformer_2", WanTransformer3DModel, False),
-                ("vae", AutoencoderKLWan, False), ("text_encoder", UMT5EncoderModel, True),
-                ("image_encoder", CLIPVisionModel, True)]
-    if family == "ltx-video":
-        from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
-        from diffusers.pipelines.ltx.modeling_latent_upsampler import LTXLatentUpsamplerModel
-        from transformers import T5EncoderModel
-
-        return [("transformer", LTXVideoTransformer3DModel, False), ("vae", AutoencoderKLLTXVideo, False),
-                ("text_encoder", T5EncoderModel, True), ("latent_upsampler", LTXLatentUpsamplerModel, False)]
-    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
-    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
-    from transformers import Gemma3ForConditionalGeneration
-
-    vocoder = LTX2Vocoder
-    try:
-        if root is not None and json.loads((root / "vocoder" / "config.json").read_text()).get(
-                "_class_name") == "LTX2VocoderWithBWE":
-            vocoder = LTX2VocoderWithBWE
-    except (OSError, ValueError):
-        pass  # the load names the missing or broken file
-    return [("transformer", LTX2VideoTransformer3DModel, False), ("vae", AutoencoderKLLTX2Video, False),
-            ("audio_vae", AutoencoderKLLTX2Audio, False), ("vocoder", vocoder, False),
-            ("connectors", LTX2TextConnectors, False), ("text_encoder", Gemma3ForConditionalGeneration, True),
-            ("latent_upsampler", LTX2LatentUpsamplerModel, False)]
+def _component_classes(family_name: str, root: Path | None) -> list[tuple[str, Any, bool]]:
+    """``(subfolder, class, is_transformers)`` of every component with weights, in load order (its family's
+    ``component_classes``)."""
+    return family(family_name).component_classes(root)
 
 
-def _sharded_classes(family: str) -> tuple[type, type]:
+def _sharded_classes(family_name: str) -> tuple[type, type]:
     """The classes of a family's sharded components: its transformer and its text encoder."""
-    classes = {name: cls for name, cls, _ in _component_classes(family, None)}
+    classes = {name: cls for name, cls, _ in _component_classes(family_name, None)}
     return classes["transformer"], classes["text_encoder"]
 
 
@@ -123,10 +88,9 @@ def model_components(model: str | Path, *, dtype: str | torch.dtype) -> list[Com
     """The components of the folder ``model`` (its configs only: no weight is read), as the memory plan sees them:
     built on the meta device in ``dtype``, the transformer's blocks and the text encoder's layers as units."""
     root = Path(model)
-    family = detect_family(root)
     dtype = parse_dtype(dtype)
     components = []
-    for name, cls, is_transformers in _component_classes(family, root):
+    for name, cls, is_transformers in _component_classes(detect_family(root), root):
         if not (root / name).is_dir():
             continue  # the latent upsampler is optional; a missing required one is the load's to report
         try:
@@ -181,19 +145,19 @@ def _auto(model: str | Path, *, dtype, state: ParallelState, offload: tuple[str,
     return "sharded" if int(shard) else "replicated"
 
 
-def sharded_loaders(family: str, placement: Placement) -> dict[str, Any]:
+def sharded_loaders(family_name: str, placement: Placement) -> dict[str, Any]:
     """``subfolder -> loader`` for ``models.common.loading`` (``from_pretrained``'s call shape): the transformer and the
     text encoder read a shard at a time; empty when ``placement`` is replicated."""
     if not placement.sharded:
         return {}
-    transformer_cls, text_cls = _sharded_classes(family)
+    transformer_cls, text_cls = _sharded_classes(family_name)
     transformer = sharded_loader(
         placement, lambda root, sub, dtype: build_transformer(transformer_cls, root, sub, dtype),
         lambda m: (transformer_blocks(m), []), weights_name="diffusion_pytorch_model",
         offload="transformer_blocks" in placement.offload)
     return {
         # A folder without transformer_2/ never asks for its loader.
-        **dict.fromkeys(_TRANSFORMERS if family == "wan" else ("transformer",), transformer),
+        **dict.fromkeys(family(family_name).transformer_subfolders, transformer),
         "text_encoder": sharded_loader(
             placement, lambda root, sub, dtype: build_text_encoder(text_cls, root / sub, dtype), text_encoder_units,
             weights_name="model", offload="text_encoder" in placement.offload, text=True),

@@ -57,7 +57,7 @@ from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 from cp_infer.step_cache import CacheContext, CacheStats, StepCache, cache_blocks
 from cp_infer.weights import join_call
-from models.common.adapter import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling
+from models.common.adapter import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling, scoped
 from models.common.geometry import min_latent_side
 from models.common.loading import is_distilled, recommended_stages
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
@@ -65,7 +65,6 @@ from models.common.ltx_vae_parallel import DecodeContext, parallelize_ltx2_decod
 from models.common.step_cache import cached_call, pass_cache, pass_cache_stats
 from models.common.text_kv import KeptPerText, keep_per_text, kept_text_attention
 from models.common.windows import two_stage_window_plan, window_plan, windows_of
-from models.ltx_video.adapter import _scoped
 
 from .conditions import VideoConditioning, prepare_conditions, prepare_image
 from .options import ltx2_options
@@ -419,7 +418,7 @@ class LTX2Model:
 
     def sharded(self, plans: dict[str, ShardPlan]) -> contextlib.AbstractContextManager[None]:
         """The transformer's forward passes inside this block run on the shards of ``plans``."""
-        return _scoped(self._ctx, "plans", plans)
+        return scoped(self._ctx, "plans", plans)
 
     def plan(self, request: GenerationRequest) -> Plan:
         return plan_request(request)
@@ -814,7 +813,7 @@ class LTX2Model:
 
         def decode_range(a: int, b: int) -> np.ndarray:
             return decode_round_uint8(pipe, vae, self._decode_ctx, video, a, b, timestep, seed=request.seed,
-                                      split_scope=_scoped(self._decode_ctx, "split", split))
+                                      split_scope=scoped(self._decode_ctx, "split", split))
 
         return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
                        audio=lambda: self.soundtrack(latents["audio"], x.audio_frames, request))

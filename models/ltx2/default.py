@@ -36,9 +36,15 @@ from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
-from models.common.embedded import LATENT_UPSAMPLER, cache_root, ensure_folder, init_deterministic, write_pipeline
+from models.common.embedded import (
+    LATENT_UPSAMPLER,
+    LTX_SCHEDULER_CONFIG,
+    cache_root,
+    ensure_folder,
+    init_deterministic,
+    write_pipeline,
+)
 from models.common.tokenizer import build_offline_gemma_tokenizer
-from models.ltx_video.default import LTX_SCHEDULER_CONFIG
 
 __all__ = [
     "DEFAULT_LTX2_NAME",

@@ -31,10 +31,9 @@ from diffusers.pipelines.ltx.pipeline_ltx_i2v_long_multi_prompt import linear_ov
 
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
-from models.common.adapter import DecodeNoise, decode_round_uint8, decode_split
+from models.common.adapter import DecodeNoise, decode_round_uint8, decode_split, scoped
 from models.common.ltx_vae_parallel import decode_reads
 from models.common.windows import Windows, windows_of
-from models.ltx_video.adapter import _scoped
 
 from .audio import progressive_soundtrack
 from .conditions import VideoConditioning
@@ -239,7 +238,7 @@ def window_decoder(model, x: WindowState) -> Decoder:
 
     def decode_range(a: int, b: int) -> np.ndarray:
         return decode_round_uint8(pipe, vae, model._decode_ctx, buffer, a, b, noise.timestep, seed=request.seed,
-                                  split_scope=_scoped(model._decode_ctx, "split", split))
+                                  split_scope=scoped(model._decode_ctx, "split", split))
 
     def audio() -> tuple[np.ndarray, int]:
         made = fed["state"].made

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +54,7 @@ from models.common.adapter import (
     decode_split,
     noise_for_decode,
     refuse_stochastic_sampling,
+    scoped,
 )
 from models.common.loading import recommended_stages
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
@@ -87,16 +87,6 @@ class _ShardContext:
 
     state: ParallelState
     plan: ShardPlan | None = None
-
-
-@contextlib.contextmanager
-def _scoped(ctx: object, name: str, value: object) -> Iterator[None]:
-    """Set ``ctx.name`` for the duration of a block (a model's per-call parallel context)."""
-    setattr(ctx, name, value)
-    try:
-        yield
-    finally:
-        setattr(ctx, name, None)
 
 
 class _UlyssesSelfAttnProcessor:
@@ -323,7 +313,7 @@ class LTXVideoModel:
 
     def sharded(self, plan: ShardPlan) -> contextlib.AbstractContextManager[None]:
         """The transformer's forward passes inside this block run on the shard of ``plan``."""
-        return _scoped(self._ctx, "plan", plan)
+        return scoped(self._ctx, "plan", plan)
 
     def plan(self, request: GenerationRequest) -> Plan:
         return plan_request(request)
@@ -617,7 +607,7 @@ class LTXVideoModel:
 
     def decode_split(self, split: TemporalSplit) -> contextlib.AbstractContextManager[None]:
         """Inside this block, ``decode_round(vae, ..., a, b)`` decodes one round's piece of ``split``."""
-        return _scoped(self._decode_ctx, "split", split)
+        return scoped(self._decode_ctx, "split", split)
 
 
 def _pil(frame: np.ndarray) -> Image.Image:

@@ -33,6 +33,7 @@ from transformers import T5Config, T5EncoderModel
 
 from models.common.embedded import (
     LATENT_UPSAMPLER,
+    LTX_SCHEDULER_CONFIG,
     MARKER_FILE,
     cache_root,
     ensure_folder,
@@ -69,20 +70,6 @@ _LATENT_CHANNELS = 16
 _T5_D_MODEL = 32
 _HEADS = 4
 _HEAD_DIM = 8
-
-# The scheduler config LTX-Video 0.9.x (and LTX-2.0) ships: resolution-dependent ("dynamic") shift between
-# base_shift at 1024 latent tokens and max_shift at 4096, with the schedule stretched to end at sigma 0.1.
-LTX_SCHEDULER_CONFIG = dict(
-    num_train_timesteps=1000,
-    shift=1.0,
-    use_dynamic_shifting=True,
-    base_shift=0.95,
-    max_shift=2.05,
-    base_image_seq_len=1024,
-    max_image_seq_len=4096,
-    shift_terminal=0.1,
-)
-
 
 def _build_text_encoder(vocab_size: int) -> T5EncoderModel:
     # T5 v1.1 shape (gated-GELU feed-forward, untied head) as in the t5-v1_1-xxl encoder LTX-Video uses.

@@ -36,6 +36,7 @@ from cp_infer.placement import OFFLOAD_COMPONENTS, WEIGHTS_MODES, parse_offload
 from cp_infer.request import LORA_SCALE, MAX_LORAS, Condition, GenerationRequest, LoraWeight
 from models.common.lora import DEFAULT_MAX_LORA_BYTES
 from models.common.lora_slots import DEFAULT_MAX_LORA_RANK
+from models.families import defaults_text, titles_text
 from server.cli.launch import leader_exit_code
 from server.group import phases
 from server.outputs.piece_video import WriteError
@@ -91,12 +92,11 @@ class UsageError(ValueError):
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every rank needs to load the same model the same way (shared with ``serve``)."""
     group = parser.add_argument_group("model and parallelism")
-    group.add_argument("--model", default=None, help="a diffusers-format LTX-Video, LTX-2 or Wan folder, a Hugging "
+    group.add_argument("--model", default=None, help=f"a diffusers-format {titles_text()} folder, a Hugging "
                                                     "Face hub id ORG/NAME[@REVISION] (fetched into the hub cache: "
                                                     "HF_HOME, HF_HUB_OFFLINE, HF_TOKEN), a single-file .safetensors "
                                                     "checkpoint (with --config), or an embedded default: "
-                                                    "tiny-ltx-video (the default), tiny-ltx2 (audio + video) or "
-                                                    "tiny-wan (Wan 2.1)")
+                                                    f"{defaults_text()}")
     group.add_argument("--config", dest="model_config", default=None, metavar="ORG/NAME|DIR",
                        help="for a single-file --model: the diffusers folder or hub id its configs, scheduler, text "
                             "encoder, tokenizer (and LTX-2's connectors and vocoder) come from")
@@ -457,9 +457,9 @@ def declared_default_options() -> ModelOptions:
     """The default family's declared options, nothing built or read: the generation flags of a parser whose command
     generates nothing (``serve``, ``memory``: the default model is not built for them), or of a run whose model cannot
     be described."""
-    from models.registry import model_options
+    from models.registry import default_model_options
 
-    return model_options("ltx-video", layers=1, stages=1)
+    return default_model_options()
 
 
 def model_info(config):

@@ -3,7 +3,7 @@ can be sized before it exists.
 
 Invariants:
 - No weight is read: every component is built on the meta device from its config (``models.common.placement``), so a
-  folder of configs without weights is enough (``bench/configs/ltx2/`` is LTX-2 at its released size).
+  folder of configs without weights is enough (``bench/configs/`` holds such folders at released sizes).
 - The numbers are the plan's (``cp_infer.placement.plan_memory``), the same arithmetic ``--weights auto`` decides by
   and what a loaded rank then holds (FSDP2's rows of each shard, to the byte). Rank 0 holds the most of every shard,
   so its row is the one printed. Activations are not in the plan.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from cp_infer.placement import MemoryPlan, format_bytes, plan_memory
+from models.families import default_model_name, titles_text
 
 __all__ = ["add_memory_parser", "plan_text", "run_memory"]
 
@@ -29,7 +30,7 @@ def add_memory_parser(commands) -> None:
         description="Print, from the model's config files alone, each component's parameters and bytes, and what each "
                     "rank of the group would hold of it with --weights and --offload: on the device at rest, on the "
                     "CPU, and gathered or streamed in while it runs. Activations are not included.")
-    parser.add_argument("--model", default=None, help="a diffusers-format LTX-Video or LTX-2 folder (its configs are "
+    parser.add_argument("--model", default=None, help=f"a diffusers-format {titles_text()} folder (its configs are "
                                                       "enough), a hub id, or an embedded default")
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks of the group (default 1)")
     parser.add_argument("--guidance-degree", type=int, default=None, metavar="G")
@@ -61,7 +62,7 @@ def run_memory(args: argparse.Namespace, _argv: list[str]) -> int:
         weights = "sharded" if free is not None and ranks > 1 and auto_shards(replicated.peak_device_bytes, free) \
             else "replicated"
     plan = plan_memory(components, ranks=ranks, sharded=weights == "sharded", offload=args.offload)
-    print(plan_text(plan, model=args.model or "tiny-ltx-video", dtype=args.dtype, layout=layout,
+    print(plan_text(plan, model=args.model or default_model_name(), dtype=args.dtype, layout=layout,
                     asked=args.weights, resolved=weights))
     if free is not None:
         need = plan.peak_device_bytes

@@ -13,12 +13,14 @@ import sys
 from pathlib import Path
 
 from cp_infer.options import ModelOptions, Option
+from models.families import family_names
 
 __all__ = ["DOC", "FAMILIES", "options_table", "render_tables"]
 
-# The families whose tables the docs show; a real-size LTX-2 has 48 blocks (the table's range for
-# spatio_temporal_guidance_blocks); Wan's table is Wan 2.1 text-to-video's (``models.registry.model_options``).
-FAMILIES = ("ltx-video", "ltx2", "wan")
+# The families whose tables the docs show: every one of the table (``models.families``), at 48 blocks (a real-size
+# model's depth: the range of block-index options); a family whose options depend on its folder shows its default
+# folder's (``models.registry.model_options``).
+FAMILIES = family_names()
 DOC = Path(__file__).resolve().parents[2] / "docs" / "options.md"
 """The page that holds the tables."""
 

@@ -29,6 +29,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from models.families import default_model_name
 from server.group import phases, process
 from server.group.restarts import RestartPolicy
 
@@ -82,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--keep-frames", action="store_true",
                        help="also keep raw frames (.npy) for GET .../content?variant=frames (lossless; large)")
     group.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model "
-                       "as written for a hub id, else the folder's name or the file's stem, or tiny-ltx-video)")
+                       "as written for a hub id, else the folder's name or the file's stem, or "
+                       f"{default_model_name()})")
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
     limits = parser.add_argument_group("request limits (a request past one gets a 400 naming it)")
     defaults = GenerationLimits()

@@ -76,8 +76,7 @@ class LeaderConfig:
     """Also keep each video's raw uint8 frames (``.npy``, lossless) for ``variant=frames`` (large; for tests)."""
     model_name: str | None = None
     """The name clients pass as ``model``; default: ``models.common.loading.model_name`` (a hub id as written, a
-    folder's
-    name, ``tiny-ltx-video``)."""
+    folder's name, the embedded default's name)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s < self.runtime.timeout_s / 2:

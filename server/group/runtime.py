@@ -61,9 +61,9 @@ class RuntimeConfig:
     """What every rank needs to load the same model the same way."""
 
     model: str | None = None
-    """A local diffusers-format LTX-Video, LTX-2 or Wan folder, a hub id (``org/name[@revision]``), a single-file
-    ``.safetensors`` checkpoint (with ``model_config``), or an embedded default's name (``tiny-ltx-video``,
-    ``tiny-ltx2``, ``tiny-wan``); ``None`` serves tiny-ltx-video. Every rank resolves it
+    """A local diffusers-format folder of a family of ``models.families``, a hub id (``org/name[@revision]``), a
+    single-file ``.safetensors`` checkpoint (with ``model_config``), or an embedded default's name (a family's
+    ``default_name``); ``None`` serves the default family's. Every rank resolves it
     (``models.common.loading.resolve_files``)."""
     model_config: str | None = None
     """``--config``: the diffusers folder or hub id a single-file ``model`` takes its configs and its other components
@@ -141,7 +141,7 @@ class Runtime:
     config: RuntimeConfig
     state: ParallelState
     model: DenoiseModel
-    """``LTXVideoModel`` or ``LTX2Model`` (``models.registry.open_model``)."""
+    """The family's parallel adapter (``models.registry.open_model``)."""
     memory: tuple[RankMemory, ...] = ()
     """What every rank of the world holds of each component, and where (measured after the load)."""
 

@@ -74,7 +74,7 @@ class Engine(Protocol):
 
     @property
     def family(self) -> str:
-        """The served model's family (``ltx-video``, ``ltx2``), from its config files."""
+        """The served model's family (a name of ``models.families.FAMILIES``), from its config files."""
 
     def adapters(self) -> list[dict]:
         """The LoRA adapters requests may name (``name``, ``bytes``, ``loaded``); empty without an adapter

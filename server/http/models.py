@@ -36,7 +36,7 @@ class ModelCard(BaseModel):
     """When this server started (Unix seconds)."""
     owned_by: str
     family: str
-    """The model family (``ltx-video``, ``ltx2``)."""
+    """The model family (a name of ``models.families.FAMILIES``)."""
     options: dict[str, dict[str, Any]]
     """Each request option the model declares -> its JSON schema (default, range, help)."""
     adapters: list[dict[str, Any]]

@@ -18,8 +18,8 @@ import pytest
 
 import models.ltx2.default as default_ltx2
 from models.common.embedded import MARKER_FILE, cache_root, check_folder
-from models.common.loading import load_ltx2
 from models.ltx2.default import default_ltx2_model_dir, ensure_default_ltx2_model
+from models.ltx2.loading import load_ltx2
 
 from ..harness import WorkerGroup
 

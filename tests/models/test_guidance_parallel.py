@@ -89,13 +89,13 @@ def _ltx2_requests(seed: int, guidance: dict | None, *, windows: bool = False) -
 def _sample(state, family: str, folder: str, requests: list[GenerationRequest]) -> list[tuple]:
     """``(frames, audio)`` per request; ``audio``: the soundtrack handed to ``on_audio`` (LTX-2), else empty."""
     if family == "ltx-video":
-        from models.common.loading import load_ltx_video
         from models.ltx_video.adapter import LTXVideoModel
+        from models.ltx_video.loading import load_ltx_video
 
         model = LTXVideoModel(load_ltx_video(folder), state=state)
     else:
-        from models.common.loading import load_ltx2
         from models.ltx2.adapter import LTX2Model
+        from models.ltx2.loading import load_ltx2
 
         model = LTX2Model(load_ltx2(folder), state=state)
     model.decode_frames_per_rank = 1

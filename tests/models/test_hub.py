@@ -170,7 +170,7 @@ def test_hub_id_generates_as_the_local_folder(hf_home, tiny):
 def test_revision_picks_its_commit(hf_home, tiny):
     from safetensors.torch import load, save
 
-    from models.common.loading import load_ltx_video
+    from models.ltx_video.loading import load_ltx_video
 
     files = _repo_files(tiny)
     lay_out_snapshot(hf_home, "org/tiny", files, commit=COMMIT_A)

@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from models.common.loading import (
-    LTXVideoComponents,
     ModelLoadError,
     detect_family,
-    load_ltx_video,
     parse_dtype,
     resolve_model,
 )
 from models.ltx_video.default import default_model_dir, ensure_default_model
+from models.ltx_video.loading import LTXVideoComponents, load_ltx_video
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,8 @@ N_RANKS = (0, 1, 3, 4)
 
 
 def _components(folder: str, family: str):
-    from models.common.loading import load_ltx2, load_ltx_video
+    from models.ltx2.loading import load_ltx2
+    from models.ltx_video.loading import load_ltx_video
 
     return (load_ltx_video if family == "ltx-video" else load_ltx2)(folder)
 

@@ -39,8 +39,8 @@ SEQUENCE = (("a", (("a", 0.8),)), ("none", ()), ("b", (("c", 1.3),)), ("a+b", ((
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(model folder, adapter folder with a, b and c)."""
-    from models.common.loading import load_ltx_video
     from models.ltx_video.default import ensure_default_model
+    from models.ltx_video.loading import load_ltx_video
 
     root = tmp_path_factory.mktemp("lora-compile")
     folder = str(ensure_default_model(root / "cache"))
@@ -195,7 +195,7 @@ def _refusals(folder: str, adapters: str, tmp: str):
     from pathlib import Path
 
     from cp_infer.request import LoraWeight
-    from models.common.loading import load_ltx_video
+    from models.ltx_video.loading import load_ltx_video
 
     own = Path(tmp) / "own"
     shutil.copytree(adapters, own)

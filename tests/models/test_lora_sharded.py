@@ -47,9 +47,10 @@ layouts = groups_by_layout()  # (world, guidance degree) -> a WorkerGroup, start
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """family -> (model folder, adapter folder with a and b)."""
-    from models.common.loading import load_ltx2, load_ltx_video
     from models.ltx2.default import ensure_default_ltx2_model
+    from models.ltx2.loading import load_ltx2
     from models.ltx_video.default import ensure_default_model
+    from models.ltx_video.loading import load_ltx_video
 
     root = tmp_path_factory.mktemp("lora_sharded")
     out = {}

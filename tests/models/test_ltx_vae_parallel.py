@@ -82,9 +82,9 @@ def _decode_rounds(state, vae, ctx, latents, temb, frames_per_rank, *, scoped=No
 
 
 def _model_decode(state, cache_dir, seed):
-    from models.common.loading import load_ltx_video
     from models.ltx_video.adapter import LTXVideoModel
     from models.ltx_video.default import ensure_default_model
+    from models.ltx_video.loading import load_ltx_video
 
     model = LTXVideoModel(load_ltx_video(ensure_default_model(cache_dir)), state=state)
     out = {}
@@ -114,9 +114,9 @@ def _assert_equal(got, whole, what):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_streamed_parallel_decode_equals_whole_decode(cache_dir, groups, world):
     from cp_infer import single_process_state
-    from models.common.loading import load_ltx_video
     from models.ltx_video.adapter import LTXVideoModel
     from models.ltx_video.default import ensure_default_model
+    from models.ltx_video.loading import load_ltx_video
 
     seed = random.randrange(2**31)
     vae = LTXVideoModel(load_ltx_video(ensure_default_model(cache_dir)), state=single_process_state()).components.vae

@@ -283,8 +283,10 @@ def test_a_distilled_single_file_declares_the_distilled_recipe(case, tmp_path):
     """A distilled LTX-2 checkpoint is told by its file's name (``ltx-2-19b-distilled.safetensors``) when its configs
     come from a dev folder, and the loaded model records the file; LTX-Video has no distilled recipe, so the name
     changes nothing there."""
-    from models.common.loading import load_ltx2, load_ltx_video, resolve_files
+    from models.common.loading import resolve_files
+    from models.ltx2.loading import load_ltx2
     from models.ltx2.options import DISTILLED_SIGMAS
+    from models.ltx_video.loading import load_ltx_video
     from models.registry import describe_model
 
     family, folder, path, _ = case

@@ -29,8 +29,8 @@ OWN, STAGE_2 = LoraWeight("style", 0.7), LoraWeight("distilled", 0.9)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from models.common.loading import load_ltx2
     from models.ltx2.default import ensure_default_ltx2_model
+    from models.ltx2.loading import load_ltx2
 
     folder = str(ensure_default_ltx2_model())
     adapters = tmp_path_factory.mktemp("adapters")
@@ -57,7 +57,7 @@ def _reference(folder, adapters, seed):
     from diffusers import LTX2LatentUpsamplePipeline, LTX2Pipeline
     from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
 
-    from models.common.loading import load_ltx2
+    from models.ltx2.loading import load_ltx2
     from models.ltx2.stages import REFINE_SETTINGS, refine_scheduler
 
     c = load_ltx2(folder)

@@ -18,8 +18,8 @@ from ...harness import one_thread
 def pipe(tmp_path_factory):
     from diffusers import LTX2Pipeline
 
-    from models.common.loading import load_ltx2
     from models.ltx2.default import ensure_default_ltx2_model
+    from models.ltx2.loading import load_ltx2
 
     c = load_ltx2(str(ensure_default_ltx2_model(tmp_path_factory.mktemp("ltx2"))))
     return LTX2Pipeline(scheduler=c.scheduler, vae=c.vae, audio_vae=c.audio_vae, text_encoder=c.text_encoder,

@@ -50,8 +50,8 @@ def folder():
 
 def _sample(state, folder, requests):
     """Per request: frames and waveform (delivering rank; None elsewhere), this rank's traces, the totals."""
-    from models.common.loading import load_ltx2
     from models.ltx2.adapter import LTX2Model
+    from models.ltx2.loading import load_ltx2
 
     model = LTX2Model(load_ltx2(folder), state=state)
     model.decode_frames_per_rank = None
@@ -125,7 +125,7 @@ def _pipeline(folder):
     """LTX2Pipeline over the tiny model's components, and its transformer."""
     from diffusers import LTX2Pipeline
 
-    from models.common.loading import load_ltx2
+    from models.ltx2.loading import load_ltx2
 
     c = load_ltx2(folder)
     pipe = LTX2Pipeline(scheduler=c.scheduler, vae=c.vae, audio_vae=c.audio_vae, text_encoder=c.text_encoder,

@@ -64,8 +64,8 @@ def _requests(seed: int) -> list[GenerationRequest]:
 
 
 def _models(state, folders: dict[str, str], frames_per_rank):
-    from models.common.loading import load_ltx2
     from models.ltx2.adapter import LTX2Model
+    from models.ltx2.loading import load_ltx2
 
     models = []
     for rope in ROPES:
@@ -93,8 +93,8 @@ def _reference(folder: str, request: GenerationRequest, output_type: str):
     from diffusers import LTX2ConditionPipeline, LTX2ImageToVideoPipeline
     from diffusers.pipelines.ltx2 import LTX2VideoCondition
 
-    from models.common.loading import load_ltx2
     from models.ltx2.conditions import latent_index
+    from models.ltx2.loading import load_ltx2
 
     c = load_ltx2(folder)
     parts = dict(scheduler=c.scheduler, vae=c.vae, audio_vae=c.audio_vae, text_encoder=c.text_encoder,

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, GemmaTokenizer
 
 from models.common.embedded import MARKER_FILE
-from models.common.loading import LTX2Components, load_ltx2, resolve_model
+from models.common.loading import resolve_model
 from models.common.tokenizer import build_offline_gemma_tokenizer
 from models.ltx2.default import (
     LTX2_FORMAT_VERSION,
@@ -25,6 +25,7 @@ from models.ltx2.default import (
     ensure_default_ltx2_model,
     save_ltx2_model,
 )
+from models.ltx2.loading import LTX2Components, load_ltx2
 
 MODELS = ("transformer", "vae", "audio_vae", "vocoder", "connectors", "text_encoder")
 COMPONENTS = (*MODELS, "scheduler", "tokenizer")

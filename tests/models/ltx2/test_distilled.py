@@ -61,8 +61,8 @@ def test_a_distilled_folder_declares_its_recipe_as_defaults(folders):
 
 def _run(folder, request):
     from cp_infer import single_process_state
-    from models.common.loading import load_ltx2
     from models.ltx2.adapter import LTX2Model
+    from models.ltx2.loading import load_ltx2
 
     model = LTX2Model(load_ltx2(folder), state=single_process_state())
     model.decode_frames_per_rank = None

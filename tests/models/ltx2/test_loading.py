@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from models.common.embedded import MARKER_FILE
-from models.common.loading import LTX2Components, ModelLoadError, detect_family, load_ltx2, load_ltx_video
+from models.common.loading import ModelLoadError, detect_family
 from models.ltx2.default import ensure_default_ltx2_model
+from models.ltx2.loading import LTX2Components, load_ltx2
 from models.ltx_video.default import ensure_default_model
+from models.ltx_video.loading import load_ltx_video
 
 MODELS = ("transformer", "vae", "audio_vae", "vocoder", "connectors", "text_encoder")
 

@@ -63,8 +63,8 @@ def _requests(seed):
 
 
 def _load(state, folder, frames_per_rank=2):
-    from models.common.loading import load_ltx2
     from models.ltx2.adapter import LTX2Model
+    from models.ltx2.loading import load_ltx2
 
     model = LTX2Model(load_ltx2(folder), state=state)
     model.decode_frames_per_rank = frames_per_rank
@@ -89,7 +89,7 @@ def test_one_rank_equals_ltx2_pipeline(folders, rope):
     from diffusers import LTX2Pipeline
 
     from cp_infer import single_process_state
-    from models.common.loading import load_ltx2
+    from models.ltx2.loading import load_ltx2
 
     seed = random.randrange(2**31)
     # One decode round, as LTX2Pipeline decodes: bit-identical (rounds change only the summation order).

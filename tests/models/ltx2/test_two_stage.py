@@ -56,8 +56,8 @@ def _requests(seed: int) -> list[GenerationRequest]:
 
 def _sample_all(state, folder: str, seed: int, frames_per_rank=1):
     """Per request: frames, ``{waveform, sample_rate}``, ``{latents, audio_latents}`` and the step times (rank 0)."""
-    from models.common.loading import load_ltx2
     from models.ltx2.adapter import LTX2Model
+    from models.ltx2.loading import load_ltx2
 
     model = LTX2Model(load_ltx2(folder), state=state)
     model.decode_frames_per_rank = frames_per_rank
@@ -75,7 +75,7 @@ def _reference(folder: str, request: GenerationRequest, output_type: str):
     from diffusers import LTX2ImageToVideoPipeline, LTX2LatentUpsamplePipeline, LTX2Pipeline
     from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
 
-    from models.common.loading import load_ltx2
+    from models.ltx2.loading import load_ltx2
     from models.ltx2.stages import REFINE_SETTINGS, refine_scheduler
 
     c = load_ltx2(folder)
@@ -162,8 +162,8 @@ def test_two_stages_differ_from_one(folder, one_rank):
     from dataclasses import replace
 
     from cp_infer import single_process_state
-    from models.common.loading import load_ltx2
     from models.ltx2.adapter import LTX2Model
+    from models.ltx2.loading import load_ltx2
 
     seed, ours = one_rank
     request = _requests(seed)[0]

@@ -44,8 +44,8 @@ def _request(seed: int, frames: int = 137) -> GenerationRequest:
 
 
 def _run(state, folder: str, seed: int, resume=None):
-    from models.common.loading import load_ltx2
     from models.ltx2.adapter import LTX2Model
+    from models.ltx2.loading import load_ltx2
 
     model = LTX2Model(load_ltx2(folder), state=state)
     model.decode_frames_per_rank = 2
@@ -123,8 +123,8 @@ def test_n_ranks_equal_one_rank(folder, one_rank, groups, world):
 def _streamed(state, folder: str, seed: int):
     """The streaming path (``collect=False``): rank 0 hands each piece of the soundtrack and each run of frames to a
     fragmented MP4 writer as it comes; the events are logged in order, with the writer's bytes so far."""
-    from models.common.loading import load_ltx2
     from models.ltx2.adapter import LTX2Model
+    from models.ltx2.loading import load_ltx2
 
     model = LTX2Model(load_ltx2(folder), state=state)
     model.decode_frames_per_rank = 2
@@ -238,8 +238,8 @@ def test_resume_from_a_checkpoint_equals_the_whole_run(folder, one_rank):
 
 
 def _two_stage(state, folder: str, seed: int, resume=None):
-    from models.common.loading import load_ltx2
     from models.ltx2.adapter import LTX2Model
+    from models.ltx2.loading import load_ltx2
 
     model = LTX2Model(load_ltx2(folder), state=state)
     model.decode_frames_per_rank = 2

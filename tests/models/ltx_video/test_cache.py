@@ -42,8 +42,8 @@ def folder():
 
 
 def _model(state, folder):
-    from models.common.loading import load_ltx_video
     from models.ltx_video.adapter import LTXVideoModel
+    from models.ltx_video.loading import load_ltx_video
 
     model = LTXVideoModel(load_ltx_video(folder), state=state)
     model.decode_frames_per_rank = None  # one decode round, as LTXPipeline decodes
@@ -125,7 +125,7 @@ def _diffusers(folder, request, config):
     import diffusers.hooks.first_block_cache as fbc
     from diffusers import LTXPipeline
 
-    from models.common.loading import load_ltx_video
+    from models.ltx_video.loading import load_ltx_video
 
     c = load_ltx_video(folder)
     pipe = LTXPipeline(scheduler=c.scheduler, vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer,

@@ -68,8 +68,8 @@ def _components(cache_dir: str, *, dynamic_shift: bool):
     (it passes no shift, and a dynamic-shifting scheduler refuses a schedule without one)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from models.common.loading import load_ltx_video
     from models.ltx_video.default import ensure_default_model
+    from models.ltx_video.loading import load_ltx_video
 
     c = load_ltx_video(ensure_default_model(cache_dir))
     if not dynamic_shift:

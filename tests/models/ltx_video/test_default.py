@@ -14,7 +14,6 @@ from diffusers import LTXPipeline
 from safetensors.torch import load_file
 
 import models.ltx_video.default as default
-from models.common.loading import load_ltx_video
 from models.ltx_video.default import (
     FORMAT_VERSION,
     MARKER_FILE,
@@ -22,6 +21,7 @@ from models.ltx_video.default import (
     default_model_dir,
     ensure_default_model,
 )
+from models.ltx_video.loading import load_ltx_video
 
 MODELS = ("transformer", "vae", "text_encoder")
 

@@ -56,9 +56,9 @@ def _requests(seed):
 
 
 def _load(state, cache_dir, dtype=torch.float32):
-    from models.common.loading import load_ltx_video
     from models.ltx_video.adapter import LTXVideoModel
     from models.ltx_video.default import ensure_default_model
+    from models.ltx_video.loading import load_ltx_video
 
     return LTXVideoModel(load_ltx_video(ensure_default_model(cache_dir), dtype=dtype), state=state)
 
@@ -74,8 +74,8 @@ def test_one_rank_equals_diffusers_pipeline(cache_dir):
     from diffusers import LTXPipeline
 
     from cp_infer import single_process_state
-    from models.common.loading import load_ltx_video
     from models.ltx_video.default import ensure_default_model
+    from models.ltx_video.loading import load_ltx_video
 
     seed = random.randrange(2**31)
     # One decode round, as LTXPipeline decodes: bit-identical (rounds change only the summation order).

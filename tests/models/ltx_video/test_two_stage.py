@@ -69,7 +69,7 @@ def _components(folder: str):
     default's dynamic-shifting scheduler refuses a schedule without one)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from models.common.loading import load_ltx_video
+    from models.ltx_video.loading import load_ltx_video
 
     c = load_ltx_video(folder)
     config = dict(c.scheduler.config, use_dynamic_shifting=False)
@@ -200,7 +200,8 @@ def test_defaults_and_refusals(tmp_path, folder):
 
     from cp_infer.request import resolve_request
     from models.common.embedded import LATENT_UPSAMPLER, MARKER_FILE
-    from models.common.loading import load_ltx_video, recommended_stages
+    from models.common.loading import recommended_stages
+    from models.ltx_video.loading import load_ltx_video
     from models.registry import describe_model
 
     info = describe_model(folder)

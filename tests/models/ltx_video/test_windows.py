@@ -38,7 +38,7 @@ def _components(cache_dir: str, scheduler: str):
     passes none) or ``ancestral`` (LTXEulerAncestralRFScheduler, as the pipeline is made for)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, LTXEulerAncestralRFScheduler
 
-    from models.common.loading import load_ltx_video
+    from models.ltx_video.loading import load_ltx_video
 
     c = load_ltx_video(cache_dir)
     if scheduler == "ancestral":

@@ -20,8 +20,8 @@ from cp_infer import single_process_state
 from cp_infer.request import GenerationLimits, GenerationRequest
 from cp_infer.sampler import sample
 from cp_infer.video_io import read_frames_dir
-from models.common.loading import load_ltx_video
 from models.ltx_video.default import ensure_default_model
+from models.ltx_video.loading import load_ltx_video
 from models.registry import describe_model, open_model
 from server.cli import batch
 from server.cli import command as cli

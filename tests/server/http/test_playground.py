@@ -30,8 +30,8 @@ SMALL = {"num_frames": "9", "width": "96", "height": "64", "num_inference_steps"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, cache_dir):
-    from models.common.loading import load_ltx_video
     from models.ltx_video.default import ensure_default_model
+    from models.ltx_video.loading import load_ltx_video
 
     from ...lora_adapters import LTX_VIDEO_A, make_adapter
 

@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 
 from cp_infer.request import LoraWeight
-from models.common.loading import load_ltx_video
 from models.ltx_video.default import ensure_default_model
+from models.ltx_video.loading import load_ltx_video
 from models.registry import describe_model, lora_catalog
 from server.http.app import AppConfig, create_app
 

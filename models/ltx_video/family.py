@@ -1,0 +1,85 @@
+"""LTX-Video's row of the family table (``models.families``): how its folders are recognised, described, loaded,
+placed and wrapped. Light at import time: the diffusers classes are imported inside the methods."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FAMILY", "LTXVideoFamily"]
+
+
+class LTXVideoFamily:
+    name = "ltx-video"
+    title = "LTX-Video"
+    # The image-to-video and condition pipelines ship the same five components as LTXPipeline, so their folders
+    # load the same way.
+    pipelines = ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline")
+    transformers = ("LTXVideoTransformer3DModel",)
+    upsamplers = ("LTXLatentUpsamplerModel",)
+    loader = "load_ltx_video"
+    has_audio = False
+    transformer_subfolders = ("transformer",)
+
+    @property
+    def default_name(self) -> str:
+        from .default import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+
+    @property
+    def default_help(self) -> str:
+        return f"{self.default_name} (the default)"
+
+    def ensure_default(self) -> Path:
+        from .default import ensure_default_model
+
+        return ensure_default_model()
+
+    def options(self, *, layers: int, latent_upsampler: bool = True, stages: int | None = None,
+                distilled: bool = False):
+        from .options import ltx_video_options
+
+        return ltx_video_options(latent_upsampler=latent_upsampler, stages=stages)
+
+    def describe(self, files):
+        from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
+
+        from models.common.describe import geometry_from_configs
+        from models.common.loading import recommended_stages
+
+        geometry, layers = geometry_from_configs(files.folder, LTXVideoTransformer3DModel, AutoencoderKLLTXVideo)
+        upsampler = files.upsampler is not None
+        stages = recommended_stages(files.folder, upsampler=upsampler)
+        return geometry, layers, self.options(layers=layers, latent_upsampler=upsampler, stages=stages)
+
+    def load(self, files, *, dtype, device, loaders):
+        from .loading import load_ltx_video
+
+        return load_ltx_video(files, dtype=dtype, device=device, loaders=loaders)
+
+    def wrap(self, components, *, state):
+        from .adapter import LTXVideoModel
+
+        return LTXVideoModel(components, state=state)
+
+    def component_classes(self, root: Path | None) -> list[tuple[str, Any, bool]]:
+        from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
+        from diffusers.pipelines.ltx.modeling_latent_upsampler import LTXLatentUpsamplerModel
+        from transformers import T5EncoderModel
+
+        return [("transformer", LTXVideoTransformer3DModel, False), ("vae", AutoencoderKLLTXVideo, False),
+                ("text_encoder", T5EncoderModel, True), ("latent_upsampler", LTXLatentUpsamplerModel, False)]
+
+    def lora_spec(self):
+        from .adapter import LORA
+
+        return LORA
+
+    def step_passes(self, request) -> set[int]:
+        from .adapter import plan_request, step_passes
+
+        return {step_passes(p.request) for p in plan_request(request).passes}
+
+
+FAMILY = LTXVideoFamily()
