@@ -2,7 +2,7 @@
 
 The model maths is diffusers' (``LTX2VideoTransformer3DModel``, the video and audio VAEs, the vocoder, the text
 connectors and ``LTX2Pipeline``'s own prompt encoding, noise, guidance and post-processing). Parallelism is
-applied from outside by :func:`parallelize_ltx2_transformer`:
+applied from outside by :func:`parallelize_ltx2_transformer` (``models.ltx2.parallel``):
 - the video and the audio token sequences are two streams, each sharded by its own :class:`ShardPlan` (they
   rarely divide the group size, and have nothing to do with each other's length);
 - both self-attentions run through :func:`cp_infer.ulysses_attention` on their own plan, and both cross-modal
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -40,22 +40,17 @@ from diffusers import (
     LTX2VideoTransformer3DModel,
 )
 from diffusers.loaders import LTX2LoraLoaderMixin
-from diffusers.models.transformers.transformer_ltx2 import (
-    LTX2Attention,
-    apply_interleaved_rotary_emb,
-    apply_split_rotary_emb,
-)
 from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg, retrieve_timesteps
 
-from cp_infer import ExchangeWorkspace, LatentShape, ParallelState, ShardPlan, VideoGeometry, ulysses_attention
+from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry
 from cp_infer.collectives import all_reduce_sum, gather_passes
 from cp_infer.decode import DEFAULT_FRAMES_PER_RANK
 from cp_infer.mesh import pass_shares
 from cp_infer.plan import Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
-from cp_infer.step_cache import CacheContext, CacheStats, StepCache, cache_blocks
+from cp_infer.step_cache import CacheStats, StepCache
 from cp_infer.weights import join_call
 from models.common.adapter import decode_round_uint8, decode_split, noise_for_decode, refuse_stochastic_sampling, scoped
 from models.common.geometry import min_latent_side
@@ -63,12 +58,12 @@ from models.common.loading import is_distilled, recommended_stages
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
 from models.common.ltx_vae_parallel import DecodeContext, parallelize_ltx2_decoder
 from models.common.step_cache import cached_call, pass_cache, pass_cache_stats
-from models.common.text_kv import KeptPerText, keep_per_text, kept_text_attention
-from models.common.windows import two_stage_window_plan, window_plan, windows_of
 
 from .conditions import VideoConditioning, prepare_conditions, prepare_image
 from .options import ltx2_options
-from .stages import REFINE_OPTIONS, REFINE_SIGMAS, pass_sigmas, refine_scheduler, two_stage_plan
+from .parallel import _ShardContext, parallelize_ltx2_transformer
+from .plan import _CONTEXTS, LTX2Settings, plan_request
+from .stages import REFINE_SIGMAS, pass_sigmas, refine_scheduler
 from .windows import WindowState, finish_window, prepare_window, restore_state, window_decoder
 from .windows import checkpoint as window_checkpoint
 
@@ -78,217 +73,6 @@ LORA = LoraSpec(loader=LTX2LoraLoaderMixin,
                 parts={"transformer": LTX2VideoTransformer3DModel, "connectors": LTX2TextConnectors})
 """How LTX-2 adapters load: into the transformer and the text connectors, as ``LTX2Pipeline.load_lora_weights``
 loads them (Lightricks' ``text_embedding_projection`` keys go to the connectors)."""
-
-# (query stream, key/value stream) of every attention that mixes tokens of a sharded stream.
-_SHARDED_ATTENTIONS = {
-    "attn1": ("video", "video"),
-    "audio_attn1": ("audio", "audio"),
-    "audio_to_video_attn": ("video", "audio"),
-    "video_to_audio_attn": ("audio", "video"),
-}
-
-
-@dataclass
-class _ShardContext:
-    """The plans of the forward pass in flight. Owned by one model; set only inside ``LTX2Model.sharded``."""
-
-    state: ParallelState
-    plans: dict[str, ShardPlan] | None = None
-    workspaces: dict[tuple[str, str], ExchangeWorkspace] = field(default_factory=dict)
-    """Exchange buffers per (query, key) stream pair, reused across layers and steps. NOTE(compile-workspace): not
-    used in compiled blocks (``ulysses_attention`` ignores a workspace there), and not created from them: a dict
-    filled in from compiled code is a guard that fails once it is filled, a recompile of every block."""
-
-    def workspace(self, pair: tuple[str, str]) -> ExchangeWorkspace:
-        return self.workspaces.setdefault(pair, ExchangeWorkspace())
-
-
-def _rope(attn: LTX2Attention, x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    if attn.rope_type == "interleaved":
-        return apply_interleaved_rotary_emb(x, freqs)
-    if attn.rope_type == "split":
-        return apply_split_rotary_emb(x, freqs)
-    raise ValueError(f"rope_type={attn.rope_type!r} is not supported; LTX-2 uses 'interleaved' or 'split'")
-
-
-class _UlyssesAVProcessor:
-    """One LTX-2 attention whose queries and keys are shards of (possibly different) token streams."""
-
-    def __init__(self, ctx: _ShardContext, q_stream: str, kv_stream: str):
-        self.ctx, self.q_stream, self.kv_stream = ctx, q_stream, kv_stream
-
-    def __call__(self, attn: LTX2Attention, hidden_states: torch.Tensor, encoder_hidden_states=None,
-                 attention_mask=None, query_rotary_emb=None, key_rotary_emb=None, perturbation_mask=None,
-                 all_perturbed=None) -> torch.Tensor:
-        plans = self.ctx.plans
-        if plans is None:
-            raise RuntimeError("the parallel LTX-2 transformer was called outside LTX2Model.sharded()")
-        if attention_mask is not None:
-            raise ValueError("attention masks over sharded streams are not supported (text-to-video needs none)")
-        kv_states = hidden_states if encoder_hidden_states is None else encoder_hidden_states
-        gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
-        value = attn.to_v(kv_states)
-        if all_perturbed is None:
-            all_perturbed = bool(torch.all(perturbation_mask == 0)) if perturbation_mask is not None else False
-        if all_perturbed:
-            # Spatio-temporal guidance skips the attention: each token keeps its own value (no communication;
-            # the flag is the same on every rank, so every rank skips the same exchanges).
-            out = value
-        else:
-            query = attn.norm_q(attn.to_q(hidden_states))
-            key = attn.norm_k(attn.to_k(kv_states))
-            if query_rotary_emb is not None:
-                query = _rope(attn, query, query_rotary_emb)
-                key = _rope(attn, key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
-            # B, S_LOCAL, H*D -> B, S_LOCAL, H, D
-            q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
-            kv_plan = None if self.kv_stream == self.q_stream else plans[self.kv_stream]
-            out = ulysses_attention(q, k, v, plan=plans[self.q_stream], kv_plan=kv_plan,
-                                    group=self.ctx.state.cp_group,
-                                    workspace=None if torch.compiler.is_compiling()  # NOTE(compile-workspace)
-                                    else self.ctx.workspace((self.q_stream, self.kv_stream)))
-            out = out.flatten(2, 3).to(query.dtype)
-            if perturbation_mask is not None:
-                out = torch.lerp(value, out, perturbation_mask)
-        if gate_logits is not None:
-            # B, S_LOCAL, H*D -> B, S_LOCAL, H, D: per-head gates of this rank's query tokens
-            gates = 2.0 * torch.sigmoid(gate_logits)
-            out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
-        return attn.to_out[1](attn.to_out[0](out))
-
-
-class _TextKVProcessor:
-    """LTX-2's text cross-attention (``attn2``, ``audio_attn2``: diffusers' ``LTX2AudioVideoAttnProcessor``, and
-    ``LTX2PerturbedAttnProcessor`` without a perturbation, the same ops) with the text's keys and values
-    (``norm_k(to_k(text))``, ``to_v(text)``) kept through a request (``models.common.text_kv.KeptPerText``). Where the
-    text
-    changes at every step (``cross_attn_adaln`` models shift and scale it by the timestep) each step's is a new
-    tensor, so nothing is reused and the result is the same.
-
-    NOTE(text-kv): every pass of a step (CFG's pair, STG, modality) projects the request's 1024 text tokens in
-    every block, for video and for audio."""
-
-    def __init__(self):
-        self._kv = KeptPerText()
-
-    def __call__(self, attn: LTX2Attention, hidden_states: torch.Tensor, encoder_hidden_states=None,
-                 attention_mask=None, query_rotary_emb=None, key_rotary_emb=None, perturbation_mask=None,
-                 all_perturbed=None) -> torch.Tensor:
-        if encoder_hidden_states is None or query_rotary_emb is not None or perturbation_mask is not None:
-            raise ValueError("the text processor serves text cross-attention only (encoder states, no RoPE, no "
-                             "perturbation)")
-        gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
-        out = kept_text_attention(attn, hidden_states, encoder_hidden_states, attention_mask, self._kv)
-        if gate_logits is not None:
-            gates = 2.0 * torch.sigmoid(gate_logits)
-            out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
-        return attn.to_out[1](attn.to_out[0](out))
-
-
-def parallelize_ltx2_transformer(transformer: torch.nn.Module, ctx: _ShardContext) -> None:
-    """Apply sequence parallelism to a diffusers ``LTX2VideoTransformer3DModel`` in place (and keep the text's
-    cross-attention keys and values through a request: :class:`_TextKVProcessor`; iterate its blocks through a step
-    cache: ``cp_infer.step_cache.cache_blocks``, the two streams in the blocks' output order)."""
-    cache_blocks(transformer, streams=("hidden_states", "audio_hidden_states"))
-    for block in transformer.transformer_blocks:
-        for name, (q_stream, kv_stream) in _SHARDED_ATTENTIONS.items():
-            getattr(block, name).set_processor(_UlyssesAVProcessor(ctx, q_stream, kv_stream))
-        block.attn2.set_processor(_TextKVProcessor())
-        block.audio_attn2.set_processor(_TextKVProcessor())
-    for name in ("caption_projection", "audio_caption_projection"):  # LTX-2.0's (use_prompt_embeddings)
-        if getattr(transformer, name, None) is not None:
-            keep_per_text(getattr(transformer, name))
-
-
-@dataclass(frozen=True)
-class LTX2Settings:
-    """LTX2Pipeline's guidance settings for one request (its defaults where the request leaves them unset)."""
-
-    guidance_scale: float
-    audio_guidance_scale: float
-    stg_scale: float
-    audio_stg_scale: float
-    modality_scale: float
-    audio_modality_scale: float
-    guidance_rescale: float
-    audio_guidance_rescale: float
-    stg_blocks: tuple[int, ...]
-
-    @classmethod
-    def from_request(cls, request: GenerationRequest) -> LTX2Settings:
-        """From a resolved request (``models.ltx2.options`` declares the options and their defaults)."""
-        o = request.options
-        guidance, stg = float(request.guidance_scale), float(o["stg_scale"])
-        modality, rescale = float(o["modality_scale"]), float(o["guidance_rescale"])
-        # NOTE(pipeline-defaults): LTX2Pipeline treats an audio setting of 0 as "unset" (`audio_x or x`); kept so
-        # that equal settings mean equal videos.
-        return cls(
-            guidance_scale=guidance,
-            audio_guidance_scale=float(o["audio_guidance_scale"]) or guidance,
-            stg_scale=stg,
-            audio_stg_scale=float(o["audio_stg_scale"]) or stg,
-            modality_scale=modality,
-            audio_modality_scale=float(o["audio_modality_scale"]) or modality,
-            guidance_rescale=rescale,
-            audio_guidance_rescale=float(o["audio_guidance_rescale"]) or rescale,
-            stg_blocks=tuple(o["spatio_temporal_guidance_blocks"]),
-        )
-
-    @property
-    def cfg(self) -> bool:
-        return self.guidance_scale > 1.0 or self.audio_guidance_scale > 1.0
-
-    @property
-    def stg(self) -> bool:
-        return self.stg_scale > 0.0 or self.audio_stg_scale > 0.0
-
-    @property
-    def modality(self) -> bool:
-        return self.modality_scale > 1.0 or self.audio_modality_scale > 1.0
-
-    @property
-    def passes(self) -> int:
-        """The transformer passes a step runs (``LTX2Model._passes``)."""
-        return (2 if self.cfg else 1) + self.stg + self.modality
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        """The step's passes in order: CFG's ``uncond`` and ``cond`` (or ``cond`` alone), ``stg``, ``modality``."""
-        prompt = ("uncond", "cond") if self.cfg else ("cond",)
-        return prompt + ("stg",) * self.stg + ("modality",) * self.modality
-
-    @property
-    def cache_contexts(self) -> tuple[CacheContext, ...]:
-        """LTX2Pipeline's cache contexts over the step's passes (``kinds``)."""
-        kinds = self.kinds
-        prompt = tuple(k for k, kind in enumerate(kinds) if kind in ("uncond", "cond"))
-        extra = tuple(CacheContext(_CONTEXTS[kind], (k,)) for k, kind in enumerate(kinds) if kind in _CONTEXTS)
-        return (CacheContext("cond_uncond", prompt), *extra)
-
-
-# The step's passes other than CFG's pair, each in its own cache context (LTX2Pipeline's names).
-_CONTEXTS = {"stg": "uncond_stg", "modality": "uncond_modality"}
-
-
-def plan_request(request: GenerationRequest) -> Plan:
-    """One pass (text-to-video, image-to-video or conditions: keyframe tokens in the pass's video stream), or with
-    ``stages=2`` the two-stage plan (``models.ltx2.stages``)."""
-    windows = windows_of(request)
-    if windows is not None:
-        if request.options.get("stages", 1) == 2:
-            return two_stage_window_plan(request, windows, steps=request.num_inference_steps,
-                                         refine_steps=len(REFINE_SIGMAS), refine_options=REFINE_OPTIONS,
-                                         num_inference_steps=len(REFINE_SIGMAS), guidance_scale=1.0)
-        return window_plan(request, windows, steps=request.num_inference_steps)  # models.ltx2.windows
-    if request.options.get("stages", 1) == 2:
-        return two_stage_plan(request)
-    return Plan.single(request)
-
-
-def step_passes(request: GenerationRequest) -> int:
-    """The transformer passes a step of one of ``request``'s denoising passes runs (CFG's pair, STG, modality)."""
-    return LTX2Settings.from_request(request).passes
-
 
 @dataclass
 class _RequestState:

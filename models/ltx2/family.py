@@ -89,7 +89,7 @@ class LTX2Family:
         return LORA
 
     def step_passes(self, request) -> set[int]:
-        from .adapter import plan_request, step_passes
+        from .plan import plan_request, step_passes
 
         return {step_passes(p.request) for p in plan_request(request).passes}
 

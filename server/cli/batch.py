@@ -32,30 +32,26 @@ from typing import Any
 from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationRequest, LoraWeight, check_request, loras_from, resolve_request
 from server.cli.common import (
-    Leader,
-    MediaRef,
     UsageError,
     WriteError,
     add_request_arguments,
     add_runtime_arguments,
-    attach_media,
     check_device,
     check_request_loras,
     check_stage_2_loras,
     fetch_model,
     guidance_first,
     lora_catalog,
-    media_error,
     model_info,
     option_keys,
     parse_condition,
     parse_lora,
     quiet_libraries,
-    result_writer,
-    run_group,
     runtime_config_from_args,
 )
 from server.cli.launch import group_size, in_torchrun, relaunch_under_torchrun, under_launcher
+from server.cli.lead import Leader, result_writer, run_group
+from server.cli.media_args import MediaRef, attach_media, media_error
 from server.outputs.piece_video import FileVideo
 
 __all__ = ["add_batch_parser", "run_batch"]

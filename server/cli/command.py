@@ -42,15 +42,11 @@ from server.cli.batch import add_batch_parser, run_batch
 from server.cli.common import (
     PROG,
     USAGE_ERROR,
-    Generated,
-    Leader,
-    MediaRef,
     UsageError,
     WriteError,
     add_media_arguments,
     add_request_arguments,
     add_runtime_arguments,
-    attach_media,
     check_device,
     check_request_loras,
     check_stage_2_loras,
@@ -58,16 +54,15 @@ from server.cli.common import (
     fetch_model,
     guidance_first,
     lora_catalog,
-    media_error,
     model_info,
     options_for,
     quiet_libraries,
     request_from_args,
-    result_writer,
-    run_group,
     runtime_config_from_args,
 )
 from server.cli.launch import group_size, in_torchrun, relaunch_under_torchrun, under_launcher
+from server.cli.lead import Generated, Leader, result_writer, run_group
+from server.cli.media_args import MediaRef, attach_media, media_error
 from server.cli.memory import add_memory_parser, run_memory
 from server.group import phases, process
 from server.outputs.piece_video import FileVideo, PieceVideo, StdoutVideo

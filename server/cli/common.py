@@ -1,19 +1,11 @@
-"""What ``cp-infer generate`` and ``cp-infer batch`` share: their arguments, the checks that run before any process
-group forms, and the leader's side of a run (:class:`Leader`, :func:`run_group`).
+"""What ``cp-infer generate`` and ``cp-infer batch`` share: their arguments and the checks that run before any process
+group forms (the leader's side of a run is ``server.cli.lead``; conditioning media, ``server.cli.media_args``).
 
 Invariants:
 - The generation flags are derived from the loaded model's declared options (``cp_infer.options``): ``--name``
   for ``name`` plus the option's short flags; a request error names the flag the user typed (:func:`field_error`).
 - The model is described from its config files alone (:func:`model_info`: family and geometry, no weights), so a
   bad request is refused, with exit code 2, before any rank loads anything.
-- Every job the leader runs is broadcast to every rank before it runs, and every path that leaves the group in step
-  ends with ``stop`` (:meth:`Leader.stop`); both go through ``server.group.runtime.GroupDriver``, the leader side of the
-  command protocol that the server uses too. ``run_group`` tears the group down on every rank.
-- Conditioning media (``--image``, ``--video``, ``--condition``, a prompts file's ``image`` / ``video`` /
-  ``conditions``) is read and decoded here, on the front end, with :func:`server.http.media.decode_media` (at most the
-  request's frames), before any group forms; an error names the flag or key and the file (:func:`media_error`).
-- Writing an output never raises anything but :class:`WriteError` (the job itself succeeded). A frames folder
-  also gets the final latents (``latents.npy``, and ``audio_latents.npy`` for LTX-2).
 """
 
 from __future__ import annotations
@@ -21,43 +13,33 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
-import sys
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK
 from cp_infer.options import ModelOptions, Option
 from cp_infer.placement import OFFLOAD_COMPONENTS, WEIGHTS_MODES, parse_offload
-from cp_infer.request import LORA_SCALE, MAX_LORAS, Condition, GenerationRequest, LoraWeight
+from cp_infer.request import LORA_SCALE, MAX_LORAS, GenerationRequest, LoraWeight
 from models.common.lora import DEFAULT_MAX_LORA_BYTES
 from models.common.lora_slots import DEFAULT_MAX_LORA_RANK
 from models.families import defaults_text, titles_text
-from server.cli.launch import leader_exit_code
-from server.group import phases
 from server.outputs.piece_video import WriteError
 
 if TYPE_CHECKING:
-    from cp_infer.step_cache import CacheStats
-    from server.group.runtime import GroupDriver, Runtime
+    pass
 
 __all__ = [
     "PROG",
     "USAGE_ERROR",
-    "Generated",
-    "Leader",
-    "MediaRef",
     "UsageError",
     "WriteError",
     "add_media_arguments",
     "add_placement_arguments",
     "add_request_arguments",
     "add_runtime_arguments",
-    "attach_media",
     "check_device",
     "check_layout",
     "fetch_model",
@@ -65,7 +47,6 @@ __all__ = [
     "check_request_loras",
     "check_stage_2_loras",
     "lora_catalog",
-    "media_error",
     "model_info",
     "option_keys",
     "options_for",
@@ -73,8 +54,6 @@ __all__ = [
     "parse_lora",
     "quiet_libraries",
     "request_from_args",
-    "result_writer",
-    "run_group",
     "runtime_config_from_args",
 ]
 
@@ -490,227 +469,3 @@ def check_device(config) -> None:
 
     if config.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu")
-
-
-@dataclass(frozen=True)
-class MediaRef:
-    """A conditioning file named by a flag or a prompts file's key, not read yet."""
-
-    label: str
-    """What the user wrote, for messages: ``--condition clip.mp4@8``, ``line's conditions[1] (clip.mp4@8)``."""
-    path: Path
-    """Where it is read from (a prompts file's relative paths already resolved)."""
-    kind: str | None = None
-    """``"image"`` or ``"video"`` when the flag or key takes that kind only."""
-    frame_index: int = 0
-    strength: float = 1.0
-
-
-def _read_media(ref: MediaRef, *, max_frames: int | None) -> Condition:
-    from server.http.media import MediaError, MediaLimits, decode_media
-
-    limits = MediaLimits()
-    try:
-        with ref.path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > limits.max_bytes:  # refused before it is read
-                raise UsageError(f"{ref.label}: {str(ref.path)!r} is {size} bytes, over the limit of "
-                                 f"{limits.max_bytes}; use a smaller or shorter file")
-            data = f.read()
-    except OSError as exc:
-        raise UsageError(f"{ref.label}: cannot read {str(ref.path)!r}: {exc.strerror or exc}") from exc
-    try:
-        media = decode_media(data, field=ref.label, limits=limits, max_frames=max_frames)
-    except MediaError as exc:
-        raise UsageError(str(exc)) from exc
-    if ref.kind == "image" and media.kind != "image":
-        raise UsageError(f"{ref.label}: is a video ({media.num_frames} frames), not an image; give a clip as the "
-                         "video (video-to-video) or as a condition at a frame")
-    if ref.kind == "video" and media.kind != "video":
-        raise UsageError(f"{ref.label}: is an image, not a video; give it as the image to start from, or as a "
-                         "condition at frame 0")
-    return Condition(media.frames, frame_index=ref.frame_index, strength=ref.strength)
-
-
-def attach_media(request: GenerationRequest, *, image: MediaRef | None = None,
-                 conditions: Sequence[MediaRef] = ()) -> GenerationRequest:
-    """``request`` with its media read and decoded (a clip: at most the request's frames); ``UsageError`` naming the
-    flag or key for a file that cannot be read or is not good media."""
-    frames = request.num_frames
-    max_frames = frames if isinstance(frames, int) and not isinstance(frames, bool) and frames >= 1 else None
-    return replace(request, image=None if image is None else _read_media(image, max_frames=max_frames),
-                   conditions=tuple(_read_media(ref, max_frames=max_frames) for ref in conditions))
-
-
-_MEDIA_FIELD = re.compile(r"(image|conditions)(?:\[(\d+)\])?(\.|:\s*|(?=\s))")
-
-
-def media_error(exc: ValueError, *, image: MediaRef | None = None, conditions: Sequence[MediaRef] = (),
-                conditions_label: str = "conditions", options: ModelOptions | None = None,
-                argv: Sequence[str] = ()) -> UsageError:
-    """A ``check_request`` error about ``image`` or ``conditions[i]`` told with the flag or key (and file) the user
-    gave (``conditions_label`` for the list as a whole); any other error as :func:`field_error`."""
-    message = str(exc)
-    match = _MEDIA_FIELD.match(message)
-    if match is None:
-        return field_error(exc, options, argv)
-    name, index, sep = match.groups()
-    if name == "image":
-        label = image.label if image is not None else "image"
-    elif index is not None and int(index) < len(conditions):
-        label = conditions[int(index)].label
-    else:
-        label = conditions_label
-    # "conditions[1].frame_index=..." -> "<label>: frame_index=..."; a sentence ("image and ...") is kept whole.
-    rest = message[match.end():] if sep.strip() else message
-    return UsageError(f"{label}: {rest}")
-
-
-# ------------------------------------------------------------------------------------------- the leader's side
-
-
-class _Progress:
-    """A tqdm bar on stderr for one job: steps, then "decode"."""
-
-    def __init__(self, label: str, steps: int):
-        from tqdm import tqdm
-
-        self.label = label
-        self.bar = tqdm(total=steps, desc=label, unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
-
-    def control(self):
-        from cp_infer.sampler import SampleControl
-
-        return SampleControl(on_step=self._step, on_phase=self._phase, on_frames=self.frames)
-
-    def _step(self, done: int, total: int, _seconds: float) -> None:
-        self.bar.total = total
-        self.bar.update(done - self.bar.n)
-
-    def _phase(self, phase: str) -> None:
-        if phase in ("decode", "done"):
-            self.bar.set_description(f"{self.label} [{phase}]")
-
-    def frames(self, frames, first: int, total: int) -> None:
-        self.bar.set_description(f"{self.label} [decode {first + len(frames)}/{total} frames]")
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-@dataclass
-class Generated:
-    """One finished job on the leader."""
-
-    frames: Any = None
-    """uint8 ``[F, H, W, 3]``, or None when the frames were streamed."""
-    audio: Any = None
-    """float ``[C, S]`` waveform of audio-video models, else None."""
-    sample_rate: int | None = None
-    latents: dict[str, Any] | None = None
-    """The final latents (``SampleControl.on_latents``: ``latents``, and ``audio_latents`` for LTX-2), float32
-    arrays in the layout the reference pipeline returns for ``output_type="latent"``."""
-    cache: CacheStats | None = None
-    """The step cache's totals over the job's passes (``SampleControl.on_cache``); ``None`` without a cache."""
-
-
-@dataclass
-class Leader:
-    """Rank 0's side of a CLI run: jobs with a progress bar and their results kept, over the command protocol's
-    leader side (``group``: every job is broadcast before it runs; ``stop`` ends the workers).
-
-    With replica groups (``batch`` only), one ``Leader`` per replica: rank 0's own first, whose ``replicas`` are the
-    others' (``server.group.replicas.RemoteDriver``); each may run a job at the same time as the others, from its own
-    thread."""
-
-    group: GroupDriver
-    replicas: tuple[Leader, ...] = ()
-
-    @property
-    def runtime(self) -> Runtime:
-        return self.group.runtime
-
-    def generate(self, request: GenerationRequest, job_id: str, *, on_frames: Callable[..., None] | None = None,
-                 on_audio: Callable[..., None] | None = None,
-                 on_audio_piece: Callable[..., None] | None = None) -> Generated:
-        """The frames (``None`` with ``on_frames``, called with each decoded piece in order: no rank then holds the
-        whole video), the final latents and, for audio-video models, the soundtrack (also handed to ``on_audio``
-        before the frames; with ``on_audio_piece``, handed to it piece by piece instead, each piece before the frames
-        it plays under, and ``audio`` stays ``None``)."""
-        progress = _Progress(job_id, request.num_inference_steps)
-        result = Generated()
-
-        def keep_audio(waveform, sample_rate: int) -> None:
-            result.audio, result.sample_rate = waveform, sample_rate
-            if on_audio is not None:
-                on_audio(waveform, sample_rate)
-
-        def keep_latents(latents: dict) -> None:
-            result.latents = latents
-
-        def keep_cache(stats: CacheStats) -> None:
-            result.cache = stats
-
-        control = phases.timed_control(replace(progress.control(), on_audio=keep_audio, on_latents=keep_latents,
-                                               on_cache=keep_cache))
-        if on_audio_piece is not None:
-            control = replace(control, on_audio_piece=on_audio_piece)
-        if on_frames is not None:
-            def both(frames, first: int, total: int) -> None:
-                on_frames(frames, first, total)
-                progress.frames(frames, first, total)
-
-            control = replace(control, on_frames=both, collect=False)
-        try:
-            result.frames = self.group.generate(request, job_id, control)
-        finally:
-            progress.close()
-        return result
-
-    def stop(self) -> None:
-        """End the workers of this replica and of every other."""
-        self.group.stop()
-        for other in self.replicas:
-            other.stop()
-
-
-def run_group(config, lead: Callable[[Leader], int]) -> int:
-    """Form the group and load the model on every rank; the leader runs ``lead``, the others follow (another replica
-    group's leader takes rank 0's commands for its replica: ``server.group.replicas.replica_loop``)."""
-    from cp_infer import destroy_parallel
-    from server.group.replicas import RemoteDriver, replica_loop
-    from server.group.runtime import GroupDriver, start_runtime, worker_loop
-
-    runtime = start_runtime(config)
-    try:
-        state = runtime.state
-        if state.leads_replica and not state.is_leader:
-            replica_loop(runtime)
-            return 0
-        if not state.is_leader:
-            worker_loop(runtime, control_for=(lambda _command: phases.timed_control(None)) if phases.enabled()
-                        else None)
-            return 0
-        others = tuple(Leader(RemoteDriver(runtime, r)) for r in range(1, state.replicas))
-        return leader_exit_code(lead(Leader(GroupDriver(runtime), replicas=others)))
-    finally:
-        destroy_parallel(runtime.state)
-        phases.mark("teardown")
-
-
-def result_writer() -> Callable[[Generated, Any, int], Path]:
-    """``write_output`` (frames and soundtrack; into a frames folder also the latents) with its failures (the job
-    itself succeeded) raised as ``WriteError``."""
-    import av
-
-    from cp_infer.video_io import is_frames_dir_target, write_output
-
-    def write(result: Generated, out, fps) -> Path:
-        latents = result.latents if is_frames_dir_target(out) else None
-        try:
-            return write_output(result.frames, out, fps, audio=result.audio, sample_rate=result.sample_rate,
-                                latents=latents)
-        except (OSError, ValueError, av.FFmpegError) as exc:
-            raise WriteError(f"could not write {out}: {type(exc).__name__}: {exc}") from exc
-
-    return write

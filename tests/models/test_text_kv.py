@@ -16,7 +16,7 @@ from diffusers.models.transformers.transformer_ltx2 import (
 )
 
 from cp_infer import single_process_state
-from models.ltx2.adapter import _TextKVProcessor as LTX2TextKVProcessor
+from models.ltx2.parallel import _TextKVProcessor as LTX2TextKVProcessor
 from models.ltx_video.adapter import _TextKVProcessor
 
 
@@ -92,8 +92,8 @@ def test_ltx2_kept_keys_and_values_give_diffusers_output_bit_for_bit(gated, thei
 def test_ltx2_transformer_keeps_the_text_in_every_block_and_projection():
     """``parallelize_ltx2_transformer``: every block's two text cross-attentions keep their keys and values (each its
     own), and the caption projections run once per view of the embeddings."""
-    from models.ltx2.adapter import _ShardContext, parallelize_ltx2_transformer
     from models.ltx2.default import build_ltx2_components
+    from models.ltx2.parallel import _ShardContext, parallelize_ltx2_transformer
 
     transformer = build_ltx2_components()["transformer"].eval()
     parallelize_ltx2_transformer(transformer, _ShardContext(single_process_state(torch.device("cpu"))))

@@ -24,8 +24,8 @@ from models.ltx_video.default import ensure_default_model
 from models.registry import ModelInfo, model_options
 from server.cli import batch
 from server.cli import command as cli
-from server.cli.common import Generated
 from server.cli.launch import leader_exit_code, strip_nproc
+from server.cli.lead import Generated
 
 REPO = Path(__file__).resolve().parents[3]
 PROMPT = ["--prompt", "a fox in snow"]

@@ -1,5 +1,5 @@
 """The leader side of the rank-0 -> workers command protocol is written once (``server.group.runtime.GroupDriver``) and
-both leaders use it: the CLI's (``server.cli.common.Leader`` / ``run_group``) and the server's
+both leaders use it: the CLI's (``server.cli.lead.Leader`` / ``run_group``) and the server's
 (``server.group.leader.GroupLeader``).
 
 Both run in process over a stand-in runtime (one rank, no model) while the collectives are replaced: the ones that
@@ -22,7 +22,7 @@ import server.group.runtime
 from cp_infer import VideoGeometry, single_process_state
 from cp_infer.request import GenerationRequest, resolve_request
 from models.ltx_video.options import ltx_video_options
-from server.cli.common import run_group
+from server.cli.lead import run_group
 from server.group.jobs import JobStore
 from server.group.leader import GroupLeader, LeaderConfig
 from server.group.runtime import FAULT_ENV, Command, GroupDriver, RuntimeConfig
