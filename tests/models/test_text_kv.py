@@ -17,7 +17,7 @@ from diffusers.models.transformers.transformer_ltx2 import (
 
 from cp_infer import single_process_state
 from models.ltx2.parallel import _TextKVProcessor as LTX2TextKVProcessor
-from models.ltx_video.adapter import _TextKVProcessor
+from models.ltx_video.parallel import _TextKVProcessor
 
 
 def _attention() -> LTXAttention:

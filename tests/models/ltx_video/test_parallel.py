@@ -133,7 +133,7 @@ def test_local_rope_equals_the_shard_of_the_whole_grid(world):
     whole-grid (cos, sin) that the rank holds. No process group: the coordinates are pure arithmetic."""
     from diffusers.models.transformers.transformer_ltx import LTXVideoRotaryPosEmbed
 
-    from models.ltx_video.adapter import _local_video_coords
+    from models.ltx_video.parallel import _local_video_coords
 
     rope = LTXVideoRotaryPosEmbed(dim=96, patch_size=1, patch_size_t=1)
     frames, height, width = 5, 7, 9  # 315 tokens: uneven shards at 2 and 4 ranks
