@@ -45,6 +45,7 @@ from models.common.embedded import (
     write_pipeline,
 )
 from models.common.tokenizer import build_offline_gemma_tokenizer
+from models.ltx2 import DEFAULT_NAME
 
 __all__ = [
     "DEFAULT_LTX2_NAME",
@@ -58,7 +59,7 @@ __all__ = [
     "save_ltx2_model",
 ]
 
-DEFAULT_LTX2_NAME = "tiny-ltx2"
+DEFAULT_LTX2_NAME = DEFAULT_NAME
 # Bump when a config, the vocabulary or the init rule changes: the folder name carries it, so an old cache is
 # never mistaken for the new model.
 LTX2_FORMAT_VERSION = 2

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from models.ltx2 import DEFAULT_NAME
+
 __all__ = ["FAMILY", "LTX2Family"]
 
 
@@ -20,15 +22,8 @@ class LTX2Family:
     has_audio = True
     transformer_subfolders = ("transformer",)
 
-    @property
-    def default_name(self) -> str:
-        from .default import DEFAULT_LTX2_NAME
-
-        return DEFAULT_LTX2_NAME
-
-    @property
-    def default_help(self) -> str:
-        return f"{self.default_name} (audio + video)"
+    default_name = DEFAULT_NAME
+    default_help = f"{DEFAULT_NAME} (audio + video)"
 
     def ensure_default(self) -> Path:
         from .default import ensure_default_ltx2_model

@@ -41,6 +41,7 @@ from models.common.embedded import (
     write_pipeline,
 )
 from models.common.tokenizer import build_offline_t5_tokenizer
+from models.ltx_video import DEFAULT_NAME
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -53,7 +54,7 @@ __all__ = [
     "ensure_default_model",
 ]
 
-DEFAULT_MODEL_NAME = "tiny-ltx-video"
+DEFAULT_MODEL_NAME = DEFAULT_NAME
 # Bump when the config, the vocabulary or the init rule changes: the folder name carries it, so an old
 # cache is never mistaken for the new model.
 FORMAT_VERSION = 2

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from models.ltx_video import DEFAULT_NAME
+
 __all__ = ["FAMILY", "LTXVideoFamily"]
 
 
@@ -21,15 +23,8 @@ class LTXVideoFamily:
     has_audio = False
     transformer_subfolders = ("transformer",)
 
-    @property
-    def default_name(self) -> str:
-        from .default import DEFAULT_MODEL_NAME
-
-        return DEFAULT_MODEL_NAME
-
-    @property
-    def default_help(self) -> str:
-        return f"{self.default_name} (the default)"
+    default_name = DEFAULT_NAME
+    default_help = f"{DEFAULT_NAME} (the default)"
 
     def ensure_default(self) -> Path:
         from .default import ensure_default_model

@@ -32,6 +32,7 @@ from transformers import CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5Enco
 
 from models.common.embedded import cache_root, ensure_folder, init_deterministic, write_pipeline
 from models.common.tokenizer import build_offline_t5_tokenizer
+from models.wan import DEFAULT_NAME
 
 __all__ = [
     "DEFAULT_WAN_NAME",
@@ -44,7 +45,7 @@ __all__ = [
     "save_wan_model",
 ]
 
-DEFAULT_WAN_NAME = "tiny-wan"
+DEFAULT_WAN_NAME = DEFAULT_NAME
 # Bump when a config, the vocabulary or the init rule changes: the folder name carries it, so an old cache is never
 # mistaken for the new model.
 WAN_FORMAT_VERSION = 1

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from models.wan import DEFAULT_NAME
+
 __all__ = ["FAMILY", "WanFamily"]
 
 
@@ -20,15 +22,8 @@ class WanFamily:
     # transformer_2: Wan 2.2 A14B's low-noise expert (where the folder has it).
     transformer_subfolders = ("transformer", "transformer_2")
 
-    @property
-    def default_name(self) -> str:
-        from .default import DEFAULT_WAN_NAME
-
-        return DEFAULT_WAN_NAME
-
-    @property
-    def default_help(self) -> str:
-        return f"{self.default_name} (Wan 2.1)"
+    default_name = DEFAULT_NAME
+    default_help = f"{DEFAULT_NAME} (Wan 2.1)"
 
     def ensure_default(self) -> Path:
         from .default import ensure_default_wan_model
