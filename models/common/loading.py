@@ -1,8 +1,8 @@
 """What loading a diffusers-format model folder takes, whatever its family (each family's `loading` module loads
-its own components on these helpers), with errors that say what is wrong; find the folder first (`resolve_model`,
-`resolve_files`):
-an embedded default, a local folder, a hub id (`models.common.hub`), a single-file checkpoint with its config folder
-(`models.common.single_file`), a paired latent upsampler.
+its own components on these helpers), with errors that say what is wrong; and finding the folder first
+(`resolve_model`, `resolve_files`): an embedded default, a local folder, a hub id (`models.common.hub`), a single-file
+checkpoint with its config folder (`models.common.single_file`), a paired latent upsampler. The family of a folder is
+the table's (`models.families`), asked by its class names.
 
 Invariants:
 - Loading is local only: every `from_pretrained` gets `local_files_only=True`, so a bad path never turns into a hub
