@@ -61,6 +61,12 @@ class Family(Protocol):
     """Whether its videos carry a soundtrack."""
     transformer_subfolders: tuple[str, ...]
     """The subfolders that hold transformers (sharded alike; a folder may lack the later ones)."""
+    single_file_classes: dict[str, str]
+    """Component -> diffusers class name of the parts a single-file checkpoint of Lightricks' layout holds
+    (``models.common.single_file``); empty: the family takes no single file."""
+
+    def is_single_file_transformer(self, keys: set[str]) -> bool:
+        """Whether a single file's transformer keys (prefix removed) are this family's."""
 
     def ensure_default(self) -> Path:
         """The embedded default's folder, built on first use."""

@@ -7,7 +7,7 @@ Invariants:
   is broken or that is shorter than its header says.
 - What a file holds is read from its header alone (:func:`checkpoint_contents`): the components by their original
   key prefixes (``model.diffusion_model.``: the transformer, ``vae.``: the video VAE, ``audio_vae.``: LTX-2's audio
-  VAE), the family from the transformer's keys (LTX-2's has an audio stream: ``audio_patchify_proj``). A component
+  VAE), the family from the transformer's keys (each family's ``is_single_file_transformer``). A component
   is taken from the file only where its diffusers class loads single files (``FromOriginalModelMixin``): in diffusers
   0.42 ``AutoencoderKLLTX2Audio`` does not, so LTX-2's audio VAE comes from the config folder.
 - Each component is built from its config in the config folder and is given only its own keys, which diffusers'
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from models.common.folder_problems import ModelLoadError, error_line, safetensors_problem
+from models.families import all_families
 
 __all__ = ["CHECKPOINT_COMPONENTS", "CheckpointContents", "check_checkpoint", "checkpoint_contents",
            "load_from_checkpoint"]
@@ -34,12 +35,6 @@ _VAE_PREFIXES = {"vae": "vae.", "audio_vae": "audio_vae."}
 _OTHER_PREFIXES = ("vocoder.",)
 CHECKPOINT_COMPONENTS = ("transformer", "vae", "audio_vae")
 """The components a single file may hold, by the diffusers subfolder names."""
-# Each family's diffusers class of each of those components.
-_CLASS_NAMES = {
-    "ltx-video": {"transformer": "LTXVideoTransformer3DModel", "vae": "AutoencoderKLLTXVideo"},
-    "ltx2": {"transformer": "LTX2VideoTransformer3DModel", "vae": "AutoencoderKLLTX2Video",
-             "audio_vae": "AutoencoderKLLTX2Audio"},
-}
 
 
 @dataclass(frozen=True)
@@ -47,7 +42,7 @@ class CheckpointContents:
     """What one single-file checkpoint holds, from its header."""
 
     family: str
-    """``ltx-video`` or ``ltx2``."""
+    """The name of its family (one whose ``single_file_classes`` are set)."""
     keys: dict[str, tuple[str, ...]]
     """Component (``transformer``, ``vae``, ``audio_vae``) -> its keys in the file: the components it holds that
     load from it (their class loads single files)."""
@@ -73,13 +68,14 @@ def check_checkpoint(path: Path) -> Path:
     return path.resolve()
 
 
-def _transformer_family(keys: set[str]) -> str | None:
-    if {"audio_patchify_proj.weight", "audio_proj_in.weight"} & keys:
-        return "ltx2"
-    diffusers_names = {"proj_in.weight", "caption_projection.linear_1.weight", "scale_shift_table"}
-    if "patchify_proj.weight" in keys or diffusers_names <= keys:
-        return "ltx-video"
-    return None
+def _single_file_families() -> list:
+    """The families of the table whose checkpoints come as single files in this layout."""
+    return [f for f in all_families() if f.single_file_classes]
+
+
+def _transformer_family(keys: set[str]):
+    """The family whose transformer has these (unprefixed) keys; None: none."""
+    return next((f for f in _single_file_families() if f.is_single_file_transformer(keys)), None)
 
 
 def checkpoint_contents(path: Path) -> CheckpointContents:
@@ -102,15 +98,17 @@ def checkpoint_contents(path: Path) -> CheckpointContents:
     family = _transformer_family(stripped)
     if family is None:
         held = ", ".join(sorted(found)) or "no tensors"
+        titles = " or ".join(f.title for f in _single_file_families())
         raise ModelLoadError(
-            f"single-file checkpoint {str(path)!r} holds no LTX-Video or LTX-2 transformer (no patchify_proj "
-            f"weights; it holds {held}), so its family cannot be told; pass an LTX-Video or LTX-2 checkpoint, or a "
+            f"single-file checkpoint {str(path)!r} holds no {titles} transformer (no patchify_proj "
+            f"weights; it holds {held}), so its family cannot be told; pass an {titles} checkpoint, or a "
             "diffusers folder")
     import diffusers
 
-    held = [name for name in CHECKPOINT_COMPONENTS if name in found and name in _CLASS_NAMES[family]]
-    loads = {name for name in held if hasattr(getattr(diffusers, _CLASS_NAMES[family][name]), "from_single_file")}
-    return CheckpointContents(family=family, keys={name: found[name] for name in held if name in loads},
+    classes = family.single_file_classes
+    held = [name for name in CHECKPOINT_COMPONENTS if name in found and name in classes]
+    loads = {name for name in held if hasattr(getattr(diffusers, classes[name]), "from_single_file")}
+    return CheckpointContents(family=family.name, keys={name: found[name] for name in held if name in loads},
                               unused=tuple(name for name in held if name not in loads))
 
 

@@ -25,6 +25,14 @@ class LTX2Family:
     default_name = DEFAULT_NAME
     default_help = f"{DEFAULT_NAME} (audio + video)"
 
+    # Lightricks' single-file checkpoints (``models.common.single_file``): the diffusers class of each part they hold.
+    single_file_classes = {"transformer": "LTX2VideoTransformer3DModel", "vae": "AutoencoderKLLTX2Video",
+                           "audio_vae": "AutoencoderKLLTX2Audio"}
+
+    def is_single_file_transformer(self, keys: set[str]) -> bool:
+        """Whether a single file's (unprefixed) transformer keys are LTX-2's: it has an audio stream."""
+        return bool({"audio_patchify_proj.weight", "audio_proj_in.weight"} & keys)
+
     def ensure_default(self) -> Path:
         from .default import ensure_default_ltx2_model
 

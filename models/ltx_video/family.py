@@ -26,6 +26,17 @@ class LTXVideoFamily:
     default_name = DEFAULT_NAME
     default_help = f"{DEFAULT_NAME} (the default)"
 
+    # Lightricks' single-file checkpoints (``models.common.single_file``): the diffusers class of each part they hold.
+    single_file_classes = {"transformer": "LTXVideoTransformer3DModel", "vae": "AutoencoderKLLTXVideo"}
+
+    def is_single_file_transformer(self, keys: set[str]) -> bool:
+        """Whether a single file's (unprefixed) transformer keys are LTX-Video's: the original or diffusers' names,
+        and no audio stream (LTX-2's)."""
+        if {"audio_patchify_proj.weight", "audio_proj_in.weight"} & keys:
+            return False
+        diffusers_names = {"proj_in.weight", "caption_projection.linear_1.weight", "scale_shift_table"}
+        return "patchify_proj.weight" in keys or diffusers_names <= keys
+
     def ensure_default(self) -> Path:
         from .default import ensure_default_model
 

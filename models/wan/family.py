@@ -25,6 +25,12 @@ class WanFamily:
     default_name = DEFAULT_NAME
     default_help = f"{DEFAULT_NAME} (Wan 2.1)"
 
+    single_file_classes: dict[str, str] = {}
+    """Wan takes no single-file checkpoint (``models.common.single_file``)."""
+
+    def is_single_file_transformer(self, keys: set[str]) -> bool:
+        return False
+
     def ensure_default(self) -> Path:
         from .default import ensure_default_wan_model
 
