@@ -1,6 +1,7 @@
 """The one table of model families: each family package exposes one object implementing :class:`Family`, and
-everything that must tell families apart (the registry, placement, the loaders' checks, the CLI, the docs generator,
-the playground) asks this table instead of comparing family names.
+everything that must tell families apart (the registry, placement, the loaders' checks, single files, the CLI, the
+docs generator; the HTTP API and the playground through the registry's ``ModelInfo``) asks this table instead of
+comparing family names.
 
 Invariants:
 - Importing this module imports no family: :data:`FAMILIES` names each family's object by (module, attribute), and
