@@ -266,11 +266,12 @@ def _given(request: GenerationRequest) -> dict[str, Any]:
     return values
 
 
-def resolve_request(request: GenerationRequest, options: ModelOptions, *,
-                    limits: GenerationLimits | None = None) -> GenerationRequest:
+def resolve_request(request: GenerationRequest, options: ModelOptions, *, limits: GenerationLimits | None = None,
+                    geometry: VideoGeometry | None = None) -> GenerationRequest:
     """``request`` with every option the model declares set: the given values checked (an undeclared option is
-    refused, naming it), the declaration's defaults for the rest. Idempotent."""
-    values = options.resolve(_given(request), limits=limits)
+    refused, naming it), the declaration's defaults for the rest, each lowered to what ``limits`` allow where it is
+    over one (for the model's ``geometry``: sizes and frame counts it takes). Idempotent."""
+    values = options.resolve(_given(request), limits=limits, geometry=geometry)
     return replace(request, **{attr: values[name] for name, attr in STANDARD.items()},
                    options={name: value for name, value in values.items() if name not in STANDARD})
 
@@ -291,9 +292,9 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     _check_int("seed", request.seed, 0, 2**63 - 1)
     _check_loras(request.loras)
     values = _given(request)
-    unset = [name for name in options.names if values.get(name) is None and options[name].default is not None]
+    resolved = options.resolve(values, limits=limits, geometry=geometry)
+    unset = [name for name in options.names if values.get(name) is None and resolved[name] is not None]
     assert not unset, f"check_request needs a resolved request (unset: {unset}); call resolve_request first"
-    options.resolve(values, limits=limits)
     _check_conditions(request, options, geometry, media_pending=media_pending)
     shape = geometry.latent_shape(request.num_frames, request.height, request.width)
     frames = request.num_frames if options.window_frames is None else options.window_frames(values)

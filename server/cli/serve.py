@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model "
                        "as written for a hub id, else the folder's name or the file's stem, or tiny-ltx-video)")
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    limits = parser.add_argument_group("request limits (a request past one gets a 400 naming it)")
+    limits = parser.add_argument_group("request limits (a value a request gives past one gets a 400 naming it; a "
+                                       "default past one is lowered to it)")
     defaults = GenerationLimits()
     for f in fields(GenerationLimits):
         default = getattr(defaults, f.name)

@@ -63,6 +63,10 @@ class _Bodies:
     def __init__(self, engine: Engine):
         self.options, self.limits, self.geometry = engine.options, engine.limits, engine.geometry
         self.served_model = engine.served_model
+        try:  # what a request that names no option gets: each default within this deployment's limits
+            self.defaults = self.options.resolve({}, limits=self.limits, geometry=self.geometry)
+        except ValueError:  # a limit below anything the model takes: the errors name it
+            self.defaults = {option.name: option.default for option in self.options}
 
     # -- the parts ---------------------------------------------------------------------------------------------
     def components(self) -> dict[str, dict[str, Any]]:
@@ -110,7 +114,9 @@ class _Bodies:
                 "description": "What the video shows."}
 
     def _option(self, option: Option, *, form: bool) -> dict[str, Any]:
-        lo, hi = option.bounds(self.limits)
+        # An option of a feature meets its limit only while the feature is on (_feature_limits).
+        limits = None if option.when else self.limits
+        lo, hi = option.bounds(limits)
         multiple = option.multiple_of
         if option.name in ("height", "width") and self.geometry is not None:
             step = self.geometry.spatial_step
@@ -141,8 +147,12 @@ class _Bodies:
             schema = {"type": "array", "items": items, "minItems": 1, "maxItems": option.max_items}
         default = list(option.default) if isinstance(option.default, tuple) else option.default
         shown = "unset" if default is None else repr(default)
+        effective = self.defaults[option.name]
+        if effective != option.default:
+            shown += f", here {'unset' if effective is None else repr(effective)}"
+        note = option.limit_note(self.limits)
         schema["description"] = (f"{option.help} (default {shown}: the reference pipeline's; "
-                                 f"{option.describe(self.limits)})")
+                                 f"{option.describe(limits)}{'; ' + note if note else ''})")
         schema["x-default"] = default
         return schema if form else _nullable(schema)
 
@@ -195,6 +205,20 @@ class _Bodies:
                  for a, b in pairs if a in props and b in props]
         # An option under two names is refused whatever their values.
         rules += [{"not": {"required": [o.name, alias]}} for o in self.options for alias in o.aliases]
+        return rules + self._feature_limits(props, form=form)
+
+    def _feature_limits(self, props: dict[str, Any], *, form: bool) -> list[dict[str, Any]]:
+        """The limit of each option of a feature (``Option.when``), applied while the feature is on."""
+        rules = []
+        for o in self.options:
+            if o.when is None or o.limit is None or o.name not in props:
+                continue
+            key, values = o.when
+            on: dict[str, Any] = {"required": [key], "properties": {key: {"enum": list(values)}}}
+            if self.options[key].default in values:  # left out (or null): on too
+                unset = [{"not": {"required": [key]}}] + ([] if form else [{"properties": {key: {"type": "null"}}}])
+                on = {"anyOf": [on, *unset]}
+            rules.append({"if": on, "then": {"properties": {o.name: {"maximum": getattr(self.limits, o.limit)}}}})
         return rules
 
     def _object(self, props: dict[str, Any], required: list[str], rules: list[dict[str, Any]], *, form: bool,
