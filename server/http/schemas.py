@@ -509,8 +509,8 @@ def build_request(params: VideoCreateParams, *, options: ModelOptions, geometry:
     if params.seconds is not None:
         seconds = _parse_seconds(params.seconds)
         if not isinstance(fps, int) or not 1 <= fps <= limits.max_fps:
-            raise ApiError(400, "invalid_value", f"frame_rate={fps} is out of range; use a value in "
-                           f"[1, {limits.max_fps}]", "frame_rate")
+            raise _as_typed(ApiError(400, "invalid_value", f"frame_rate={fps} is out of range; use a value in "
+                                     f"[1, {limits.max_fps}]", "frame_rate"), params._aliases)
         t = geometry.temporal_compression
         # NOTE(overflow): a duration far past the limit is refused before it is rounded (1e308 s would overflow).
         frames = frames_for_seconds(seconds, fps, t, extension=extension) \
