@@ -277,10 +277,13 @@ def resolve_request(request: GenerationRequest, options: ModelOptions, *, limits
 
 
 def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits: GenerationLimits,
-                  options: ModelOptions, media_pending: bool = False) -> LatentShape:
+                  options: ModelOptions, media_pending: bool = False, planned: bool = False) -> LatentShape:
     """Validate a resolved ``request`` (:func:`resolve_request`) for a model with ``geometry`` that declares
     ``options``; return its latent shape. ``media_pending``: its media are read after this check (which then runs
-    again with them), so a model that needs an image does not miss it yet."""
+    again with them), so a model that needs an image does not miss it yet. ``planned``: ``request`` is a pass of the
+    plan of a request checked against ``limits`` (a window, a stage); the values its plan chose (stage 2's steps and
+    guidance, its recipe's) are not the client's, so its options are held to the model's ranges only, while its
+    sequence is held to ``max_tokens``."""
     for name in ("prompt", "negative_prompt"):
         text = getattr(request, name)
         if not isinstance(text, str):
@@ -292,7 +295,7 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     _check_int("seed", request.seed, 0, 2**63 - 1)
     _check_loras(request.loras)
     values = _given(request)
-    resolved = options.resolve(values, limits=limits, geometry=geometry)
+    resolved = options.resolve(values, limits=None if planned else limits, geometry=geometry)
     unset = [name for name in options.names if values.get(name) is None and resolved[name] is not None]
     assert not unset, f"check_request needs a resolved request (unset: {unset}); call resolve_request first"
     _check_conditions(request, options, geometry, media_pending=media_pending)

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cp_infer.options import ModelOptions
-from cp_infer.request import GenerationLimits, check_request, resolve_request
+from cp_infer.request import GenerationLimits, GenerationRequest, check_request, resolve_request
 from cp_infer.shapes import VideoGeometry
 from models.registry import ModelInfo, model_options
 from models.wan_options import WanLayout, wan_options
@@ -337,3 +337,27 @@ def test_a_real_preview_server_makes_a_plain_request(tmp_path, cache_dir):
         assert done["status"] == "completed", (done, server.log_tail())
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("family", ["ltx-video", "ltx2"])
+def test_each_pass_of_a_two_stage_plan_passes_the_ranks_check_under_low_limits(family):
+    """Stage 2 runs its recipe's steps and guidance (LTX-Video 10 steps of which 4 run, LTX-2 3 steps without
+    guidance), past ``--max-steps 2`` and ``--max-guidance 0.5``: the ranks check each pass (``cp_infer.sampler``) as
+    a planned one, held to the model's ranges, since the request it came from met the limits."""
+    if family == "ltx-video":
+        from models.ltx_video_stages import two_stage_plan
+    else:
+        from models.ltx2_stages import two_stage_plan
+    variant = next(v for v in VARIANTS if v.family == family and v.upsampler)
+    limits = GenerationLimits(max_steps=2, max_guidance=0.5, max_side=256, max_frames=17)
+    request = resolve_request(GenerationRequest(prompt="after the fuzz"), variant.options, limits=limits,
+                              geometry=variant.geometry)
+    check_request(request, geometry=variant.geometry, limits=limits, options=variant.options)
+    assert request.options["stages"] == 2 and (request.height, request.width) == (256, 256)
+    plan = two_stage_plan(request)
+    stage_2 = plan.passes[-1].request
+    assert stage_2.num_inference_steps > limits.max_steps or stage_2.guidance_scale > limits.max_guidance
+    for pass_ in plan.passes:
+        check_request(pass_.request, geometry=variant.geometry, limits=limits, options=variant.options, planned=True)
+    with pytest.raises(ValueError, match="out of range"):  # held to the limits, stage 2's recipe would fail
+        check_request(stage_2, geometry=variant.geometry, limits=limits, options=variant.options)
