@@ -8,7 +8,9 @@ Invariants:
   answered 400, as every other bad request is.
 - A body's schema refuses what the route's own checks refuse field by field: types, ranges, multiples, lengths,
   required fields, unknown fields, and the pairs of fields that exclude each other. What depends on more than the
-  body (what a media file holds, the queue, a job's state, frame counts at a frame rate) is left to the statuses.
+  body (what a media file holds, the queue, a job's state, frame counts at a frame rate) or on another field's value
+  (the limit of an option of a feature, ``Option.when``, applies only while the feature is on) is left to the
+  statuses.
   The JSON, urlencoded and multipart bodies are each described as the route parses them.
 - Every ``$ref`` resolves inside the document: nested schemas are in ``components/schemas``.
 """
@@ -114,7 +116,9 @@ class _Bodies:
                 "description": "What the video shows."}
 
     def _option(self, option: Option, *, form: bool) -> dict[str, Any]:
-        # An option of a feature meets its limit only while the feature is on (_feature_limits).
+        # An option of a feature meets its limit only while the feature is on: a check across fields, which the
+        # description states and the route's 400 makes (a JSON Schema disjunction here is more than schemathesis's
+        # generator takes).
         limits = None if option.when else self.limits
         lo, hi = option.bounds(limits)
         multiple = option.multiple_of
@@ -205,20 +209,6 @@ class _Bodies:
                  for a, b in pairs if a in props and b in props]
         # An option under two names is refused whatever their values.
         rules += [{"not": {"required": [o.name, alias]}} for o in self.options for alias in o.aliases]
-        return rules + self._feature_limits(props, form=form)
-
-    def _feature_limits(self, props: dict[str, Any], *, form: bool) -> list[dict[str, Any]]:
-        """The limit of each option of a feature (``Option.when``), applied while the feature is on."""
-        rules = []
-        for o in self.options:
-            if o.when is None or o.limit is None or o.name not in props:
-                continue
-            key, values = o.when
-            on: dict[str, Any] = {"required": [key], "properties": {key: {"enum": list(values)}}}
-            if self.options[key].default in values:  # left out (or null): on too
-                unset = [{"not": {"required": [key]}}] + ([] if form else [{"properties": {key: {"type": "null"}}}])
-                on = {"anyOf": [on, *unset]}
-            rules.append({"if": on, "then": {"properties": {o.name: {"maximum": getattr(self.limits, o.limit)}}}})
         return rules
 
     def _object(self, props: dict[str, Any], required: list[str], rules: list[dict[str, Any]], *, form: bool,
