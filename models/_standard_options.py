@@ -33,7 +33,12 @@ def _side_under(side_step: int, smallest_side: int) -> Callable[[float, Mapping[
         if geometry is not None:
             step, smallest = geometry.spatial_step, geometry.spatial_step * geometry.min_latent_side
         if values.get("stages") == 2:  # stage 1 runs at half the size (models._stages)
-            step, smallest = math.lcm(step, STAGE_SIZE_STEP), 2 * smallest
+            halved = math.lcm(step, STAGE_SIZE_STEP), 2 * smallest
+            if int(hi) // halved[0] * halved[0] < max(halved):
+                fits = int(hi) // step * step >= max(smallest, step)
+                raise ValueError(f"stages=2 halves the size, and no height or width within this server's max_side={hi} "
+                                 f"halves to one the model takes: {'use stages=1' if fits else 'raise --max-side'}")
+            step, smallest = halved
         side = int(hi) // step * step
         return side if side >= max(smallest, step) else None
 

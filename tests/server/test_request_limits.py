@@ -248,10 +248,24 @@ def test_batch_takes_a_line_inside_the_limits_it_names(tmp_path, variant):
     run()
 
 
-def test_the_drawn_limits_cover_every_limit_an_option_names():
-    """Every limit an option of a family names is one the draws vary (a new limit is drawn or this fails)."""
+def test_the_draws_cover_every_family_and_every_limit_an_option_names():
+    """Every family the docs show has variants here, and every limit an option of theirs names is one the draws
+    vary (a new family or limit is drawn, or this fails)."""
+    from server.cli.options_doc import FAMILIES
+
+    assert set(FAMILIES) <= {v.family for v in VARIANTS}
     named = {o.limit for v in VARIANTS for o in v.options if o.limit is not None}
     assert named <= set(_LIMITED) <= {f.name for f in fields(GenerationLimits)}, named
+
+
+def test_two_stages_under_a_side_limit_too_small_for_them_name_stages():
+    """A request that asks for two stages where no size within ``--max-side`` halves to one the model takes is told
+    to set ``stages`` (what it gave), not refused for a default size."""
+    variant = VARIANTS[2]  # LTX-2: sides of at least 64, so stage 1 needs 128
+    with pytest.raises(ValueError, match=r"^stages=2 halves the size.*max_side=100.*use stages=1"):
+        variant.options.resolve({"stages": 2}, limits=GenerationLimits(max_side=100), geometry=variant.geometry)
+    one = variant.options.resolve({"stages": 1}, limits=GenerationLimits(max_side=100), geometry=variant.geometry)
+    assert (one["height"], one["width"]) == (96, 96)
 
 
 def test_the_issues_preview_server_takes_a_plain_request(tmp_path):
