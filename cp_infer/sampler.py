@@ -296,7 +296,7 @@ def sample(
     ``request`` leaves unset take the model's declared defaults."""
     control = control or SampleControl()
     limits = limits or GenerationLimits()
-    request = resolve_request(request, model.options, limits=limits)
+    request = resolve_request(request, model.options, limits=limits, geometry=model.geometry)
     check_request(request, geometry=model.geometry, limits=limits, options=model.options)
     plan = model.plan(request)
     total = plan.steps

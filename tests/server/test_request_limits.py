@@ -112,16 +112,22 @@ def limits_and_values(draw, variant: Variant) -> tuple[GenerationLimits, dict]:
 
 
 def _check_used(variant: Variant, limits: GenerationLimits, values: dict, used: dict) -> None:
-    """``used`` (every option's value) keeps what was named and holds every default within the limits."""
+    """``used`` (every option's value) keeps what was named and holds every default within the limits, one over
+    a limit lowered to the largest value under it that the model takes (frames and sides along their steps)."""
     for name, value in values.items():
         assert used[name] == value, (name, value, used[name])
     for option in variant.options:
         if option.limit is None or option.name in values or used[option.name] is None:
             continue
-        hi = getattr(limits, option.limit)
-        assert used[option.name] <= hi, (option.name, used[option.name], option.limit, hi)
-        if used[option.name] != option.default:  # lowered: to the largest value the model takes under the limit
-            assert used[option.name] < option.default
+        hi, value = getattr(limits, option.limit), used[option.name]
+        assert value <= hi, (option.name, value, option.limit, hi)
+        if value != option.default:  # lowered: to the largest value the model takes under the limit
+            step = {"num_frames": variant.geometry.temporal_compression}.get(option.name, 0)
+            if option.name in ("height", "width"):
+                step = variant.geometry.spatial_step
+                step = math.lcm(step, 64) if used.get("stages") == 2 else step
+            largest = value + step > hi if step else value == hi
+            assert option.default > hi and largest, (option.name, value, step, option.limit, hi)
 
 
 def _png_data_url() -> str:
