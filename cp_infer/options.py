@@ -6,6 +6,10 @@ Invariants:
 - :meth:`ModelOptions.resolve` is the only way values enter a request: aliases become the declared name, an
   undeclared name is refused naming it, every value is checked against its option's type and range, and every
   option the caller left out gets its declared default. Its errors are ``ValueError`` naming the option and the fix.
+- A deployment's limits (``GenerationLimits``) refuse only what the caller gave: a value given over its option's
+  limit is refused naming the option, unless the option belongs to a feature that is off (``Option.when``); a
+  default over the limit is lowered to the largest value the limit allows (``Option.fit``), so a request that
+  names only values within the limits is never refused for a default.
 - The engine reads a few options by their standard names (:data:`STANDARD`: what every video model has: frames,
   size, steps, guidance, frame rate, negative prompt); a model declares them with its own defaults. Every other
   option is the model's alone and travels in ``GenerationRequest.options``.
@@ -50,6 +54,15 @@ class Option:
     """Inclusive range of a number (of each item, for a list)."""
     limit: str | None = None
     """The name of a deployment limit (a ``GenerationLimits`` field) that caps the value instead of ``hi``."""
+    when: tuple[str, tuple[Any, ...]] | None = None
+    """The option takes part only while option ``when[0]`` has one of the values ``when[1]`` (``cache_interval``:
+    ``("cache", ("taylorseer",))``); while it does not, a value given is not checked against ``limit``."""
+    fit: Callable[[float, Mapping[str, Any], Any], Any] | None = field(default=None, compare=False)
+    """For an option with a ``limit``: ``fit(hi, values, geometry)``, the value a default over the limit ``hi``
+    becomes (the largest valid value at most ``hi`` given the other resolved ``values`` and the model's
+    ``geometry``, which may be ``None``), or ``None`` when there is none. Unset: ``hi`` (down to ``multiple_of``)."""
+    default_for: Callable[[Mapping[str, Any]], Any] | None = field(default=None, compare=False)
+    """The default given the other resolved values (those declared before it as resolved); unset: ``default``."""
     nullable: bool = False
     """``None`` is a value (``default`` may then be ``None``: the model decides, as its help says)."""
     multiple_of: int | None = None
@@ -77,6 +90,39 @@ class Option:
         if self.limit is not None and limits is not None:
             hi = getattr(limits, self.limit)
         return self.lo, hi
+
+    def applies(self, values: Mapping[str, Any]) -> bool:
+        """Whether the option takes part given the resolved ``values`` (:attr:`when`)."""
+        return self.when is None or values.get(self.when[0]) in self.when[1]
+
+    def limit_note(self, limits: object | None = None) -> str:
+        """How the deployment's limit applies to the option, for its help; empty without one."""
+        if self.limit is None:
+            return ""
+        hi = getattr(limits, self.limit) if limits is not None else None
+        cap = f"{_fmt(hi, '')} here" if hi is not None else f"serve's --{self.limit.replace('_', '-')}"
+        when = ""
+        if self.when is not None:
+            when = f", checked only while {self.when[0]} is {' or '.join(map(str, self.when[1]))}"
+        return f"{self.limit} is {cap}{when}; a default above it is lowered to the largest value it allows"
+
+    def within_limit(self, value: Any, values: Mapping[str, Any], limits: object | None,
+                     geometry: object | None = None) -> Any:
+        """``value`` (a default) where it is within the deployment's limit, else what :attr:`fit` lowers it to;
+        ``ValueError`` naming the option where no value is within it."""
+        if self.limit is None or limits is None or value is None or self.kind not in (int, float):
+            return value
+        lo, hi = self.bounds(limits)
+        if value <= hi:
+            return value
+        if self.fit is not None:
+            fitted = self.fit(hi, values, geometry)
+        else:
+            fitted = self.kind(hi // self.multiple_of * self.multiple_of if self.multiple_of else hi)
+        if fitted is None or (lo is not None and fitted < lo):
+            raise ValueError(f"{self.name}: this server's {self.limit}={_fmt(hi, '')} is below every {self.name} the "
+                             f"model takes here (its default is {value}); raise --{self.limit.replace('_', '-')}")
+        return fitted
 
     def describe(self, limits: object | None = None) -> str:
         """What the option accepts, for error messages and help: ``an integer in [2, 200]``."""
@@ -222,14 +268,29 @@ class ModelOptions:
             out[name] = value
         return out
 
-    def resolve(self, values: Mapping[str, Any], *, limits: object | None = None) -> dict[str, Any]:
+    def resolve(self, values: Mapping[str, Any], *, limits: object | None = None,
+                geometry: object | None = None) -> dict[str, Any]:
         """Every declared option's value: ``values`` (declared names or aliases, ``None`` meaning unset) checked,
-        the defaults filled in."""
-        given = self.canonical(values)
-        out = {}
+        the defaults filled in. With ``limits``, a value given is checked against its option's limit where its
+        feature is on (:attr:`Option.when`), and a default over a limit is lowered to what the limit allows
+        (:meth:`Option.within_limit`, with the model's ``geometry`` where known)."""
+        given = {name: value for name, value in self.canonical(values).items() if value is not None}
+        out: dict[str, Any] = {}
         for option in self.options:
-            value = given.get(option.name)
-            value = option.default if value is None else option.validate(value, limits)
+            # An option of a feature is checked against its limit once the feature's own option is resolved.
+            out[option.name] = option.validate(given[option.name], None if option.when else limits) \
+                if option.name in given else option.default
+        for option in self.options:  # in declaration order: a default may follow the resolved values before it
+            name = option.name
+            if name in given:
+                if option.when is not None and limits is not None and option.applies(out):
+                    option.validate(out[name], limits)
+                continue
+            if option.default_for is not None:
+                out[name] = option.default_for(out)
+            out[name] = option.within_limit(out[name], out, limits, geometry)
+        for option in self.options:
+            value = out[option.name]
             if value is not None and option.check is not None:
                 option.check(value)
             out[option.name] = tuple(value) if isinstance(value, list) else value

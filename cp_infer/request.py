@@ -266,20 +266,24 @@ def _given(request: GenerationRequest) -> dict[str, Any]:
     return values
 
 
-def resolve_request(request: GenerationRequest, options: ModelOptions, *,
-                    limits: GenerationLimits | None = None) -> GenerationRequest:
+def resolve_request(request: GenerationRequest, options: ModelOptions, *, limits: GenerationLimits | None = None,
+                    geometry: VideoGeometry | None = None) -> GenerationRequest:
     """``request`` with every option the model declares set: the given values checked (an undeclared option is
-    refused, naming it), the declaration's defaults for the rest. Idempotent."""
-    values = options.resolve(_given(request), limits=limits)
+    refused, naming it), the declaration's defaults for the rest, each lowered to what ``limits`` allow where it is
+    over one (for the model's ``geometry``: sizes and frame counts it takes). Idempotent."""
+    values = options.resolve(_given(request), limits=limits, geometry=geometry)
     return replace(request, **{attr: values[name] for name, attr in STANDARD.items()},
                    options={name: value for name, value in values.items() if name not in STANDARD})
 
 
 def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits: GenerationLimits,
-                  options: ModelOptions, media_pending: bool = False) -> LatentShape:
+                  options: ModelOptions, media_pending: bool = False, planned: bool = False) -> LatentShape:
     """Validate a resolved ``request`` (:func:`resolve_request`) for a model with ``geometry`` that declares
     ``options``; return its latent shape. ``media_pending``: its media are read after this check (which then runs
-    again with them), so a model that needs an image does not miss it yet."""
+    again with them), so a model that needs an image does not miss it yet. ``planned``: ``request`` is a pass of the
+    plan of a request checked against ``limits`` (a window, a stage); the values its plan chose (stage 2's steps and
+    guidance, its recipe's) are not the client's, so its options are held to the model's ranges only, while its
+    sequence is held to ``max_tokens``."""
     for name in ("prompt", "negative_prompt"):
         text = getattr(request, name)
         if not isinstance(text, str):
@@ -291,9 +295,9 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     _check_int("seed", request.seed, 0, 2**63 - 1)
     _check_loras(request.loras)
     values = _given(request)
-    unset = [name for name in options.names if values.get(name) is None and options[name].default is not None]
+    resolved = options.resolve(values, limits=None if planned else limits, geometry=geometry)
+    unset = [name for name in options.names if values.get(name) is None and resolved[name] is not None]
     assert not unset, f"check_request needs a resolved request (unset: {unset}); call resolve_request first"
-    options.resolve(values, limits=limits)
     _check_conditions(request, options, geometry, media_pending=media_pending)
     shape = geometry.latent_shape(request.num_frames, request.height, request.width)
     frames = request.num_frames if options.window_frames is None else options.window_frames(values)

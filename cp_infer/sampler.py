@@ -234,7 +234,7 @@ def _run_pass(model: DenoiseModel, pass_: DenoisePass, previous: dict[str, torch
               previous_state: Any, *, done: int, total: int, limits: GenerationLimits, control: SampleControl,
               state: ParallelState, cached: _CacheTotals) -> tuple[dict[str, torch.Tensor], Prepared]:
     """One pass of a plan: prepare (agreed on), the sharded loop, the gather. Returns the full latents."""
-    shape = check_request(pass_.request, geometry=model.geometry, limits=limits, options=model.options)
+    shape = check_request(pass_.request, geometry=model.geometry, limits=limits, options=model.options, planned=True)
     # Preparing (text encoding, media encoding, noise, schedule) is local to each rank: agreed on like a step, so
     # that a failure on any rank fails the job on every rank instead of leaving the others in the first exchange.
     prepared_box: list[Prepared] = []
@@ -296,7 +296,7 @@ def sample(
     ``request`` leaves unset take the model's declared defaults."""
     control = control or SampleControl()
     limits = limits or GenerationLimits()
-    request = resolve_request(request, model.options, limits=limits)
+    request = resolve_request(request, model.options, limits=limits, geometry=model.geometry)
     check_request(request, geometry=model.geometry, limits=limits, options=model.options)
     plan = model.plan(request)
     total = plan.steps

@@ -81,9 +81,9 @@ def cache_options(*, model: str, kinds: tuple[str, ...] = CACHE_KINDS) -> tuple[
         Option("cache_threshold", float, 0.05, "first_block: the largest relative change of the first block's residual "
                "(mean |r - r_prev| / mean |r_prev|) whose step reuses the cache; higher skips more", lo=0, hi=1),
         Option("cache_interval", int, 5, "taylorseer: steps between two that run every block, after the warm-up",
-               lo=1, limit="max_steps"),
+               lo=1, limit="max_steps", when=("cache", ("taylorseer",))),
         Option("disable_cache_before_step", int, 3, "taylorseer: the first steps, which all run every block",
-               lo=1, limit="max_steps"),
+               lo=1, limit="max_steps", when=("cache", ("taylorseer",))),
         Option("max_order", int, 1, "taylorseer: the order of the Taylor series the output is extrapolated with",
                lo=0, hi=4),
     )

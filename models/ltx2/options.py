@@ -43,7 +43,7 @@ def ltx2_options(*, layers: int = 48, latent_upsampler: bool = True, stages: int
     fixed schedule without guidance."""
     options = (
         *standard_options(height=512, width=768, num_frames=121, frame_rate=24, num_inference_steps=30,
-                          guidance_scale=3.0, size_step="a multiple of 32, at least 64"),
+                          guidance_scale=3.0, size_step="a multiple of 32, at least 64", smallest_side=64),
         Option("stg_scale", float, 1.0, "spatio-temporal guidance of the video; 0 turns it off", lo=0,
                limit="max_guidance", flags=("--stg",)),
         Option("modality_scale", float, 3.0, "modality-isolation guidance of the video; 1 turns it off", lo=0,
@@ -59,8 +59,8 @@ def ltx2_options(*, layers: int = 48, latent_upsampler: bool = True, stages: int
                hi=1),
         Option("sigmas", tuple, None, "the denoising schedule, from 1 down, one sigma a step (LTX2Pipeline's sigmas; "
                "its length is num_inference_steps); unset: LTX2Pipeline's linspace(1, 1/steps, steps). A distilled "
-               "model's default is its fixed schedule (8 steps, diffusers' DISTILLED_SIGMA_VALUES)", lo=0, hi=1,
-               nullable=True, item=float),
+               "model's default is its fixed schedule (diffusers' DISTILLED_SIGMA_VALUES) at its 8 steps; at other "
+               "num_inference_steps, unset", lo=0, hi=1, nullable=True, item=float),
         Option("spatio_temporal_guidance_blocks", tuple, (min(_STG_BLOCK, layers - 1),),
                "transformer blocks whose self-attention spatio-temporal guidance perturbs", lo=0, hi=layers - 1,
                aliases=("stg_blocks",), flags=("--stg-blocks",)),
@@ -76,7 +76,14 @@ def ltx2_options(*, layers: int = 48, latent_upsampler: bool = True, stages: int
     )
     if distilled:
         options = tuple(replace(o, default=_DISTILLED[o.name]) if o.name in _DISTILLED else o for o in options)
+        options = tuple(replace(o, default_for=_distilled_sigmas) if o.name == "sigmas" else o for o in options)
     return ModelOptions("LTX-2", options, check=_check, window_frames=window_frames, window_media=())
+
+
+def _distilled_sigmas(values) -> tuple[float, ...] | None:
+    """A distilled model's default schedule: its own at its step count; at another (a request's, or a deployment's
+    --max-steps below 8), unset, LTX2Pipeline's schedule for that many steps."""
+    return DISTILLED_SIGMAS if values["num_inference_steps"] == len(DISTILLED_SIGMAS) else None
 
 
 def _check_sigmas(values) -> None:

@@ -70,7 +70,8 @@ def wan_options(layout: WanLayout = WanLayout()) -> ModelOptions:
     fps = 24 if layout.expand_timesteps else 16
     standard = {o.name: o for o in standard_options(
         height=480, width=832, num_frames=81, frame_rate=fps, num_inference_steps=50, guidance_scale=5.0,
-        size_step="a multiple of 32" if layout.expand_timesteps else "a multiple of 16")}
+        size_step="a multiple of 32" if layout.expand_timesteps else "a multiple of 16",
+        frame_step=WAN_TEMPORAL_COMPRESSION, side_step=32 if layout.expand_timesteps else 16)}
     standard["num_frames"] = dataclasses.replace(standard["num_frames"], help="number of frames, 4k+1")
     standard["frame_rate"] = dataclasses.replace(
         standard["frame_rate"], help="frames per second of the output (Wan is not conditioned on it)")

@@ -258,7 +258,7 @@ def _plan_batch(args: argparse.Namespace, info, limits) -> list[_Item]:
     def check(request: GenerationRequest, media: _LineMedia | None, name: str, *,
               media_pending: bool = False) -> GenerationRequest:
         try:
-            request = resolve_request(request, info.options, limits=limits)
+            request = resolve_request(request, info.options, limits=limits, geometry=info.geometry)
             check_request(request, geometry=info.geometry, limits=limits, options=info.options,
                           media_pending=media_pending)
             check_request_loras(adapters, request, tuple(getattr(args, "stage_2_loras", None) or ()))

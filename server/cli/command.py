@@ -190,7 +190,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
     def check(request: GenerationRequest, *, media_pending: bool = False) -> GenerationRequest:
         try:
-            request = resolve_request(request, info.options, limits=config.limits)
+            request = resolve_request(request, info.options, limits=config.limits, geometry=info.geometry)
             check_request(request, geometry=info.geometry, limits=config.limits, options=info.options,
                           media_pending=media_pending)
             check_request_loras(adapters, request, config.stage_2_loras)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK
 from cp_infer.options import ModelOptions, Option
 from cp_infer.placement import OFFLOAD_COMPONENTS, WEIGHTS_MODES, parse_offload
-from cp_infer.request import LORA_SCALE, MAX_LORAS, GenerationRequest, LoraWeight
+from cp_infer.request import LORA_SCALE, MAX_LORAS, GenerationLimits, GenerationRequest, LoraWeight
 from models.common.lora import DEFAULT_MAX_LORA_BYTES
 from models.common.lora_slots import DEFAULT_MAX_LORA_RANK
 from models.families import defaults_text, titles_text
@@ -242,6 +242,12 @@ def _default_text(option: Option) -> str:
     return ",".join(map(str, default)) if isinstance(default, tuple) else repr(default)
 
 
+def _limit_text(option: Option) -> str:
+    """The deployment limit's note for a flag's help (``generate`` and ``batch`` run under the default limits)."""
+    note = option.limit_note(GenerationLimits())
+    return f"; {note}" if note else ""
+
+
 def add_request_arguments(parser: argparse.ArgumentParser, options: ModelOptions, *, batch: bool) -> None:
     """The generation options the model declares (``options``), each ``--name`` and its short flags; unset ones
     take the model's defaults. For ``batch`` they are defaults (a line's own keys win), and there is no
@@ -259,7 +265,7 @@ def add_request_arguments(parser: argparse.ArgumentParser, options: ModelOptions
     for option in options:
         metavar = {str: "TEXT", tuple: "I,J", list: "JSON"}.get(option.kind, option.name.split("_")[-1].upper())
         group.add_argument(*_flags(option), dest=option.name, type=_option_type(option), default=None,
-                           metavar=metavar, help=f"{option.help}; {option.describe()} (default "
+                           metavar=metavar, help=f"{option.help}; {option.describe()}{_limit_text(option)} (default "
                                                  f"{_default_text(option)})")
 
 

@@ -50,7 +50,7 @@ def options_table(options: ModelOptions) -> str:
     for o in options:
         names = ", ".join(f"`{n}`" for n in (o.name, *o.aliases))
         flags = ", ".join(f"`{f}`" for f in dict.fromkeys((o.flag, *o.flags)))
-        accepts = o.describe() + (f" (the server's `--{o.limit.replace('_', '-')}`)" if o.limit else "")
+        accepts = o.describe() + (f" ({o.limit_note()})" if o.limit else "")
         rows.append(f"| {names} | {flags} | {_cell(accepts)} | {_default(o)} | {_cell(o.help)} |")
     return "\n".join(rows)
 

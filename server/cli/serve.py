@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "as written for a hub id, else the folder's name or the file's stem, or "
                        f"{default_model_name()})")
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    limits = parser.add_argument_group("request limits (a request past one gets a 400 naming it)")
+    limits = parser.add_argument_group("request limits (a value a request gives past one gets a 400 naming it; a "
+                                       "default past one is lowered to it)")
     defaults = GenerationLimits()
     for f in fields(GenerationLimits):
         default = getattr(defaults, f.name)

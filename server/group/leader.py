@@ -467,7 +467,8 @@ class GroupLeader:
         if not hasattr(model, "plan"):
             return False  # a test's stand-in model
         try:
-            return model.plan(resolve_request(job.request, model.options, limits=self.config.limits)).windows > 1
+            return model.plan(resolve_request(job.request, model.options, limits=self.config.limits,
+                                              geometry=model.geometry)).windows > 1
         except ValueError:
             return False  # refused in _generate_and_write, with the reason
 
@@ -480,7 +481,8 @@ class GroupLeader:
         group = lane.driver
         runtime, request = group.runtime, job.request
         try:
-            request = resolve_request(request, runtime.model.options, limits=self.config.limits)
+            request = resolve_request(request, runtime.model.options, limits=self.config.limits,
+                                      geometry=runtime.model.geometry)
             check_request(request, geometry=runtime.model.geometry, limits=self.config.limits,
                           options=runtime.model.options)
             self.check_loras(request.loras)

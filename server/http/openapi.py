@@ -8,7 +8,9 @@ Invariants:
   answered 400, as every other bad request is.
 - A body's schema refuses what the route's own checks refuse field by field: types, ranges, multiples, lengths,
   required fields, unknown fields, and the pairs of fields that exclude each other. What depends on more than the
-  body (what a media file holds, the queue, a job's state, frame counts at a frame rate) is left to the statuses.
+  body (what a media file holds, the queue, a job's state, frame counts at a frame rate) or on another field's value
+  (the limit of an option of a feature, ``Option.when``, applies only while the feature is on) is left to the
+  statuses.
   The JSON, urlencoded and multipart bodies are each described as the route parses them.
 - Every ``$ref`` resolves inside the document: nested schemas are in ``components/schemas``.
 """
@@ -63,6 +65,10 @@ class _Bodies:
     def __init__(self, engine: Engine):
         self.options, self.limits, self.geometry = engine.options, engine.limits, engine.geometry
         self.served_model = engine.served_model
+        try:  # what a request that names no option gets: each default within this deployment's limits
+            self.defaults = self.options.resolve({}, limits=self.limits, geometry=self.geometry)
+        except ValueError:  # a limit below anything the model takes: the errors name it
+            self.defaults = {option.name: option.default for option in self.options}
 
     # -- the parts ---------------------------------------------------------------------------------------------
     def components(self) -> dict[str, dict[str, Any]]:
@@ -110,7 +116,11 @@ class _Bodies:
                 "description": "What the video shows."}
 
     def _option(self, option: Option, *, form: bool) -> dict[str, Any]:
-        lo, hi = option.bounds(self.limits)
+        # An option of a feature meets its limit only while the feature is on: a check across fields, which the
+        # description states and the route's 400 makes (a JSON Schema disjunction here is more than schemathesis's
+        # generator takes).
+        limits = None if option.when else self.limits
+        lo, hi = option.bounds(limits)
         multiple = option.multiple_of
         if option.name in ("height", "width") and self.geometry is not None:
             step = self.geometry.spatial_step
@@ -141,8 +151,12 @@ class _Bodies:
             schema = {"type": "array", "items": items, "minItems": 1, "maxItems": option.max_items}
         default = list(option.default) if isinstance(option.default, tuple) else option.default
         shown = "unset" if default is None else repr(default)
+        effective = self.defaults[option.name]
+        if effective != option.default:
+            shown += f", here {'unset' if effective is None else repr(effective)}"
+        note = option.limit_note(self.limits)
         schema["description"] = (f"{option.help} (default {shown}: the reference pipeline's; "
-                                 f"{option.describe(self.limits)})")
+                                 f"{option.describe(limits)}{'; ' + note if note else ''})")
         schema["x-default"] = default
         return schema if form else _nullable(schema)
 

@@ -66,16 +66,27 @@ router = APIRouter(prefix="/playground", tags=["playground"])
 async def playground_options(engine: EngineDep) -> dict:
     """The served model's options (name, type, default, inclusive range under this deployment's limits, help), the
     adapters a request may name (``loras``: their names, how many at once, the scale's range) and what the page needs
-    to show a length: the frame geometry (``null`` until the model is loaded)."""
+    to show a length: the frame geometry (``null`` until the model is loaded).
+
+    Each default is what a request that leaves the option out gets here (lowered to this deployment's limits), so
+    the page's form starts inside its own ranges and sends only what the user changed. An option of a feature
+    (``Option.when``) has no maximum here: the limit applies only while the feature is on, which the API checks."""
     limits = engine.limits
+    try:
+        defaults = engine.options.resolve({}, limits=limits, geometry=engine.geometry)
+    except ValueError:  # a limit below anything the model takes: every request is refused, naming it
+        defaults = {option.name: option.default for option in engine.options}
     options = []
     for option in engine.options:
-        lo, hi = option.bounds(limits)
-        default = list(option.default) if isinstance(option.default, tuple) else option.default
+        shown = None if option.when else limits
+        lo, hi = option.bounds(shown)
+        default = defaults[option.name]
+        default = list(default) if isinstance(default, tuple) else default
         kind = "numbers" if option.kind is tuple and option.item is float else _KINDS[option.kind]
+        note = option.limit_note(limits)
         options.append({"name": option.name, "type": kind, "default": default, "minimum": lo,
                         "maximum": hi, "multiple_of": option.multiple_of, "nullable": option.nullable,
-                        "help": option.help, "accepts": option.describe(limits)})
+                        "help": option.help, "accepts": option.describe(shown) + (f" ({note})" if note else "")})
     geometry = engine.geometry
     return {
         "model": engine.served_model,

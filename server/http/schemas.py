@@ -172,7 +172,8 @@ def _option_field(option: Option) -> tuple[Any, Any]:
     shown = "unset" if default is None else repr(default)
     kind = list[float] if option.kind is tuple and option.item is float else _PY_TYPES[option.kind]
     return (kind | None,
-            Field(None, description=f"{option.help} (default {shown}: the reference pipeline's; {option.describe()})",
+            Field(None, description=f"{option.help} (default {shown}: the reference pipeline's; {option.describe()}"
+                                    f"{'; ' + option.limit_note() if option.limit else ''})",
                   json_schema_extra={"x-default": default}))
 
 
@@ -498,7 +499,9 @@ def build_request(params: VideoCreateParams, *, options: ModelOptions, geometry:
         raise ApiError(400, "model_not_found", f"model={params.model!r} is not served here; use {served_model!r} "
                        "or leave model out", "model")
     values = {name: getattr(params, name) for name in options.names}
-    fps = options["frame_rate"].default if values["frame_rate"] is None else values["frame_rate"]
+    fps = values["frame_rate"]
+    if fps is None:  # the default, as resolving the request lowers it to the deployment's limit
+        fps = options["frame_rate"].within_limit(options["frame_rate"].default, {}, limits)
     if params.seconds is not None and values["num_frames"] is not None:
         raise ApiError(400, "conflicting_parameters", "give seconds or num_frames, not both", "seconds")
     if params.size is not None and (values["width"] is not None or values["height"] is not None):
@@ -506,8 +509,8 @@ def build_request(params: VideoCreateParams, *, options: ModelOptions, geometry:
     if params.seconds is not None:
         seconds = _parse_seconds(params.seconds)
         if not isinstance(fps, int) or not 1 <= fps <= limits.max_fps:
-            raise ApiError(400, "invalid_value", f"frame_rate={fps} is out of range; use a value in "
-                           f"[1, {limits.max_fps}]", "frame_rate")
+            raise _as_typed(ApiError(400, "invalid_value", f"frame_rate={fps} is out of range; use a value in "
+                                     f"[1, {limits.max_fps}]", "frame_rate"), params._aliases)
         t = geometry.temporal_compression
         # NOTE(overflow): a duration far past the limit is refused before it is rounded (1e308 s would overflow).
         frames = frames_for_seconds(seconds, fps, t, extension=extension) \
@@ -529,7 +532,7 @@ def build_request(params: VideoCreateParams, *, options: ModelOptions, geometry:
         request = resolve_request(GenerationRequest.of(prompt=params.prompt, seed=seed if params.seed is None
                                                        else params.seed, image=image, conditions=conditions,
                                                        loras=[lora.model_dump() for lora in params.loras or ()],
-                                                       **values), options, limits=limits)
+                                                       **values), options, limits=limits, geometry=geometry)
         check_request(request, geometry=geometry, limits=limits, options=options)
         if request.loras:
             if check_loras is None:

@@ -100,7 +100,7 @@ class _Body:
 
 
 # ``conditions[0][media]`` -> ("conditions", "0", "media"); ``video[id]`` -> ("video", "id")
-_KEY_RE = re.compile(r"^([A-Za-z_]+)((?:\[[A-Za-z0-9_]+\])*)$")
+_KEY_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\[[A-Za-z0-9_]+\])*)$")  # guidance_scale_2 too
 
 
 def _nest(pairs: list[tuple[str, object]]) -> dict:

@@ -114,3 +114,60 @@ def test_the_engine_names_no_model_family_and_no_familys_option():
         assert not re.search(r"\bwan", text.lower()), f"{path.name} names a model family (Wan)"
         named = sorted(name for name in own if name in text)
         assert not named, f"{path.name} names model options {named}"
+
+
+def _cached(**kw) -> ModelOptions:
+    from cp_infer.step_cache import cache_options
+
+    return ModelOptions("Fake", (*_declaration().options, *cache_options(model="Fake")), **kw)
+
+
+def test_a_default_over_a_limit_is_lowered_to_what_the_limit_allows():
+    """A limit refuses only what is given: each default over one becomes the largest value under it that the model
+    takes (frames t*k+1, sides on the geometry's step), and the request then passes every check."""
+    options = ModelOptions("Big", (
+        *standard_options(height=512, width=704, num_frames=161, frame_rate=25, num_inference_steps=50,
+                          guidance_scale=3.0, size_step="a multiple of 32"),))
+    limits = GenerationLimits(max_steps=4, max_frames=40, max_side=300, max_guidance=1.5, max_fps=12)
+    values = options.resolve({}, limits=limits)
+    assert (values["num_inference_steps"], values["num_frames"], values["height"], values["width"],
+            values["guidance_scale"], values["frame_rate"]) == (4, 33, 288, 288, 1.5, 12)
+    wan_like = VideoGeometry(temporal_compression=4, spatial_compression=8, patch_size=2)
+    values = options.resolve({}, limits=limits, geometry=wan_like)  # the model's own steps where it is known
+    assert (values["num_frames"], values["height"]) == (37, 288) and isinstance(values["guidance_scale"], float)
+    request = resolve_request(GenerationRequest(prompt="a fox"), options, limits=limits, geometry=wan_like)
+    assert resolve_request(request, options, limits=limits, geometry=wan_like) == request  # idempotent
+    check_request(request, geometry=wan_like, limits=limits, options=options)
+    # Given, the same values are the client's: refused, naming them.
+    for name, value in (("num_inference_steps", 50), ("frame_rate", 25), ("height", 512)):
+        with pytest.raises(ValueError, match=rf"^{name}={value} is out of range"):
+            options.resolve({name: value}, limits=limits)
+    within = options.resolve({"num_inference_steps": 3, "height": 64}, limits=limits)
+    assert within["num_inference_steps"] == 3 and within["height"] == 64
+
+
+def test_an_option_of_a_feature_that_is_off_is_not_checked_against_the_limits():
+    options = _cached()
+    limits = GenerationLimits(max_steps=2)
+    values = options.resolve({"num_inference_steps": 2}, limits=limits)  # the issue's server: --max-steps 2
+    assert values["cache"] == "none" and values["cache_interval"] <= 2 and values["disable_cache_before_step"] <= 2
+    off = options.resolve({"cache_interval": 40, "disable_cache_before_step": 9}, limits=limits)
+    assert (off["cache_interval"], off["disable_cache_before_step"]) == (40, 9)  # kept as given: the cache is off
+    on = options.resolve({"cache": "taylorseer"}, limits=limits)  # on: its defaults lowered to the limit
+    assert (on["cache_interval"], on["disable_cache_before_step"], on["num_inference_steps"]) == (2, 2, 2)
+    with pytest.raises(ValueError, match=r"^cache_interval=40 is out of range; use a value in \[1, 2\]"):
+        options.resolve({"cache": "taylorseer", "cache_interval": 40}, limits=limits)
+    with pytest.raises(ValueError, match="cache_interval=0 is out of range"):  # the declaration's own range holds
+        options.resolve({"cache_interval": 0}, limits=limits)
+    request = resolve_request(GenerationRequest.of(prompt="a fox", cache_interval=40, num_frames=9, height=64,
+                                                   width=64), options, limits=limits)
+    check_request(request, geometry=VideoGeometry(), limits=limits, options=options)  # the re-check agrees
+
+
+def test_a_limit_below_every_value_names_the_option_and_the_flag():
+    options = _declaration()
+    with pytest.raises(ValueError, match=r"^num_inference_steps: this server's max_steps=1 is below every "
+                                         r"num_inference_steps .*raise --max-steps"):
+        options.resolve({}, limits=GenerationLimits(max_steps=1))
+    with pytest.raises(ValueError, match=r"^height: this server's max_side=20 .*raise --max-side"):
+        options.resolve({}, limits=GenerationLimits(max_side=20))

@@ -140,12 +140,20 @@ def test_a_bad_schedule_is_refused_naming_sigmas(values, says):
     assert says in str(error.value)
 
 
-def test_a_distilled_default_asks_for_its_own_step_count(folders):
+def test_a_distilled_schedule_is_the_default_at_its_own_step_count_only(folders):
+    """The fixed schedule is not the client's: at other steps (given, or a deployment's --max-steps below 8) the
+    default is unset (LTX2Pipeline's schedule for that many), never a refusal; sigmas given must still fit."""
+    from cp_infer.request import GenerationLimits
+    from models.ltx2.options import DISTILLED_SIGMAS
     from models.registry import describe_model
 
     options = describe_model(folders["distilled"]).options
+    assert options.resolve({})["sigmas"] == DISTILLED_SIGMAS
+    assert options.resolve({"num_inference_steps": 4})["sigmas"] is None
+    preview = options.resolve({}, limits=GenerationLimits(max_steps=4))
+    assert preview["num_inference_steps"] == 4 and preview["sigmas"] is None
     with pytest.raises(ValueError, match="give num_inference_steps=8, or 4 sigmas"):
-        options.resolve({"num_inference_steps": 4})
+        options.resolve({"num_inference_steps": 4, "sigmas": list(DISTILLED_SIGMAS)})
     assert options.resolve({"num_inference_steps": 4, "sigmas": [1.0, 0.9, 0.7, 0.4]})["sigmas"] == (1.0, 0.9, 0.7, 0.4)
 
 
