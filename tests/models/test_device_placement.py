@@ -34,6 +34,8 @@ from cp_infer.sampler import SampleControl, _CacheTotals, _run_pass
 
 STATE = single_process_state("meta")
 LIMITS = GenerationLimits()
+DECISIONS = [0]
+"""First-Block Cache decisions taken (the stubbed metric's calls)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,12 +48,11 @@ def _host_values():
     import cp_infer.step_cache
 
     metrics = [None, 0.0, 1.0]  # compute (no metric), reuse, compute
-    count = [0]
 
     def metric(sums: torch.Tensor) -> float | None:
         assert sums.device.type == "meta", sums.device
-        count[0] += 1
-        return metrics[count[0] % len(metrics)]
+        DECISIONS[0] += 1
+        return metrics[DECISIONS[0] % len(metrics)]
 
     ancestral_step = LTXEulerAncestralRFScheduler.step
 
@@ -73,7 +74,6 @@ def _host_values():
         for name in ("_ignore_bidirectional_mask_sdpa", "_ignore_causal_mask_sdpa"):
             mp.setattr(transformers.masking_utils, name, lambda *args, **kwargs: False)
         yield
-    assert count[0], "no step cache decided"
 
 
 def _on_meta(parts: dict) -> dict:
@@ -86,8 +86,10 @@ def _on_meta(parts: dict) -> dict:
 
 def _run(model, request: GenerationRequest, *, start: int = 0, previous_state=None, passes: int = 2) -> None:
     """Up to ``passes`` passes of ``request``'s plan from ``start`` as the sampler runs them, each prepared from the
-    one before; a window pass ends it (its fold into the video reads its latents on the host)."""
+    one before; a window pass ends it (its fold into the video reads its latents on the host). A First-Block Cache
+    request decides at least once."""
     request = resolve_request(request, model.options, limits=LIMITS)
+    decisions = DECISIONS[0]
     plan = model.plan(request)
     previous = None
     for pass_ in plan.passes[start:start + passes]:
@@ -95,8 +97,9 @@ def _run(model, request: GenerationRequest, *, start: int = 0, previous_state=No
                                    control=SampleControl(), state=STATE, cached=_CacheTotals())
         assert all(x.device.type == "meta" for x in full.values()), {k: x.device for k, x in full.items()}
         if pass_.window is not None:
-            return
+            break
         previous, previous_state = full, prepared.state
+    assert request.options.get("cache") != "first_block" or DECISIONS[0] > decisions, "no step cache decision"
 
 
 def _image(rng: np.random.Generator, frames: int = 1) -> Condition:
