@@ -214,7 +214,8 @@ class _RequestState:
     cfg_on: bool
     guidance: float
     generator: torch.Generator
-    """Drawn from after the initial noise: the conditions' per-step re-noise, then the decode noise."""
+    """Drawn from after the initial noise: the conditions' per-step re-noise where it is ``renoise`` (on the CPU), then
+    the decode noise."""
     rope_scale: tuple[float, float, float]
     extra_tokens: int = 0
     """Conditioning tokens placed before the video's (conditions after frame 0)."""
