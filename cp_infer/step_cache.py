@@ -201,8 +201,9 @@ def _total(parts: Sequence[int]) -> int:
 
 
 def _metric(sums: torch.Tensor) -> float | None:
-    """``sum|r - r_prev| / sum|r_prev|`` from the reduced ``[6]`` sums; ``None`` where an element was left out or the
-    previous residual is all zeros (the step computes)."""
+    """``sum|r - r_prev| / sum|r_prev|`` from the reduced ``[6]`` sums (read on the host, wherever they are: the
+    decision is the host's control flow); ``None`` where an element was left out or the previous residual is all
+    zeros (the step computes)."""
     diff, prev = sums[:3].tolist(), sums[3:].tolist()
     if diff[2] or prev[2] or _total(prev) == 0:
         return None
@@ -448,7 +449,7 @@ class _Call:
         diff = (residual - state.head_residual)[:, :self.valid]
         prev = state.head_residual[:, :self.valid]
         sums = cache._reduce(torch.cat([fixed_point_sum(diff), fixed_point_sum(prev)]), self.held)
-        metric = _metric(sums.cpu())
+        metric = _metric(sums)
         compute = metric is None or metric > cache.config.threshold
         cache._record(self.held, compute, metric)
         return compute

@@ -19,8 +19,8 @@ from cp_infer.request import GenerationRequest
 
 from .ltx_vae_parallel import DecodeContext, decode_cost, decode_round
 
-__all__ = ["DecodeNoise", "decode_round_uint8", "decode_split", "noise_for_decode", "refuse_stochastic_sampling",
-           "scoped"]
+__all__ = ["DecodeNoise", "decode_round_uint8", "decode_split", "device_generator", "noise_for_decode",
+           "refuse_stochastic_sampling", "scoped"]
 
 
 def refuse_stochastic_sampling(scheduler) -> None:
@@ -28,6 +28,13 @@ def refuse_stochastic_sampling(scheduler) -> None:
     if scheduler.config.get("stochastic_sampling", False):
         raise ValueError("stochastic_sampling schedulers draw per-step noise that would differ per shard; "
                          "set stochastic_sampling=false in scheduler/scheduler_config.json")
+
+
+def device_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``: noise drawn on the device it is used on, with no host draw and
+    copy (on the CPU, the CPU generator of the same seed: the same values). The meta device has none; a draw there has
+    no values, so it takes the CPU's."""
+    return torch.Generator("cpu" if device.type == "meta" else device).manual_seed(int(seed))
 
 
 def decode_split(vae, latent_frames: int, *, world: int, temporal_compression: int, frames_per_rank,

@@ -293,15 +293,16 @@ class LTX2Model:
         ``output_type="latent"``, upsampled by LTX2LatentUpsamplePipeline, renoised to the first sigma of the
         distilled schedule as LTX2Pipeline(latents=..., audio_latents=..., noise_scale=...) does (I2V: as
         LTX2ImageToVideoPipeline does, the first latent frame kept clean and conditioned), from stage 1's generator."""
-        cpu = torch.device("cpu")
+        device = self.device
         settings = LTX2Settings.from_request(request)
         contexts = self._encode_prompt(request, settings)
         stage1 = self._stage_output(previous, before)
         # NOTE(upsampler): replicated, on every rank alike (a few 3-D convolutions over the half-size latents, small
         # beside one transformer step); its output is the same on every rank, so the group needs no exchange.
         upsampled = self.upsample_pipe(latents=stage1["latents"], output_type="latent", return_dict=False)[0]
-        # On the CPU, from stage 1's generator, where LTX2Pipeline draws its renoising: the same on every rank.
-        upsampled, audio = upsampled.to(cpu, torch.float32), stage1["audio_latents"].to(cpu, torch.float32)
+        # Renoised on the device with noise drawn on the CPU from stage 1's generator (diffusers' randn_tensor draws a
+        # CPU generator's noise there), as LTX2Pipeline given that generator: the same on every rank.
+        upsampled, audio = upsampled.to(torch.float32), stage1["audio_latents"].to(torch.float32)
         noise_scale = REFINE_SIGMAS[0]
         generator = before.generator
         conditioning: VideoConditioning | None = None
@@ -311,23 +312,20 @@ class LTX2Model:
             # rest renoised to the first sigma; the audio drawn in its packed layout, as that pipeline draws it.
             video, conditioning, keyframe_coords = prepare_conditions(
                 self.cond_pipe, request, shape, channels=self.transformer.config.in_channels, fps=float(request.fps),
-                device=cpu, generator=generator, latents=upsampled, noise_scale=noise_scale)
-            conditioning = VideoConditioning(mask=conditioning.mask.to(self.device),
-                                             clean=conditioning.clean.to(self.device),
-                                             video_tokens=conditioning.video_tokens)
+                device=device, generator=generator, latents=upsampled, noise_scale=noise_scale)
             audio = self.cond_pipe.prepare_audio_latents(latents=audio, noise_scale=noise_scale, dtype=torch.float32,
-                                                         device=cpu, generator=generator)
+                                                         device=device, generator=generator)
         elif request.image is not None:
             video, mask = self.i2v_pipe.prepare_latents(None, 1, upsampled.shape[1], request.height, request.width,
-                                                        request.num_frames, noise_scale, torch.float32, cpu,
+                                                        request.num_frames, noise_scale, torch.float32, device,
                                                         generator, upsampled)
-            conditioning = VideoConditioning(mask=mask.to(self.device), clean=None, video_tokens=video.shape[1])
+            conditioning = VideoConditioning(mask=mask, clean=None, video_tokens=video.shape[1])
         else:
             video = self.pipe.prepare_latents(latents=upsampled, noise_scale=noise_scale, dtype=torch.float32,
-                                              device=cpu, generator=generator)
+                                              device=device, generator=generator)
         if not request.conditions:
             audio = self.pipe.prepare_audio_latents(latents=audio, noise_scale=noise_scale, dtype=torch.float32,
-                                                    device=cpu, generator=generator)
+                                                    device=device, generator=generator)
         scheduler = refine_scheduler(self.pipe.scheduler)
         return self.prepared_pass(request, shape, settings, contexts, video, audio, scheduler=scheduler,
                                   sigmas=REFINE_SIGMAS, generator=generator, conditioning=conditioning,
@@ -339,8 +337,9 @@ class LTX2Model:
                       keyframe_coords: torch.Tensor | None = None,
                       audio_conditioning: VideoConditioning | None = None) -> Prepared:
         """A pass's schedules (LTX2Pipeline's shift for the video's token count; ``scheduler``: the pipeline's
-        unless given), RoPE coordinates and state."""
-        device, cpu = self.device, torch.device("cpu")
+        unless given), RoPE coordinates and state. What its steps read (latents, coordinates, conditioning) is put on
+        the model's device here, wherever it was made."""
+        device = self.device
         scheduler = scheduler or self.pipe.scheduler
         video_ctx, audio_ctx, ctx_mask = contexts
         fps = float(request.fps)
@@ -353,18 +352,18 @@ class LTX2Model:
             timesteps, _ = retrieve_timesteps(schedulers[name], len(sigmas), device, sigmas=sigmas, mu=mu)
             schedulers[name].set_begin_index(0)
         batch = 2 if settings.cfg else 1
-        video_coords = self.transformer.rope.prepare_video_coords(1, shape.frames, shape.height, shape.width, cpu,
+        video_coords = self.transformer.rope.prepare_video_coords(1, shape.frames, shape.height, shape.width, device,
                                                                   fps=fps)
         if keyframe_coords is not None:
             # 1, 3, S_VIDEO, 2 -> 1, 3, S_VIDEO + S_KEYFRAMES, 2: the keyframe tokens follow the video's
             video_coords = torch.cat([video_coords, keyframe_coords.to(video_coords)], dim=2)
-        audio_coords = self.transformer.audio_rope.prepare_audio_coords(1, audio_frames, cpu)
+        audio_coords = self.transformer.audio_rope.prepare_audio_coords(1, audio_frames, device)
         state = _RequestState(
             request=request, shape=shape, settings=settings, schedulers=schedulers, video_ctx=video_ctx,
-            audio_ctx=audio_ctx, ctx_mask=ctx_mask, coords={"video": video_coords.to(device),
-                                                            "audio": audio_coords.to(device)},
-            batch=batch, generator=generator, audio_frames=audio_frames, fps=fps, conditioning=conditioning,
-            audio_conditioning=audio_conditioning,
+            audio_ctx=audio_ctx, ctx_mask=ctx_mask, coords={"video": video_coords, "audio": audio_coords},
+            batch=batch, generator=generator, audio_frames=audio_frames, fps=fps,
+            conditioning=None if conditioning is None else conditioning.to(device),
+            audio_conditioning=None if audio_conditioning is None else audio_conditioning.to(device),
             cache=pass_cache(request, state=self.state, contexts=settings.cache_contexts, layers=self.layers))
         return Prepared(latents={"video": video.to(device), "audio": audio.to(device)}, timesteps=list(timesteps),
                         state=state)

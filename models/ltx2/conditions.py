@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,11 @@ class VideoConditioning:
     every step's denoised sample; ``None`` for image-to-video, whose first latent frame is never stepped."""
     video_tokens: int
     """The video's own tokens, first in the stream; any after them are keyframe tokens, dropped at the end."""
+
+    def to(self, device: torch.device) -> VideoConditioning:
+        """The same conditioning on ``device`` (the one its steps run on)."""
+        clean = None if self.clean is None else self.clean.to(device)
+        return dataclasses.replace(self, mask=self.mask.to(device), clean=clean)
 
     def timestep(self, t: torch.Tensor, plan: ShardPlan, rank: int) -> torch.Tensor:
         """``[B, S_LOCAL]``: this rank's per-token timesteps ``t * (1 - mask)`` for the batch timesteps ``t [B]``

@@ -50,6 +50,7 @@ from models.common.adapter import (
     DecodeNoise,
     decode_round_uint8,
     decode_split,
+    device_generator,
     noise_for_decode,
     refuse_stochastic_sampling,
     scoped,
@@ -93,7 +94,8 @@ class _RequestState:
     cfg_on: bool
     guidance: float
     generator: torch.Generator
-    """Drawn from after the initial noise: the conditions' per-step re-noise, then the decode noise."""
+    """Drawn from after the initial noise: the conditions' per-step re-noise where it is ``renoise`` (on the CPU), then
+    the decode noise."""
     rope_scale: tuple[float, float, float]
     extra_tokens: int = 0
     """Conditioning tokens placed before the video's (conditions after frame 0)."""
@@ -103,6 +105,10 @@ class _RequestState:
     init_latents: torch.Tensor | None = None
     video_coords: torch.Tensor | None = None
     noise_scale: float = 0.0
+    renoise: torch.Generator | None = None
+    """Conditions mode: the per-step re-noise's generator, on the device the noise is used on (on the CPU,
+    ``generator`` itself, as LTXConditionPipeline draws it; elsewhere one there seeded with the request's seed: no
+    host draw and copy of the whole sequence at every step)."""
     cache: StepCache | None = None
     """The pass's step cache (``cache="none"``: none)."""
     # Set by ``predict`` for the ``step`` that follows it (this rank's shard).
@@ -322,6 +328,7 @@ class LTXVideoModel:
             cond_mask, noise_scale = latents.new_zeros(latents.shape[:2]), 0.0
         x.mode, x.cond_mask, x.init_latents, x.extra_tokens = "conditions", cond_mask, latents.clone(), extra
         x.video_coords, x.noise_scale = torch.cat([coords] * 2) if x.cfg_on else coords, noise_scale
+        x.renoise = x.generator if device.type == "cpu" else device_generator(device, request.seed)
         return Prepared(latents={"video": latents}, timesteps=list(timesteps), state=x)
 
     def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
@@ -336,8 +343,9 @@ class LTXVideoModel:
         if mode == "conditions" and x.noise_scale > 0:
             # LTXConditionPipeline re-noises the fully conditioned tokens at every step; the noise of the whole
             # sequence is drawn on every rank from the same generator, each keeping its shard.
-            noise = torch.randn(x.init_latents.shape, generator=x.generator, dtype=torch.float32)
-            noise = plan.shard(noise, rank).to(latents_local.device)
+            noise = torch.randn(x.init_latents.shape, generator=x.renoise, dtype=torch.float32,
+                                device=latents_local.device)
+            noise = plan.shard(noise, rank)
             init = plan.shard(x.init_latents, rank)
             noised = init + x.noise_scale * noise * ((t / 1000.0) ** 2)
             latents_local.copy_(torch.where((cond_mask > 1.0 - 1e-6).unsqueeze(-1), noised, latents_local))

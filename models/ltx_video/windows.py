@@ -3,7 +3,8 @@ sequence-parallel pass of the plan (``models.common.windows`` cuts the windows a
 
 The maths is the pipeline's own, with its own helpers (``inject_prev_tail_latents``,
 ``build_video_coords_for_window``, ``adain_normalize_latents``, ``linear_overlap_fuse``): each window starts from
-noise drawn from ``seed + start``, the previous window's tail appended as conditioning tokens (per-token timesteps
+noise drawn from ``seed + start`` (by a generator on the model's device, as the pipeline's ``torch.Generator(device)``),
+the previous window's tail appended as conditioning tokens (per-token timesteps
 ``t * mask``, blended towards their clean latents before and after every step, RoPE coordinates of the window's
 start), and is fused into the video made so far (first frame dropped, AdaIN to the first window, a linear
 crossfade over the overlap).
@@ -12,8 +13,9 @@ Invariants:
 - Every rank prepares the same window, from the same gathered latents; a scheduler that draws noise at every step
   (``LTXEulerAncestralRFScheduler``) draws the noise of the whole window's sequence on every rank from the window's
   generator, each rank keeping its shard (:func:`_shard_noise`), so N ranks equal 1 rank.
-- The video made so far (:class:`Video`) is the only state a window hands the next: a few latent frames, saved
-  after each window (``checkpoint``) so that a restarted job goes on from the last finished one.
+- The video made so far (:class:`Video`) is the only state a window hands the next: a few latent frames on the CPU,
+  saved after each window (``checkpoint``) so that a restarted job goes on from the last finished one. What a
+  window's steps read (its noise, masks, conditioning latents, RoPE coordinates) is made on the model's device.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Prepared
 from cp_infer.step_cache import StepCache
 from cp_infer.weights import join_call
+from models.common.adapter import device_generator
 from models.common.step_cache import cached_call
 from models.common.windows import Windows, windows_of
 
@@ -110,13 +113,15 @@ class WindowPass:
     mask: torch.Tensor
     cfg_on: bool
     generator: torch.Generator
-    """``seed + start``: the window's noise, then the scheduler's per-step noise."""
+    """``seed + start``, on the model's device as the pipeline's: the window's noise, then the scheduler's per-step
+    noise."""
     clean: torch.Tensor
     """``[1, S, C]`` the window's conditioning latents (zeros where it is free, the previous tail after it)."""
     cond: torch.Tensor
     """``[1, S, 1]`` each token's mask: 1 free, ``1 - strength`` for the previous tail."""
     coords: torch.Tensor
-    """``[1, 3, S]`` RoPE coordinates (the tail at the window's start)."""
+    """``[1, 3, S]`` RoPE coordinates (the tail at the window's start). Like ``clean`` and ``cond``, on the model's
+    device: every step reads them."""
     size: tuple[int, int, int]
     """The window's latent ``(frames, height, width)`` with the tail."""
     tail: int
@@ -160,8 +165,9 @@ def prepare_window(model, request: GenerationRequest, previous_state, *, kind: s
         embeds, mask = torch.cat([neg_embeds, embeds]), torch.cat([neg_mask, mask])
     cfg, s_ratio = model.transformer.config, model.geometry.spatial_compression
     height, width = request.height // s_ratio, request.width // s_ratio
-    window = torch.zeros((1, cfg.in_channels, end - start, height, width), dtype=torch.float32)
-    cond = torch.ones((1, 1, end - start, height, width), dtype=torch.float32)
+    # The window is built on the device its steps run on (the made video, checkpointed, stays on the CPU).
+    window = torch.zeros((1, cfg.in_channels, end - start, height, width), dtype=torch.float32, device=device)
+    cond = torch.ones((1, 1, end - start, height, width), dtype=torch.float32, device=device)
     # The pipeline ignores its image at cond_strength 0.
     image = None if request.image is None or not request.options["cond_strength"] else _image_latents(model, request)
     if image is not None and w == 0:
@@ -170,15 +176,15 @@ def prepare_window(model, request: GenerationRequest, previous_state, *, kind: s
     if before is not None and windows.overlap > 0:
         strength = float(request.options["temporal_overlap_cond_strength"])
         k = min(windows.overlap, before.latents.shape[2])
-        window, cond, tail = inject_prev_tail_latents(window, before.latents[:, :, -k:], cond, windows.overlap,
-                                                      strength, 0)
+        window, cond, tail = inject_prev_tail_latents(window, before.latents[:, :, -k:].to(device), cond,
+                                                      windows.overlap, strength, 0)
     if image is not None:
         # The image as the pipeline's negative-index frame: appended to every window, fully conditioned.
         window, cond, tail = inject_prev_tail_latents(window, image, cond, 1, 1.0, tail)
         if w == 0:
             cond[:, :, 0] = 1.0 - float(request.options["cond_strength"])
-    generator = torch.Generator("cpu").manual_seed(int(request.seed) + int(start))
-    noise = torch.randn(window.shape, generator=generator, dtype=torch.float32)
+    generator = device_generator(device, int(request.seed) + int(start))
+    noise = torch.randn(window.shape, generator=generator, dtype=torch.float32, device=device)
     mixed = noise * cond + (1 - cond) * window
     p, pt = cfg.patch_size, cfg.patch_size_t
     t_ratio = model.geometry.temporal_compression
@@ -199,9 +205,9 @@ def prepare_window(model, request: GenerationRequest, previous_state, *, kind: s
         # tokens start from the upsampled latents renoised to the first sigma (the conditioned ones as in stage 1).
         scheduler.set_timesteps(num_inference_steps=REFINE_STEPS, device=device, **({} if mu is None else {"mu": mu}))
         first = REFINE_STEPS - refine_pass_steps()
-        sigma = float(scheduler.sigmas[first])
+        sigma = scheduler.sigmas[first]  # on the device: read there, not on the host
         part = torch.zeros_like(window)
-        part[:, :, :end - start] = upsampled[:, :, start:end]
+        part[:, :, :end - start] = upsampled[:, :, start:end].to(device)
         mixed = torch.where(cond == 1.0, sigma * noise + (1 - sigma) * part, mixed)
         timesteps = list(scheduler.timesteps[first:])
     else:
@@ -223,22 +229,22 @@ def _extended(model, request: GenerationRequest) -> Video:
     pipe = model.pipe
     clip = [Image.fromarray(frame, mode="RGB") for frame in request.extends.frames]
     pixels = pipe.video_processor.preprocess_video(clip, height=request.height, width=request.width)
-    latents = _encode(model, pixels)
+    latents = _encode(model, pixels).cpu()
     return Video(latents, latents, window=-1)
 
 
 def _encode(model, pixels: torch.Tensor) -> torch.Tensor:
-    """``[1, 3, F, H, W]`` pixels in [-1, 1] -> normalised latents (the latent distribution's mode), as the pipeline
-    encodes its conditioning image."""
+    """``[1, 3, F, H, W]`` pixels in [-1, 1] -> normalised latents (the latent distribution's mode, on the model's
+    device), as the pipeline encodes its conditioning image."""
     pipe, vae = model.pipe, model.components.vae
     encoded = vae.encode(pixels.to(device=model.device, dtype=vae.dtype))
-    latents = (encoded.latent_dist.mode() if hasattr(encoded, "latent_dist") else encoded.latents).float().cpu()
+    latents = (encoded.latent_dist.mode() if hasattr(encoded, "latent_dist") else encoded.latents).float()
     return pipe._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
 
 
 def _image_latents(model, request: GenerationRequest) -> torch.Tensor:
-    """``[1, C, 1, H, W]``: the request's image encoded as the pipeline encodes ``cond_image`` (the latent
-    distribution's mode, normalised), the same on every rank."""
+    """``[1, C, 1, H, W]`` on the model's device: the request's image encoded as the pipeline encodes ``cond_image``
+    (the latent distribution's mode, normalised), the same on every rank."""
     from PIL import Image
 
     image = Image.fromarray(request.image.frames[0], mode="RGB")
@@ -251,12 +257,12 @@ def predict_window(model, latents_local: dict[str, torch.Tensor], t: torch.Tenso
     x: WindowPass = prepared.state
     latents, plan, rank = latents_local["video"], plans["video"], model.state.cp_rank
     batch = 2 if x.cfg_on else 1
-    cond = plan.shard(x.cond, rank).to(latents.device)  # 1, S, 1 -> 1, S_LOCAL, 1
+    cond = plan.shard(x.cond, rank)  # 1, S, 1 -> 1, S_LOCAL, 1
     share = pass_shares(batch, model.state.guidance_size)[model.state.guidance_rank]
     rows, n = slice(share.start, share.stop), len(share)
     model_in = torch.cat([latents] * n) if n else None  # none: a guidance rank with no pass (no CFG on two)
     # The pre-step blend comes after the model input is taken (the pipeline's order): it changes what is stepped.
-    latents.copy_(latents * cond + plan.shard(x.clean, rank).to(latents.device) * (1.0 - cond))
+    latents.copy_(latents * cond + plan.shard(x.clean, rank) * (1.0 - cond))
     if n:
         timestep = t.expand(n)[:, None, None] * torch.cat([cond] * n)
         s_ratio = model.geometry.spatial_compression
@@ -287,8 +293,8 @@ def step_window(model, noise_pred_local: dict[str, torch.Tensor], t: torch.Tenso
     with _shard_noise(model.scheduler, plan, rank, x.clean.shape):
         stepped = model.scheduler.step(noise_pred_local["video"], t, latents, generator=x.generator,
                                        return_dict=False)[0]
-    cond = plan.shard(x.cond, rank).to(latents.device)
-    return {"video": stepped * cond + plan.shard(x.clean, rank).to(latents.device) * (1.0 - cond)}
+    cond = plan.shard(x.cond, rank)
+    return {"video": stepped * cond + plan.shard(x.clean, rank) * (1.0 - cond)}
 
 
 @contextlib.contextmanager
@@ -302,10 +308,10 @@ def _shard_noise(scheduler, plan: ShardPlan, rank: int, full_shape: torch.Size) 
         return
 
     def sharded(shape, generator=None, device=None, dtype=None, layout=None):
-        full = torch.randn(tuple(full_shape), generator=generator, dtype=dtype)
+        full = torch.randn(tuple(full_shape), generator=generator, dtype=dtype, device=device)
         local = plan.shard(full, rank)
         assert tuple(local.shape) == tuple(shape), (local.shape, shape)
-        return local.to(device)
+        return local
 
     module.randn_tensor = sharded
     try:

@@ -93,6 +93,11 @@ class _RequestState:
     guidance_2: float
     boundary: float | None
     """Wan 2.2 A14B: steps with ``t`` below it run ``transformer_2``; ``None``: one expert."""
+    high_noise: tuple[bool, ...] = ()
+    """With ``boundary``: whether each step's ``t`` is at or above it (its expert is ``transformer``), decided on the
+    host from the schedule computed there, so that no step reads its device timestep back."""
+    step: int = 0
+    """The steps taken."""
     image_embeds: torch.Tensor | None = None
     """Wan 2.1 I2V's CLIP image tokens ``[1, 257, 1280]``."""
     condition: torch.Tensor | None = None
@@ -235,13 +240,17 @@ class WanModel:
         embeds = [prompt_embeds.to(dtype)] + ([negative_embeds.to(dtype)] if cfg_on else [])
         scheduler = self._request_scheduler(request)
         scheduler.set_timesteps(request.num_inference_steps, device=device)
-        boundary = None
+        boundary, high_noise = None, ()
         if layout.boundary_ratio is not None:
             boundary = layout.boundary_ratio * scheduler.config.num_train_timesteps
+            host = self._request_scheduler(request)  # the same schedule, on the CPU
+            host.set_timesteps(request.num_inference_steps, device="cpu")
+            high_noise = tuple(bool(t >= boundary) for t in host.timesteps)
         guidance_2 = request.options.get("guidance_scale_2")
         x = _RequestState(request=request, shape=shape, scheduler=scheduler, embeds=embeds,
                           guidance=request.guidance_scale,
-                          guidance_2=request.guidance_scale if guidance_2 is None else guidance_2, boundary=boundary)
+                          guidance_2=request.guidance_scale if guidance_2 is None else guidance_2, boundary=boundary,
+                          high_noise=high_noise)
         # NOTE(noise): drawn on the CPU from the request's seed so that every rank, and every device type, starts
         # from the same latents.
         generator = torch.Generator("cpu").manual_seed(request.seed)
@@ -281,9 +290,9 @@ class WanModel:
         x.token_mask = mask[0][0][:, ::2, ::2].flatten()
         return latents
 
-    def _expert(self, x: _RequestState, t: torch.Tensor) -> tuple[torch.nn.Module, float]:
-        """The transformer of the step at ``t`` and its guidance scale (WanPipeline's choice)."""
-        if x.boundary is None or t >= x.boundary:
+    def _expert(self, x: _RequestState) -> tuple[torch.nn.Module, float]:
+        """The transformer of the step at hand and its guidance scale (WanPipeline's choice: ``t >= boundary``)."""
+        if x.boundary is None or x.high_noise[x.step]:
             return self.transformer, x.guidance
         return self.components.transformer_2, x.guidance_2
 
@@ -292,7 +301,7 @@ class WanModel:
         x: _RequestState = prepared.state
         latents, plan = latents_local["video"], plans["video"]
         rank, dtype = self.state.cp_rank, x.embeds[0].dtype
-        expert, guidance = self._expert(x, t)
+        expert, guidance = self._expert(x)
         if x.condition is None:
             model_in = latents
         elif x.keep is None:  # 1, S_LOCAL, C*P -> 1, S_LOCAL, (C + C_COND)*P: the pipeline's cat on channels
@@ -332,6 +341,7 @@ class WanModel:
              plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
         x: _RequestState = prepared.state
         stepped = x.scheduler.step(noise_pred_local["video"], t, latents_local["video"], return_dict=False)[0]
+        x.step += 1
         if x.tail is not None:
             stepped = replace_tail(stepped, x, plans["video"], self.state.cp_rank)
         return {"video": stepped}
