@@ -115,9 +115,9 @@ def _random(rng: np.random.Generator, *shape: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def ltx_video():
+    from models.ltx_video.adapter import LTXVideoModel
     from models.ltx_video.default import build_default_components, build_latent_upsampler
     from models.ltx_video.loading import LTXVideoComponents
-    from models.ltx_video.adapter import LTXVideoModel
 
     parts = _on_meta(dict(build_default_components(), latent_upsampler=build_latent_upsampler()))
     components = LTXVideoComponents(**parts, path=None, dtype=torch.float32, device=STATE.device)
@@ -130,9 +130,9 @@ def ltx_video_ancestral():
     the modules it is given)."""
     from diffusers import LTXEulerAncestralRFScheduler
 
+    from models.ltx_video.adapter import LTXVideoModel
     from models.ltx_video.default import build_default_components
     from models.ltx_video.loading import LTXVideoComponents
-    from models.ltx_video.adapter import LTXVideoModel
 
     parts = _on_meta(dict(build_default_components(), scheduler=LTXEulerAncestralRFScheduler()))
     return LTXVideoModel(LTXVideoComponents(**parts, path=None, dtype=torch.float32, device=STATE.device),
@@ -193,9 +193,9 @@ def test_ltx_video_windows(ltx_video, ltx_video_ancestral, mode):
 
 @pytest.fixture(scope="module")
 def ltx2():
+    from models.ltx2.adapter import LTX2Model
     from models.ltx2.default import build_ltx2_components, build_ltx2_latent_upsampler
     from models.ltx2.loading import LTX2Components
-    from models.ltx2.adapter import LTX2Model
 
     parts = _on_meta(dict(build_ltx2_components(), latent_upsampler=build_ltx2_latent_upsampler()))
     components = LTX2Components(**parts, path=None, dtype=torch.float32, device=STATE.device)
@@ -258,8 +258,8 @@ def test_ltx2_windows(ltx2, mode):
 def _wan(variant: str):
     from diffusers import WanImageToVideoPipeline
 
-    from models.wan.default import build_wan_pipeline
     from models.wan.adapter import WanModel
+    from models.wan.default import build_wan_pipeline
     from models.wan.loading import WanComponents
     from models.wan.options import WanLayout
 
