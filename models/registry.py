@@ -206,28 +206,32 @@ def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | tor
     ``compile_blocks`` and ``lora_dir`` the adapters are copied into slots of rank ``max_lora_rank`` (unset: the
     default) made before the compile (``models.lora_slots``), so the blocks compile once for every adapter;
     ``weights`` and ``offload``: where the components go (``models.placement``; the adapter's ``placement``)."""
-    from .placement import apply_offload, resolve_placement, sharded_loaders
+    from .placement import apply_offload, offloaded_components, resolve_placement, sharded_loaders
 
     files = resolve_files(model, config=config, upsampler=upsampler)
     family = detect_family(files.folder)
     dtype = parse_dtype(dtype)
     placement = resolve_placement(files.folder, dtype=dtype, state=state, weights=weights, offload=offload)
     loaders = sharded_loaders(family, placement)
+    offloaded = offloaded_components(placement)
     if family == "wan":
         from .wan import WanModel
         from .wan_loading import load_wan
 
-        adapter = WanModel(load_wan(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
+        adapter = WanModel(load_wan(files, dtype=dtype, device=state.device, loaders=loaders, offloaded=offloaded),
+                           state=state)
     elif family == "ltx-video":
         from .loading import load_ltx_video
         from .ltx_video import LTXVideoModel
 
-        adapter = LTXVideoModel(load_ltx_video(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
+        adapter = LTXVideoModel(load_ltx_video(files, dtype=dtype, device=state.device, loaders=loaders,
+                                               offloaded=offloaded), state=state)
     else:
         from .loading import load_ltx2
         from .ltx2 import LTX2Model
 
-        adapter = LTX2Model(load_ltx2(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
+        adapter = LTX2Model(load_ltx2(files, dtype=dtype, device=state.device, loaders=loaders, offloaded=offloaded),
+                            state=state)
     apply_offload(adapter.components, placement)
     adapter.placement = placement
     if lora_dir is not None:
