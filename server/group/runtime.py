@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from cp_infer import ParallelConfig, ParallelState, all_reduce_max_int, broadcast_object, init_parallel, warmup
 from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, resolve_frames_per_rank
+from cp_infer.devices import AUTO, apply_device_defaults, resolve_dtype
 from cp_infer.placement import RankMemory
 from cp_infer.request import GenerationLimits, GenerationRequest, LoraWeight
 from cp_infer.sampler import DenoiseModel, SampleControl, StepStatus, sample
@@ -71,8 +72,10 @@ class RuntimeConfig:
     upsampler: str | None = None
     """``--upsampler``: a latent-upsampler folder or hub id paired with the model (two-stage generation); ``None``:
     the model folder's own ``latent_upsampler/``, if any."""
-    dtype: str = "fp32"
-    """``fp32``, ``bf16`` or ``fp16`` for the transformer, text encoder and VAE."""
+    dtype: str = AUTO
+    """``fp32``, ``bf16`` or ``fp16`` for the transformer, text encoder and VAE (Wan's VAE stays float32:
+    ``models.wan_loading``); ``auto``: the device's (``cp_infer.devices.device_defaults``: bf16 on CUDA, fp32 on the
+    CPU)."""
     device: str | None = None
     """``cpu`` or ``cuda``; ``None`` picks ``cuda:LOCAL_RANK`` when CUDA exists."""
     timeout_s: float = 120.0
@@ -107,7 +110,8 @@ class RuntimeConfig:
     """Components kept on the CPU between uses: ``text_encoder``, ``vae``, ``transformer_blocks``."""
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        if self.dtype != AUTO:
+            parse_dtype(self.dtype)
         if self.max_lora_bytes < 0:
             raise ValueError(f"max_lora_bytes={self.max_lora_bytes} must be >= 0")
         if self.max_lora_rank < 1:
@@ -190,8 +194,10 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
     phases.mark("rendezvous and groups")
     if state.world_size > 1:
         process.set_rank_title(state.rank, state.world_size, state.replica)
+    apply_device_defaults(state.device)
+    dtype = resolve_dtype(config.dtype, state.device)
     files = resolve_files(config.model, config=config.model_config, upsampler=config.upsampler)
-    model = open_model(files, dtype=config.dtype, state=state, compile_blocks=config.compile_blocks,
+    model = open_model(files, dtype=dtype, state=state, compile_blocks=config.compile_blocks,
                        lora_dir=config.lora_dir, max_lora_bytes=config.max_lora_bytes,
                        max_lora_rank=config.max_lora_rank,
                        stage_2_loras=config.stage_2_loras, weights=config.weights,
@@ -204,7 +210,7 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
     if state.is_leader:
         log.info("loaded %s on %d rank(s) (guidance %d x Ulysses %d), device %s, dtype %s",
                  files.checkpoint or files.folder, state.world_size,
-                 state.guidance_size, state.cp_size, state.device, config.dtype)
+                 state.guidance_size, state.cp_size, state.device, dtype)
         log.info("weights %s, offload %s; %s", model.placement.weights, ",".join(model.placement.offload) or "none",
                  "; ".join(f"rank {m.rank}: {m.text()}" for m in memory))
     return Runtime(config=config, state=state, model=model, memory=memory)
