@@ -2,7 +2,7 @@
 weights, in the device's default dtype (``cp_infer.devices``: bf16 and TF32 on CUDA), against diffusers' own pipeline
 over the same modules, plus the paths diffusers has no one-call peer for. Prints one table.
 
-    python bench/gpu_check.py                        # CUDA: real-size transformers, < 8 min on one H200
+    python bench/gpu_check.py                        # CUDA: real-size transformers (sized for < 8 min on one H200)
     python bench/gpu_check.py --device cpu --quick   # the CPU smoke mode (tests/test_gpu_check.py runs it)
 
 Rows: LTX-Video, LTX-2 and Wan 2.1 text-to-video against ``LTXPipeline``, ``LTX2Pipeline`` and ``WanPipeline``;

@@ -130,9 +130,11 @@ def model_components(model: str | Path, *, dtype: str | torch.dtype) -> list[Com
     for name, cls, is_transformers in _component_classes(family, root):
         if not (root / name).is_dir():
             continue  # the latent upsampler is optional; a missing required one is the load's to report
+        # Wan's VAE and image encoder load in float32 whatever the dtype (models.wan_loading).
+        own = torch.float32 if family == "wan" and name in ("vae", "image_encoder") else dtype
         try:
-            module = (build_text_encoder(cls, root / name, dtype) if is_transformers
-                      else build_transformer(cls, root, name, dtype))
+            module = (build_text_encoder(cls, root / name, own) if is_transformers
+                      else build_transformer(cls, root, name, own))
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise ModelLoadError(f"could not read the config of {name}/ in {str(root)!r}: {exc}") from exc
         blocks, idle = ([], [])

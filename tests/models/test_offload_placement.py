@@ -73,3 +73,14 @@ def test_wan_keeps_its_vae_and_image_encoder_in_float32(folders):
     assert torch.bfloat16 in {p.dtype for p in components.text_encoder.parameters()}
     assert {p.dtype for p in components.vae.parameters()} == {torch.float32}
     assert {p.dtype for p in components.image_encoder.parameters()} == {torch.float32}
+
+
+def test_the_memory_plan_counts_wans_vae_and_image_encoder_in_float32(folders):
+    """The plan's bytes are the loaded ones (``models.placement``): Wan's VAE and image encoder at 4 bytes each."""
+    from models.placement import model_components
+
+    plan = {c.name: c for c in model_components(folders["wan-i2v"], dtype="bf16")}
+    assert {size for _, size in plan["vae"].root.tensors} == {4}
+    assert {size for c in ("image_encoder",) for u in (plan[c].root, *plan[c].blocks, *plan[c].idle)
+            for _, size in u.tensors} == {4}
+    assert 2 in {size for _, size in plan["transformer"].blocks[0].tensors}
