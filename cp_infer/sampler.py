@@ -248,10 +248,11 @@ def _agree(status: StepStatus, message: str, *, state: ParallelState) -> None:
 
 
 def _out_of_memory(exc: torch.OutOfMemoryError) -> tuple[StepStatus, str]:
-    # The allocator's message is long (its advice on PYTORCH_CUDA_ALLOC_CONF): its first sentence says what was asked.
-    first = str(exc).split("\n")[0].split(". ")[0]
-    return StepStatus.OUT_OF_MEMORY, (f"out of device memory ({first}); lower the frames, size or steps' batch, "
-                                      "spread it over more ranks, or use --weights sharded / --offload")
+    # The allocator's message is long (its advice on PYTORCH_CUDA_ALLOC_CONF): its first two sentences say what ran
+    # out and what was asked for.
+    first = ". ".join(str(exc).split("\n")[0].split(". ")[:2])
+    return StepStatus.OUT_OF_MEMORY, (f"out of device memory ({first}); lower the frames or the size, spread the job "
+                                      "over more ranks, or use --weights sharded / --offload")
 
 
 def _free_cached(device: torch.device) -> None:
