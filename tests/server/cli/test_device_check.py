@@ -38,3 +38,20 @@ def test_more_ranks_than_gpus_is_exit_code_2(two_gpus, capsys, tmp_path, command
     err = capsys.readouterr().err
     assert code == 2, err
     assert "4 ranks on this node and 2 visible CUDA device(s)" in err and "--nproc_per_node 2" in err
+
+
+def test_dtype_is_auto_by_default_and_resolved_on_the_device():
+    """``--dtype`` reaches the runtime as ``auto`` unless given (``start_runtime`` resolves it on the rank's device with
+    ``cp_infer.devices.resolve_dtype``, tested in ``tests/cp_infer/test_devices.py``)."""
+    from server.cli.command import build_parser
+    from server.cli.common import runtime_config_from_args
+    from server.group.runtime import RuntimeConfig
+
+    def parsed(*flags: str) -> str:
+        args = build_parser().parse_args(["generate", "--prompt", "a cat", "--out", "x.mp4", *flags])
+        return runtime_config_from_args(args).dtype
+
+    assert parsed() == RuntimeConfig().dtype == "auto"
+    assert parsed("--dtype", "bf16") == "bf16"
+    with pytest.raises(ValueError, match="dtype='fp64' is not supported"):
+        RuntimeConfig(dtype="fp64")
