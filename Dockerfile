@@ -1,4 +1,6 @@
 # cp-infer on a CUDA host: one container, one node, N GPUs (set NPROC to the GPU count).
+# Run it with --ipc=host (or --shm-size 16g): NCCL moves data between the ranks through /dev/shm, and Docker's
+# 64 MB default fails the group's first collectives. docs/deployment.md#docker has the full command.
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \

@@ -20,6 +20,9 @@ Invariants:
   An audio-video model's soundtrack goes before the frames: piece by piece, each window's before that window's
   frames (``SampleControl.on_audio_piece``, ``Decoder.audio_piece``), or whole (``on_audio``), in which case the
   frames wait for the last window. Which of the two is the delivering rank's choice, agreed on by the whole mesh.
+- Running out of device memory (``torch.OutOfMemoryError``) in a step, in preparing or in a hook is a failure of
+  that job alone, agreed on like any other (``JobOutOfMemory``, code ``out_of_memory``), with the allocator's cache
+  emptied on CUDA: the group keeps serving.
 - A step cache (``cp_infer.step_cache``) is the model's, made per pass; the sampler only adds up what each step
   saved (``DenoiseModel.cache_stats``, the same on every rank) and reports the request's totals (``on_cache``).
 - Models plug in through :class:`DenoiseModel`; this module knows no model and no HTTP.
@@ -55,6 +58,8 @@ __all__ = [
     "StepStatus",
     "JobCancelled",
     "JobFailed",
+    "JobOutOfMemory",
+    "job_failure",
     "sample",
 ]
 
@@ -65,6 +70,8 @@ class StepStatus(enum.IntEnum):
     OK = 0
     CANCEL = 1
     ERROR = 2
+    OUT_OF_MEMORY = 3
+    """A rank ran out of device memory (``torch.OutOfMemoryError``): the job fails, the group goes on."""
 
 
 class JobCancelled(Exception):
@@ -73,6 +80,21 @@ class JobCancelled(Exception):
 
 class JobFailed(RuntimeError):
     """A rank failed; every rank raises this at the same step, with every failing rank's message."""
+
+    code = "generation_failed"
+    """The job's error code (the server's ``error.code``)."""
+
+
+class JobOutOfMemory(JobFailed):
+    """A rank ran out of device memory in the job; every rank raises this at the same step. The group keeps serving:
+    what the job held is freed when the exception is (the allocator's cache emptied on CUDA)."""
+
+    code = "out_of_memory"
+
+
+def job_failure(message: str, code: str = JobFailed.code) -> JobFailed:
+    """The :class:`JobFailed` (or subclass) of ``code``, for a failure reported from another process."""
+    return JobOutOfMemory(message) if code == JobOutOfMemory.code else JobFailed(message)
 
 
 @dataclass
@@ -214,13 +236,29 @@ def _agree(status: StepStatus, message: str, *, state: ParallelState) -> None:
         return
     if agreed == StepStatus.CANCEL:
         raise JobCancelled("cancelled")
+    if agreed == StepStatus.OUT_OF_MEMORY:
+        _free_cached(state.device)
     messages: list[Any] = [None] * len(state.replica_ranks)
     if state.cpu_group is None:
         messages = [message]
     else:
         dist.all_gather_object(messages, (state.rank, status, message), group=state.cpu_group)
-        messages = [f"rank {r}: {m}" for r, s, m in messages if s == StepStatus.ERROR]
-    raise JobFailed("; ".join(messages))
+        messages = [f"rank {r}: {m}" for r, s, m in messages if s >= StepStatus.ERROR]
+    raise (JobOutOfMemory if agreed == StepStatus.OUT_OF_MEMORY else JobFailed)("; ".join(messages))
+
+
+def _out_of_memory(exc: torch.OutOfMemoryError) -> tuple[StepStatus, str]:
+    # The allocator's message is long (its advice on PYTORCH_CUDA_ALLOC_CONF): its first two sentences say what ran
+    # out and what was asked for.
+    first = ". ".join(str(exc).split("\n")[0].split(". ")[:2])
+    return StepStatus.OUT_OF_MEMORY, (f"out of device memory ({first}); lower the frames or the size, spread the job "
+                                      "over more ranks, or use --weights sharded / --offload")
+
+
+def _free_cached(device: torch.device) -> None:
+    """Give the allocator's cached blocks back to the device, once the failed job's tensors are dropped."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class _CacheTotals:
@@ -253,8 +291,18 @@ def _run_pass(model: DenoiseModel, pass_: DenoisePass, previous: dict[str, torch
     for i, t in enumerate(prepared.timesteps):
         _agree(*_poll(control, done + i), state=state)
         started = time.perf_counter()
-        noise_pred = model.predict(latents, t, prepared, plans)
-        latents = model.step(noise_pred, t, latents, prepared, plans)
+        oom = None
+        try:
+            noise_pred = model.predict(latents, t, prepared, plans)
+            latents = model.step(noise_pred, t, latents, prepared, plans)
+        except torch.OutOfMemoryError as exc:
+            # NOTE(oom): agreed on at once, like a poll's status: every rank that ran out of memory in the same step
+            # (the ranks' shapes are the same, so they do together) fails the job in step. A rank left alone inside
+            # one of the step's collectives waits out the collective timeout, and the group restarts.
+            oom = _out_of_memory(exc)
+        if oom is not None:
+            noise_pred = None  # the previous step's (this step's activations went with the exception's frames)
+            _agree(*oom, state=state)
         for name, plan in plans.items():
             # Padding rows carry no meaning; keep them at zero so they can never grow without bound.
             latents[name][:, plan.valid_len(state.cp_rank):] = 0
@@ -272,6 +320,8 @@ def _run_pass(model: DenoiseModel, pass_: DenoisePass, previous: dict[str, torch
 def _run_hook(hook: Callable[[], StepStatus | None]) -> tuple[StepStatus, str]:
     try:
         return StepStatus(hook() or StepStatus.OK), ""
+    except torch.OutOfMemoryError as exc:
+        return _out_of_memory(exc)
     except Exception as exc:  # noqa: BLE001 -- any failure must become an agreed status, not a desync
         return StepStatus.ERROR, f"{type(exc).__name__}: {exc}"
 

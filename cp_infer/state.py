@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from .devices import cuda_ordinal
 from .mesh import MeshLayout
 
 __all__ = ["ParallelConfig", "ParallelState", "init_parallel", "destroy_parallel", "single_process_state"]
@@ -45,7 +46,8 @@ class ParallelConfig:
     timeout_s: float = _DEFAULT_TIMEOUT_S
     """Collective timeout. Short by default: a serving group should fail fast, not hang for hours."""
     device: str | None = None
-    """``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``None`` picks ``cuda:LOCAL_RANK`` when CUDA exists, else cpu."""
+    """``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``None`` picks CUDA when it exists, else cpu. ``cuda`` without an
+    ordinal is the rank's own GPU, checked (``cp_infer.devices.cuda_ordinal``)."""
 
     def __post_init__(self) -> None:
         for name in ("guidance_degree", "ulysses_degree"):
@@ -153,14 +155,15 @@ class ParallelState:
 
 
 def _pick_device(config: ParallelConfig, local_rank: int) -> torch.device:
-    if config.device is not None:
-        device = torch.device(config.device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", local_rank)
+    device = torch.device(config.device) if config.device is not None else None
+    if device is None and not torch.cuda.is_available():
+        return torch.device("cpu")
+    if device is not None and (device.type != "cuda" or device.index is not None):
         return device
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    return torch.device("cuda", cuda_ordinal(local_rank=local_rank, visible=torch.cuda.device_count(),
+                                             local_world_size=None if local_world is None else int(local_world),
+                                             env=os.environ))
 
 
 def single_process_state(device: str | torch.device = "cpu") -> ParallelState:

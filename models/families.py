@@ -13,7 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -60,6 +60,8 @@ class Family(Protocol):
     """What ``--model``'s help says about that default."""
     has_audio: bool
     """Whether its videos carry a soundtrack."""
+    float32_components: tuple[str, ...]
+    """Components loaded in float32 whatever ``--dtype`` (where its diffusers examples keep them there)."""
     transformer_subfolders: tuple[str, ...]
     """The subfolders that hold transformers (sharded alike; a folder may lack the later ones)."""
     single_file_classes: dict[str, str]
@@ -79,8 +81,10 @@ class Family(Protocol):
     def describe(self, files: Any) -> tuple[VideoGeometry, int, ModelOptions]:
         """Geometry, transformer blocks and options of ``files`` (a ``ModelFiles``), from configs alone."""
 
-    def load(self, files: Any, *, dtype: torch.dtype, device: torch.device, loaders: dict[str, Any]) -> Any:
-        """Its components loaded from ``files``; ``loaders``: subfolder -> loader in place of ``from_pretrained``."""
+    def load(self, files: Any, *, dtype: torch.dtype, device: torch.device, loaders: dict[str, Any],
+             offloaded: Collection[str] = ()) -> Any:
+        """Its components loaded from ``files``; ``loaders``: subfolder -> loader in place of ``from_pretrained``;
+        ``offloaded``: the components left on the CPU for offloading to stream to ``device``."""
 
     def wrap(self, components: Any, *, state: ParallelState) -> Any:
         """Its parallel adapter (the engine's model) around loaded ``components``."""

@@ -144,15 +144,17 @@ def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | tor
     ``compile_blocks`` and ``lora_dir`` the adapters are copied into slots of rank ``max_lora_rank`` (unset: the
     default) made before the compile (``models.common.lora_slots``), so the blocks compile once for every adapter;
     ``weights`` and ``offload``: where the components go (``models.common.placement``; the adapter's ``placement``)."""
-    from models.common.placement import apply_offload, resolve_placement, sharded_loaders
+    from models.common.placement import apply_offload, offloaded_components, resolve_placement, sharded_loaders
 
     files = resolve_files(model, config=config, upsampler=upsampler)
     name = detect_family(files.folder)
     dtype = parse_dtype(dtype)
     placement = resolve_placement(files.folder, dtype=dtype, state=state, weights=weights, offload=offload)
     loaders = sharded_loaders(name, placement)
+    offloaded = offloaded_components(placement)
     chosen = family(name)
-    adapter = chosen.wrap(chosen.load(files, dtype=dtype, device=state.device, loaders=loaders), state=state)
+    components = chosen.load(files, dtype=dtype, device=state.device, loaders=loaders, offloaded=offloaded)
+    adapter = chosen.wrap(components, state=state)
     apply_offload(adapter.components, placement)
     adapter.placement = placement
     if lora_dir is not None:

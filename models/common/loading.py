@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -366,6 +367,8 @@ def _load_components(
     device: str | torch.device,
     loaders: dict[str, Any] | None = None,
     schedulers: dict[str, Any] = _SCHEDULERS,
+    float32: tuple[str, ...] = (),
+    offloaded: Collection[str] = (),
 ) -> Any:
     """Load a `family` folder into `components_class`, whose fields are named after the subfolders.
 
@@ -374,8 +377,10 @@ def _load_components(
     the scheduler, the transformers `text_encoder` and the `tokenizer`, whose folder must hold one of
     `tokenizer_files` (see NOTE(empty-tokenizer)). `loaders`: subfolder -> a loader called as `from_pretrained`
     is, used instead of it (``models.common.placement.sharded_loaders``: a shard per rank), whose module is left where
-    it
-    put it. `schedulers`: the scheduler classes the family's adapter runs (class name -> class).
+    it put it. `schedulers`: the scheduler classes the family's adapter runs (class name -> class). `float32`: the
+    subfolders loaded in float32 whatever `dtype` is (where diffusers' examples keep them there). `offloaded`: the
+    components left on the CPU, for ``models.common.placement.apply_offload`` to stream to `device` (moving them
+    first would need the device memory that offloading exists to save).
     """
     loaders = loaders or {}
     dtype = parse_dtype(dtype)
@@ -393,12 +398,13 @@ def _load_components(
     for subfolder, model_class in models:
         if isinstance(model_class, dict):
             model_class = _pick_class(root, subfolder, model_class)
+        kwargs = dict(diffusers_kwargs, dtype=torch.float32) if subfolder in float32 else diffusers_kwargs
         if contents is not None and subfolder in contents.components:
             components[subfolder] = load_from_checkpoint(files.checkpoint, subfolder, model_class, folder=root,
-                                                         contents=contents, dtype=dtype)
+                                                         contents=contents, dtype=kwargs["dtype"])
         else:
             loader = loaders.get(subfolder, model_class.from_pretrained)
-            components[subfolder] = _load(root, subfolder, loader, **diffusers_kwargs)
+            components[subfolder] = _load(root, subfolder, loader, **kwargs)
     components["scheduler"] = _load(root, "scheduler", _pick_scheduler(root, schedulers).from_pretrained,
                                     config="scheduler_config.json", weights=False)
     components["text_encoder"] = _load(root, "text_encoder", loaders.get("text_encoder", text_encoder.from_pretrained),
@@ -408,7 +414,7 @@ def _load_components(
     for name in (*(subfolder for subfolder, _ in models), "text_encoder"):
         # Device only: the dtype was set at load time, and a dtype cast here would bypass diffusers'
         # keep-in-fp32 module list (and warn about it).
-        if name not in loaders or (contents is not None and name in contents.components):
+        if name not in offloaded and (name not in loaders or (contents is not None and name in contents.components)):
             components[name].to(device)
         components[name].eval()
     if files.checkpoint is not None:  # the families that read single files record which

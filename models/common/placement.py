@@ -14,7 +14,8 @@ Invariants:
   ``CPUOffloadPolicy``, pinned on CUDA), the others through diffusers' group offloading (``apply_group_offloading``:
   the transformer's blocks one group each, the next streamed in while one runs; the text encoder and the VAEs leaf
   by leaf; on CUDA on a stream, from pinned memory). On the CPU the offload device is the device itself: the same
-  code runs and moves nothing.
+  code runs and moves nothing. An offloaded component is loaded on the CPU and never whole on the device
+  (``offloaded_components``): a model that does not fit the device loads.
 - The plan's components are built from the configs alone (a folder of configs without weights is enough), with the
   same builders and dtypes as the sharded loads, so the plan's shard bytes are the loaded ones.
 """
@@ -55,7 +56,8 @@ from .sharded import (
 )
 
 __all__ = ["AUTO_FRACTION", "OFFLOAD_COMPONENTS", "Placement", "apply_offload", "auto_shards", "measure_components",
-           "model_components", "parse_offload", "parse_weights", "resolve_placement", "sharded_loaders"]
+           "model_components", "offloaded_components", "parse_offload", "parse_weights", "resolve_placement",
+           "sharded_loaders"]
 
 # A component (a components dataclass field) -> the --offload name that moves it.
 _OFFLOAD_OF = {"transformer": "transformer_blocks", "transformer_2": "transformer_blocks",
@@ -90,12 +92,15 @@ def model_components(model: str | Path, *, dtype: str | torch.dtype) -> list[Com
     root = Path(model)
     dtype = parse_dtype(dtype)
     components = []
-    for name, cls, is_transformers in _component_classes(detect_family(root), root):
+    name_of_family = detect_family(root)
+    float32 = family(name_of_family).float32_components
+    for name, cls, is_transformers in _component_classes(name_of_family, root):
         if not (root / name).is_dir():
             continue  # the latent upsampler is optional; a missing required one is the load's to report
+        own = torch.float32 if name in float32 else dtype  # as the family's loader loads them
         try:
-            module = (build_text_encoder(cls, root / name, dtype) if is_transformers
-                      else build_transformer(cls, root, name, dtype))
+            module = (build_text_encoder(cls, root / name, own) if is_transformers
+                      else build_transformer(cls, root, name, own))
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise ModelLoadError(f"could not read the config of {name}/ in {str(root)!r}: {exc}") from exc
         blocks, idle = ([], [])
@@ -169,6 +174,13 @@ def _modules(components) -> dict[str, nn.Module]:
             if isinstance(getattr(components, f.name), nn.Module)}
 
 
+def offloaded_components(placement: Placement) -> frozenset[str]:
+    """The components (components dataclass fields) :func:`apply_offload` keeps on the CPU: the loaders leave them
+    there, never moving them to the device first."""
+    return frozenset(name for name, what in _OFFLOAD_OF.items()
+                     if what in placement.offload and not (placement.sharded and name in _SHARDABLE))
+
+
 def apply_offload(components, placement: Placement) -> None:
     """Keep the components ``placement.offload`` names on the CPU between uses (sharded ones already are: their
     FSDP2 shards were loaded there). Call it after the adapter has installed its processors and hooks."""
@@ -176,8 +188,9 @@ def apply_offload(components, placement: Placement) -> None:
 
     device = placement.state.device
     stream = device.type == "cuda"
+    offloaded = offloaded_components(placement)
     for name, module in _modules(components).items():
-        if _OFFLOAD_OF.get(name) not in placement.offload or (placement.sharded and name in _SHARDABLE):
+        if name not in offloaded:
             continue
         if name in _TRANSFORMERS:
             apply_group_offloading(module, onload_device=device, offload_device="cpu", offload_type="block_level",

@@ -19,6 +19,7 @@ class LTX2Family:
     transformers = ("LTX2VideoTransformer3DModel",)
     upsamplers = ("LTX2LatentUpsamplerModel",)
     loader = "load_ltx2"
+    float32_components = ()
     has_audio = True
     transformer_subfolders = ("transformer",)
 
@@ -56,10 +57,10 @@ class LTX2Family:
         return geometry, layers, self.options(layers=layers, latent_upsampler=upsampler, stages=stages,
                                               distilled=is_distilled(files.folder, checkpoint=files.checkpoint))
 
-    def load(self, files, *, dtype, device, loaders):
+    def load(self, files, *, dtype, device, loaders, offloaded=()):
         from .loading import load_ltx2
 
-        return load_ltx2(files, dtype=dtype, device=device, loaders=loaders)
+        return load_ltx2(files, dtype=dtype, device=device, loaders=loaders, offloaded=offloaded)
 
     def wrap(self, components, *, state):
         from .adapter import LTX2Model

@@ -5,6 +5,7 @@ wrong with it; eval mode, ``device``, ``dtype``)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,11 +79,11 @@ class LTX2Components:
 
 def load_ltx2(
     path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
-    device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None
+    device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None, offloaded: Collection[str] = ()
 ) -> LTX2Components:
     """Load an LTX-2 diffusers folder (e.g. Lightricks/LTX-2, or `ensure_default_ltx2_model()`), with its latent
     upsampler where it has ``latent_upsampler/``; or the model of ``resolve_files`` (a single-file checkpoint with its
-    config folder, a paired upsampler)."""
+    config folder, a paired upsampler). `offloaded`: the components left on the CPU (``_load_components``)."""
     files = _model_files(path)
     components = _load_components(
         files,
@@ -103,5 +104,6 @@ def load_ltx2(
         dtype=dtype,
         device=device,
         loaders=loaders,
+        offloaded=offloaded,
     )
     return _with_latent_upsampler(components, LTX2LatentUpsamplerModel, files.upsampler)

@@ -20,6 +20,7 @@ class LTXVideoFamily:
     transformers = ("LTXVideoTransformer3DModel",)
     upsamplers = ("LTXLatentUpsamplerModel",)
     loader = "load_ltx_video"
+    float32_components = ()
     has_audio = False
     transformer_subfolders = ("transformer",)
 
@@ -59,10 +60,10 @@ class LTXVideoFamily:
         stages = recommended_stages(files.folder, upsampler=upsampler)
         return geometry, layers, self.options(layers=layers, latent_upsampler=upsampler, stages=stages)
 
-    def load(self, files, *, dtype, device, loaders):
+    def load(self, files, *, dtype, device, loaders, offloaded=()):
         from .loading import load_ltx_video
 
-        return load_ltx_video(files, dtype=dtype, device=device, loaders=loaders)
+        return load_ltx_video(files, dtype=dtype, device=device, loaders=loaders, offloaded=offloaded)
 
     def wrap(self, components, *, state):
         from .adapter import LTXVideoModel

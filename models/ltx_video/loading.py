@@ -5,6 +5,7 @@ only, a ``ModelLoadError`` naming the subfolder and what is wrong with it; eval 
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,11 +54,11 @@ class LTXVideoComponents:
 
 def load_ltx_video(
     path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
-    device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None
+    device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None, offloaded: Collection[str] = ()
 ) -> LTXVideoComponents:
     """Load an LTX-Video diffusers folder (e.g. Lightricks/LTX-Video, or `ensure_default_model()`), with its latent
     upsampler where it has ``latent_upsampler/``; or the model of ``resolve_files`` (a single-file checkpoint with
-    its config folder, a paired upsampler)."""
+    its config folder, a paired upsampler). `offloaded`: the components left on the CPU (``_load_components``)."""
     files = _model_files(path)
     components = _load_components(
         files,
@@ -72,5 +73,6 @@ def load_ltx_video(
         dtype=dtype,
         device=device,
         loaders=loaders,
+        offloaded=offloaded,
     )
     return _with_latent_upsampler(components, LTXLatentUpsamplerModel, files.upsampler)

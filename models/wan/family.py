@@ -18,6 +18,8 @@ class WanFamily:
     transformers = ("WanTransformer3DModel",)
     upsamplers = ()
     loader = "models.wan.loading.load_wan"
+    # As diffusers' Wan examples keep them (models.wan.loading).
+    float32_components = ("vae", "image_encoder")
     has_audio = False
     # transformer_2: Wan 2.2 A14B's low-noise expert (where the folder has it).
     transformer_subfolders = ("transformer", "transformer_2")
@@ -51,10 +53,10 @@ class WanFamily:
         geometry, layers, layout = describe_wan(files.folder)
         return geometry, layers, wan_options(layout)
 
-    def load(self, files, *, dtype, device, loaders):
+    def load(self, files, *, dtype, device, loaders, offloaded=()):
         from .loading import load_wan
 
-        return load_wan(files, dtype=dtype, device=device, loaders=loaders)
+        return load_wan(files, dtype=dtype, device=device, loaders=loaders, offloaded=offloaded)
 
     def wrap(self, components, *, state):
         from .adapter import WanModel

@@ -3,7 +3,8 @@ TI2V-5B) into its components, and describe one from its configs alone.
 
 Invariants:
 - The same loading path and errors as the other families (``models.common.loading``: local files only, a
-  ``ModelLoadError`` naming the subfolder and what is wrong with it; eval mode, ``device``, ``dtype``).
+  ``ModelLoadError`` naming the subfolder and what is wrong with it; eval mode, ``device``, ``dtype``), except that
+  the VAE and the image encoder stay float32, as diffusers' Wan examples keep them.
 - What the folder's pipeline is (one or two experts, image-to-video, per-token timesteps, CLIP image tokens) is
   read from its ``model_index.json`` and transformer config once (:class:`models.wan.options.WanLayout`): the
   options, the adapter and the description all take it from there.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -114,9 +116,12 @@ def describe_wan(path: str | os.PathLike) -> tuple[VideoGeometry, int, WanLayout
 
 
 def load_wan(path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
-             device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None) -> WanComponents:
+             device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None,
+             offloaded: Collection[str] = ()) -> WanComponents:
     """Load a Wan diffusers folder (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or ``ensure_default_wan_model()``): its
-    ``WanPipeline`` components, the second expert of Wan 2.2 A14B, and the image encoder of Wan 2.1 I2V."""
+    ``WanPipeline`` components, the second expert of Wan 2.2 A14B, and the image encoder of Wan 2.1 I2V. The VAE and
+    the image encoder are float32 whatever ``dtype`` is, as diffusers' Wan examples load them (``WanPipeline``'s and
+    ``WanImageToVideoPipeline``'s docstrings). ``offloaded``: the components left on the CPU (``--offload``)."""
     files = _model_files(path)
     if files.checkpoint is not None:
         raise ModelLoadError("single-file checkpoints are read for LTX-Video and LTX-2; load a Wan model from its "
@@ -129,7 +134,7 @@ def load_wan(path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype =
     components = _load_components(
         files, WanComponents, family="wan", what="Wan", subfolders=_SUBFOLDERS + tuple(n for n, _ in models[2:]),
         models=tuple(models), text_encoder=UMT5EncoderModel, tokenizer=T5Tokenizer, tokenizer_files=_TOKENIZER_FILES,
-        dtype=dtype, device=device, loaders=loaders, schedulers=_SCHEDULERS)
+        dtype=dtype, device=device, loaders=loaders, schedulers=_SCHEDULERS, float32=("vae",), offloaded=offloaded)
     extra: dict[str, Any] = {"layout": layout}
     if layout.image_tokens:
         from transformers import CLIPImageProcessor
@@ -138,8 +143,8 @@ def load_wan(path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype =
             if not (root / name).is_dir():
                 raise ModelLoadError(f"{str(root)!r} is a Wan 2.1 image-to-video folder (its transformer takes image "
                                      f"tokens) without {name}/; restore it from the checkpoint the folder came from")
-        encoder = _load(root, "image_encoder", CLIPVisionModel.from_pretrained, dtype=components.dtype)
-        extra["image_encoder"] = encoder.to(components.device).eval()
+        encoder = _load(root, "image_encoder", CLIPVisionModel.from_pretrained, dtype=torch.float32)
+        extra["image_encoder"] = (encoder if "image_encoder" in offloaded else encoder.to(components.device)).eval()
         extra["image_processor"] = _load(root, "image_processor", CLIPImageProcessor.from_pretrained,
                                          config="preprocessor_config.json", weights=False)
     return replace(components, **extra)

@@ -420,7 +420,7 @@ def run_batch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.out_dir.exists() and not args.out_dir.is_dir():
         raise UsageError(f"--out-dir {args.out_dir}: is a file, not a folder")
     quiet_libraries()
-    check_device(config)
+    check_device(config, nproc=nproc)
     info = model_info(config)
     check_stage_2_loras(config, info)
     items = _plan_batch(args, info, config.limits) if int(os.environ.get("RANK", "0")) == 0 else []

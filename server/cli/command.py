@@ -183,7 +183,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     _check_out(args.out)
     image, conditions = _media_refs(args)
     quiet_libraries()
-    check_device(config)
+    check_device(config, nproc=nproc)
     info = model_info(config)
     adapters = lora_catalog(config, info)
     check_stage_2_loras(config, info)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import warnings
 from collections.abc import Sequence
@@ -20,6 +21,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK
+from cp_infer.devices import AUTO as AUTO_DTYPE
+from cp_infer.devices import DTYPES
 from cp_infer.options import ModelOptions, Option
 from cp_infer.placement import OFFLOAD_COMPONENTS, WEIGHTS_MODES, parse_offload
 from cp_infer.request import LORA_SCALE, MAX_LORAS, GenerationLimits, GenerationRequest, LoraWeight
@@ -83,7 +86,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a latent upsampler to pair with the model for two-stage generation (its config.json "
                             "and weights at the root or in latent_upsampler/, e.g. "
                             "Lightricks/ltxv-spatial-upscaler-0.9.7; default: the model folder's latent_upsampler/)")
-    group.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    group.add_argument("--dtype", default=AUTO_DTYPE, choices=DTYPES,
+                       help="the weights' and activations' dtype (auto, the default: bf16 on CUDA, with TF32 for what "
+                            "stays float32; fp32 on the CPU). Wan's VAE and image encoder stay fp32, as in diffusers' "
+                            "Wan examples")
     group.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when available")
     group.add_argument("--decode-frames-per-rank", type=_frames_per_rank, default=DEFAULT_FRAMES_PER_RANK, metavar="K",
                        help="latent frames (8 video frames each) per decoded piece: decode memory and the time to "
@@ -470,8 +476,28 @@ def fetch_model(config) -> None:
     describe_model(resolve_files(config.model, config=config.model_config, upsampler=config.upsampler))
 
 
-def check_device(config) -> None:
+def check_device(config, *, nproc: int = 1) -> None:
+    """Refuse a device the group cannot have, before anything starts: CUDA where there is none, or a node's ranks
+    without a GPU each (``cp_infer.devices.cuda_ordinal``). ``nproc``: the ranks this process is about to launch
+    (a rank already under torchrun checks its own place instead)."""
     import torch
+
+    from cp_infer.devices import DeviceError, cuda_ordinal
+    from server.cli.launch import in_torchrun
 
     if config.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu")
+    if config.device not in (None, "cuda") or not torch.cuda.is_available():
+        return  # the CPU, or an explicit cuda:N
+    env = dict(os.environ)
+    if in_torchrun():
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        local_world = int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None
+    else:  # the launcher: its ranks will be torchrun's, sharing this environment
+        local_rank, local_world = nproc - 1, nproc
+        if nproc > 1:
+            env.setdefault("TORCHELASTIC_RUN_ID", "cp-infer")
+    try:
+        cuda_ordinal(local_rank=local_rank, local_world_size=local_world, visible=torch.cuda.device_count(), env=env)
+    except DeviceError as exc:
+        raise UsageError(str(exc)) from None

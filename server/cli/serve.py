@@ -128,7 +128,7 @@ def _configs(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Run ``cp-infer serve``; returns the exit code."""
     from models.common.folder_problems import ModelLoadError
-    from server.cli.common import check_stage_2_loras, fetch_model, model_info
+    from server.cli.common import check_device, check_stage_2_loras, fetch_model, model_info
     from server.cli.launch import (
         count_launcher_restarts,
         group_size,
@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         nproc = group_size(args.nproc)
         runtime, leader, app, restarts = _configs(args)
+        check_device(runtime, nproc=nproc)
         if not under_launcher():  # the launcher's own process fetched it for its ranks
             try:
                 fetch_model(runtime)

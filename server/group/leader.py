@@ -576,7 +576,7 @@ class GroupLeader:
                                 on_pass=on_pass, on_checkpoint=on_checkpoint, resume=resume,
                                 collect=outputs is None)
         if lane.driver.local:
-            control = with_faults(control, request, rank=runtime.state.rank, rules=self._faults)
+            control = with_faults(control, request, rank=runtime.state.rank, rules=self._faults, model=runtime.model)
         control = replace(control, on_step=deferred(control.on_step), on_cache=deferred(control.on_cache),
                           on_phase=deferred(control.on_phase),
                           on_frames=deferred(control.on_frames), on_pass=deferred(control.on_pass))
@@ -592,7 +592,7 @@ class GroupLeader:
             return
         except JobFailed as exc:
             lane.last_contact_at = time.monotonic()
-            self._finish(lane, job, "failed", "generation_failed", str(exc))
+            self._finish(lane, job, "failed", exc.code, str(exc))
             return
         except Exception as exc:
             if phase["name"] != "done":

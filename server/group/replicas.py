@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from cp_infer.sampler import JobCancelled, JobFailed, SampleControl, StepStatus
+from cp_infer.sampler import JobCancelled, JobFailed, SampleControl, StepStatus, job_failure
 
 if TYPE_CHECKING:
     from cp_infer.request import GenerationRequest
@@ -113,7 +113,7 @@ class RemoteDriver:
             elif kind == "cancelled":
                 raise JobCancelled(args[0])
             elif kind == "failed":
-                raise JobFailed(args[0])
+                raise job_failure(*args)
             elif kind == "fatal":
                 raise RuntimeError(f"replica {self.replica} failed: {args[0]}")
             else:
@@ -161,7 +161,7 @@ def replica_loop(runtime: Runtime) -> None:
         command, hooks, collect = args
         control = SampleControl(poll=poll, resume=command.resume, collect=collect)
         control = replace(control, **{name: forward(name) for name in hooks})
-        control = with_faults(control, command.request, rank=state.rank, rules=faults)
+        control = with_faults(control, command.request, rank=state.rank, rules=faults, model=group.runtime.model)
         try:
             frames = group.generate(command.request, command.job_id, control)
         except JobCancelled as exc:
@@ -169,7 +169,7 @@ def replica_loop(runtime: Runtime) -> None:
             continue
         except JobFailed as exc:
             log.info("job %s failed on replica %d: %s", command.job_id, state.replica, exc)
-            link.send(("failed", str(exc)))
+            link.send(("failed", str(exc), exc.code))
             continue
         except BaseException as exc:
             log.error("replica %d: job %s left the group out of step (%s: %s)", state.replica, command.job_id,

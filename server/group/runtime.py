@@ -26,10 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from cp_infer import ParallelConfig, ParallelState, all_reduce_max_int, broadcast_object, init_parallel, warmup
 from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, resolve_frames_per_rank
+from cp_infer.devices import AUTO, apply_device_defaults, resolve_dtype
 from cp_infer.placement import RankMemory
 from cp_infer.request import GenerationLimits, GenerationRequest, LoraWeight
 from cp_infer.sampler import DenoiseModel, SampleControl, StepStatus, sample
@@ -71,8 +73,10 @@ class RuntimeConfig:
     upsampler: str | None = None
     """``--upsampler``: a latent-upsampler folder or hub id paired with the model (two-stage generation); ``None``:
     the model folder's own ``latent_upsampler/``, if any."""
-    dtype: str = "fp32"
-    """``fp32``, ``bf16`` or ``fp16`` for the transformer, text encoder and VAE."""
+    dtype: str = AUTO
+    """``fp32``, ``bf16`` or ``fp16`` for the transformer, text encoder and VAE (a family may keep some components in
+    float32: ``Family.float32_components``); ``auto``: the device's (``cp_infer.devices.device_defaults``: bf16 on CUDA, fp32 on the
+    CPU)."""
     device: str | None = None
     """``cpu`` or ``cuda``; ``None`` picks ``cuda:LOCAL_RANK`` when CUDA exists."""
     timeout_s: float = 120.0
@@ -108,7 +112,8 @@ class RuntimeConfig:
     """Components kept on the CPU between uses: ``text_encoder``, ``vae``, ``transformer_blocks``."""
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        if self.dtype != AUTO:
+            parse_dtype(self.dtype)
         if self.max_lora_bytes < 0:
             raise ValueError(f"max_lora_bytes={self.max_lora_bytes} must be >= 0")
         if self.max_lora_rank < 1:
@@ -191,8 +196,10 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
     phases.mark("rendezvous and groups")
     if state.world_size > 1:
         process.set_rank_title(state.rank, state.world_size, state.replica)
+    apply_device_defaults(state.device)
+    dtype = resolve_dtype(config.dtype, state.device)
     files = resolve_files(config.model, config=config.model_config, upsampler=config.upsampler)
-    model = open_model(files, dtype=config.dtype, state=state, compile_blocks=config.compile_blocks,
+    model = open_model(files, dtype=dtype, state=state, compile_blocks=config.compile_blocks,
                        lora_dir=config.lora_dir, max_lora_bytes=config.max_lora_bytes,
                        max_lora_rank=config.max_lora_rank,
                        stage_2_loras=config.stage_2_loras, weights=config.weights,
@@ -205,7 +212,7 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
     if state.is_leader:
         log.info("loaded %s on %d rank(s) (guidance %d x Ulysses %d), device %s, dtype %s",
                  files.checkpoint or files.folder, state.world_size,
-                 state.guidance_size, state.cp_size, state.device, config.dtype)
+                 state.guidance_size, state.cp_size, state.device, dtype)
         log.info("weights %s, offload %s; %s", model.placement.weights, ",".join(model.placement.offload) or "none",
                  "; ".join(f"rank {m.rank}: {m.text()}" for m in memory))
     return Runtime(config=config, state=state, model=model, memory=memory)
@@ -227,7 +234,8 @@ FAULT_ENV = "CP_INFER_TEST_FAULT"
 class FaultRule:
     """One injected fault, e.g. ``rank=1,step=2,kind=raise,prompt=boom`` (tests only).
 
-    ``kind``: ``raise`` (an exception in the step poll, or in the decoded-frames hook with ``step=decode``), ``kill``
+    ``kind``: ``raise`` (an exception in the step poll, or in the decoded-frames hook with ``step=decode``), ``oom``
+    (``torch.OutOfMemoryError`` from the model's transformer in that step, as the CUDA allocator raises it), ``kill``
     (SIGKILL to this process), ``exit`` (``os._exit(3)``) or ``sleep`` (``seconds`` per matching step).
     ``rank`` and ``step`` may be ``*``; ``prompt`` is a substring the job's prompt must contain.
     """
@@ -245,7 +253,7 @@ class FaultRule:
     def matches(self, rank: int, prompt: str) -> bool:
         return (self.rank is None or self.rank == rank) and self.prompt in prompt
 
-    def fire(self, where: str) -> None:
+    def fire(self, where: str, model: DenoiseModel | None = None) -> None:
         if self.kind == "sleep":
             time.sleep(self.seconds)
             return
@@ -257,6 +265,9 @@ class FaultRule:
         log.warning("injecting fault %s at %s (pid %d)", self, where, os.getpid())
         if self.kind == "raise":
             raise RuntimeError(f"injected fault at {where}")
+        if self.kind == "oom":
+            _out_of_memory_next_forward(model, where)
+            return
         for handler in logging.getLogger().handlers:
             handler.flush()
         if self.kind == "kill":
@@ -273,7 +284,7 @@ def parse_faults(text: str | None) -> tuple[FaultRule, ...]:
         fields = dict(item.split("=", 1) for item in part.split(",") if item.strip())
         fields = {k.strip(): v.strip() for k, v in fields.items()}
         unknown = set(fields) - {"kind", "rank", "step", "prompt", "seconds", "once"}
-        if unknown or fields.get("kind") not in ("raise", "kill", "exit", "sleep"):
+        if unknown or fields.get("kind") not in ("raise", "oom", "kill", "exit", "sleep"):
             raise ValueError(f"{FAULT_ENV}: cannot parse {part!r}; expected e.g. 'rank=1,step=2,kind=raise'")
         rank = fields.get("rank", "*")
         step = fields.get("step", "*")
@@ -284,12 +295,27 @@ def parse_faults(text: str | None) -> tuple[FaultRule, ...]:
     return tuple(rules)
 
 
+def _out_of_memory_next_forward(model: DenoiseModel | None, where: str) -> None:
+    """The next forward of ``model``'s transformer (either expert of a two-expert Wan) raises the CUDA allocator's
+    error, inside the step, once."""
+    transformers = getattr(model, "experts", None) or (model.transformer,)
+    handles = []
+
+    def hook(_module, _args):
+        for handle in handles:
+            handle.remove()
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 20.00 GiB (injected at {where})")
+
+    handles.extend(t.register_forward_pre_hook(hook) for t in transformers)
+
+
 def with_faults(control: SampleControl | None, request: GenerationRequest, *, rank: int,
-                rules: tuple[FaultRule, ...]) -> SampleControl | None:
+                rules: tuple[FaultRule, ...], model: DenoiseModel | None = None) -> SampleControl | None:
     """``control`` with the matching fault rules wrapped around its ``poll`` and ``on_frames`` hooks.
 
-    Step rules fire in ``poll`` (so the sampler turns a raise into an agreed error); ``step=decode`` rules fire
-    in ``on_frames``, which only the rank that assembles the video (group rank 0) receives.
+    Step rules fire in ``poll`` (so the sampler turns a raise into an agreed error; an ``oom`` rule arms ``model``'s
+    transformer to raise in the step that follows); ``step=decode`` rules fire in ``on_frames``, which only the rank
+    that assembles the video (group rank 0) receives.
     """
     active = [r for r in rules if r.matches(rank, request.prompt)]
     if not active:
@@ -300,7 +326,7 @@ def with_faults(control: SampleControl | None, request: GenerationRequest, *, ra
     def poll(i: int):
         for rule in active:
             if rule.step is None or rule.step == i:
-                rule.fire(f"step {i} on rank {rank}")
+                rule.fire(f"step {i} on rank {rank}", model)
         return base_poll(i) if base_poll else StepStatus.OK
 
     def on_frames(frames, first: int, total: int) -> None:
@@ -330,7 +356,7 @@ def worker_loop(runtime: Runtime, *, control_for: Callable[[Command], SampleCont
         control = control_for(command) if control_for else None
         if command.resume is not None:
             control = replace(control or SampleControl(), resume=command.resume)
-        control = with_faults(control, command.request, rank=runtime.state.rank, rules=faults)
+        control = with_faults(control, command.request, rank=runtime.state.rank, rules=faults, model=runtime.model)
         try:
             runtime.generate(command.request, control)
         except (JobCancelled, JobFailed) as exc:

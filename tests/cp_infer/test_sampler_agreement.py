@@ -1,5 +1,7 @@
 """A failure on one rank outside the denoising steps (preparing the request, decoding the soundtrack) fails the job
-on every rank with the same ``JobFailed`` naming that rank: nobody is left waiting in a collective. And a plan of
+on every rank with the same ``JobFailed`` naming that rank: nobody is left waiting in a collective. Running out of
+device memory (``torch.OutOfMemoryError``, raised where CUDA's allocator would) in a step or in preparing is
+``JobOutOfMemory`` (code ``out_of_memory``) on every rank, and the same group runs the next job. And a plan of
 several passes runs them in order, each prepared from the gathered latents of the one before.
 
 The model is a stand-in with two token streams (it needs no weights): its prediction is elementwise, its decode
@@ -16,7 +18,7 @@ from cp_infer.decode import TemporalSplit
 from cp_infer.options import ModelOptions
 from cp_infer.plan import DenoisePass, Plan
 from cp_infer.request import GenerationRequest
-from cp_infer.sampler import Decoder, JobFailed, Prepared, SampleControl, sample
+from cp_infer.sampler import Decoder, JobFailed, JobOutOfMemory, Prepared, SampleControl, sample
 from cp_infer.shapes import VideoGeometry
 from models.common.standard_options import standard_options
 
@@ -37,12 +39,16 @@ class _FakeModel:
     def prepare(self, request, shape, *, kind="denoise", previous=None, previous_state=None):
         if self.fail == "prepare" and self.state.cp_rank == 1:
             raise RuntimeError("text encoder out of memory")
+        if self.fail == "oom-prepare" and self.state.cp_rank == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 1 has 2 GiB free")
         g = torch.Generator().manual_seed(request.seed)
         return Prepared(latents={"video": torch.randn(1, shape.tokens, 4, generator=g),
                                  "audio": torch.randn(1, 5, 2, generator=g)},
                         timesteps=[torch.tensor(1.0), torch.tensor(0.5)])
 
     def predict(self, latents, t, prepared, plans):
+        if self.fail == "oom-step" and float(t) == 0.5:  # the second step, on every rank: same shapes, same memory
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 9.00 GiB (rank {self.state.rank})")
         return {name: 0.1 * x for name, x in latents.items()}
 
     def step(self, noise_pred, t, latents, prepared, plans):
@@ -87,6 +93,30 @@ def test_one_rank_failing_fails_the_job_everywhere(group, fail, rank, words):
     results = group.run(_run, fail, timeout=120)
     for status, message in results:
         assert status == "failed" and f"rank {rank}: RuntimeError: {words}" in message, results
+
+
+def _run_out_of_memory(state, fail):
+    request = GenerationRequest(prompt="x", num_frames=1, height=32, width=32, num_inference_steps=2)
+    steps = []
+    try:
+        sample(_FakeModel(state, fail), request, state=state,
+               control=SampleControl(on_step=lambda i, *_: steps.append(i)))
+    except JobOutOfMemory as exc:
+        failed = (exc.code, str(exc), steps)
+    else:
+        failed = None
+    frames = sample(_FakeModel(state, ""), request, state=state)  # the same group runs the next job
+    return failed, None if frames is None else frames.shape
+
+
+@pytest.mark.parametrize("fail,ranks,steps", [("oom-step", (0, 1), [1]), ("oom-prepare", (1,), [])])
+def test_running_out_of_memory_fails_the_job_with_its_code_and_the_group_goes_on(group, fail, ranks, steps):
+    results = group.run(_run_out_of_memory, fail, timeout=120)
+    assert [shape for _, shape in results] == [(1, 32, 32, 3), None]
+    for (code, message, done), _ in results:
+        assert code == "out_of_memory" and done == steps, results
+        assert [f"rank {r}: out of device memory (CUDA out of memory. Tried to allocate" in message
+                for r in (0, 1)] == [r in ranks for r in (0, 1)], message
 
 
 def test_without_failure_rank0_gets_frames_and_audio(group):

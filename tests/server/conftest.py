@@ -32,6 +32,7 @@ API_KEY = "test-key-0123456789abcdef"
 API_FAULTS = ";".join([
     "rank=1,step=1,kind=raise,prompt=[fault:rank1-raise]",
     "rank=0,step=decode,kind=raise,prompt=[fault:rank0-decode]",
+    "step=1,kind=oom,prompt=[fault:oom]",  # torch.OutOfMemoryError from the transformer on both ranks, in step 1
     "rank=0,kind=sleep,seconds=0.25,prompt=[slow]",
     # After each decoded piece reaches rank 0 (and is encoded): a streamed job's bytes are out while it decodes.
     "rank=0,step=decode,kind=sleep,seconds=2,prompt=[slow-decode]",

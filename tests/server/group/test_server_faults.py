@@ -1,9 +1,9 @@
 """Faults on the real 2-rank server, each ending with the group still serving the next request.
 
 Faults are injected through ``$CP_INFER_TEST_FAULT`` (set for the shared server in conftest), each selected by a
-marker in the prompt: an exception on rank 1 at step 1, an exception on rank 0 in the decode, and a slow job
-(0.25 s per step on rank 0) to cancel mid-run. If any rank were left inside the failed or cancelled job, the
-next job would hang or fail: every test ends by running one.
+marker in the prompt: an exception on rank 1 at step 1, running out of device memory in step 1 on both ranks, an
+exception on rank 0 in the decode, and a slow job (0.25 s per step on rank 0) to cancel mid-run. If any rank were
+left inside the failed or cancelled job, the next job would hang or fail: every test ends by running one.
 """
 
 from __future__ import annotations
@@ -41,6 +41,23 @@ def test_exception_on_rank1_fails_the_job_on_every_rank(api_server):
     assert final["progress"] == 30  # step 0 ran, step 1 was refused by the group before it started
     assert s.metric("cp_infer_requests_broadcast_total") == broadcasts + 1
     _next_job_completes(s)
+
+
+def test_out_of_memory_in_a_step_fails_that_job_and_the_group_serves_on(api_server):
+    """The CUDA allocator's error inside a step (raised from the transformer on every rank, as same-shaped ranks run
+    out together) fails the job with ``out_of_memory``; the same group, not a restarted one, runs the next job."""
+    s = api_server
+    pids = s.group()["pids"]
+    job = s.submit(tiny("[fault:oom] a glacier calving", num_inference_steps=3))
+    final = s.wait_job(job["id"])
+    assert final["status"] == "failed" and final["error"]["code"] == "out_of_memory", final
+    message = final["error"]["message"]
+    assert "rank 0: out of device memory (CUDA out of memory" in message and "rank 1: out of device memory" in message
+    assert "--weights sharded / --offload" in message
+    assert final["progress"] == 30  # step 0 ran, step 1 ran out of memory
+    _next_job_completes(s)
+    assert s.group()["restart_count"] == 0 and s.metric("cp_infer_group_restarts") == 0
+    assert s.group()["pids"] == pids
 
 
 def test_exception_on_rank0_in_decode_fails_only_that_job(api_server):

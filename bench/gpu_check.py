@@ -1,0 +1,377 @@
+"""One prepared device check of the CUDA path at one rank (#42): each family at a real transformer size with random
+weights, in the device's default dtype (``cp_infer.devices``: bf16 and TF32 on CUDA), against diffusers' own pipeline
+over the same modules, plus the paths diffusers has no one-call peer for. Prints one table.
+
+    python bench/gpu_check.py                        # CUDA: real-size transformers (sized for < 8 min on one H200)
+    python bench/gpu_check.py --device cpu --quick   # the CPU smoke mode (tests/test_gpu_check.py runs it)
+
+Rows: LTX-Video, LTX-2 and Wan 2.1 text-to-video against ``LTXPipeline``, ``LTX2Pipeline`` and ``WanPipeline``;
+LTX-Video image-to-video against ``LTXImageToVideoPipeline`` (conditioning); an LTX-Video long video in windows,
+two stages (half size, the latent upsampler, a refine) and ``--offload transformer_blocks,text_encoder,vae`` (against
+the same request without offload), ours only. Columns: our median step and diffusers' (each step ends in a device
+synchronize; the first step is left out), the final latents' largest difference relative to the reference's largest
+value, and the peak ``torch.cuda.max_memory_allocated`` of each run.
+
+The transformers have their checkpoints' layer counts and widths (``FULL``; LTX-2's from ``bench/configs/ltx2``),
+built on the device with torch's default init (``--layers`` cuts the layer count); their latent and caption channels,
+and every other component, are the embedded tiny models' (their VAEs have the real compression), so the transformer
+dominates the time and memory, as on a real checkpoint. ``--weights sharded`` needs a replica group of two ranks or
+more, so at one rank its row says so rather than run. Agreement: bf16 rounds every matmul, and ours and diffusers
+order some sums differently (the padded attention heads, the guidance combined per pass), so a few percent of the
+latents' range is expected in bf16 and 1e-3 in fp32 (``--quick``); the ``ok`` column applies that bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from cp_infer.devices import apply_device_defaults, device_defaults  # noqa: E402
+
+PROMPT = "a red fox runs through fresh snow at dawn, cinematic tracking shot"
+NEGATIVE = "blurry, low quality"
+SEED = 1234
+LTX2_CONFIG = Path(__file__).resolve().parent / "configs" / "ltx2" / "transformer" / "config.json"
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.08, torch.float16: 0.08}
+"""The largest latent difference, relative to the reference's largest value, that passes (module docstring)."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    ltx: dict[str, int]
+    """``LTXVideoTransformer3DModel``'s shape (LTX-Video 0.9's 2B: 28 layers, 32 heads x 64)."""
+    ltx2_layers: int | None
+    """LTX-2's layer count (``None``: its config's 48, 18.9B)."""
+    ltx2_narrow: bool
+    """LTX-2 at 2 heads x 16 (audio 2 x 8) instead of its config's widths (the CPU smoke mode)."""
+    wan: dict[str, int]
+    """``WanTransformer3DModel``'s shape (Wan 2.1 T2V 1.3B: 30 layers, 12 heads x 128, feed-forward 8960)."""
+    frames: int
+    height: int
+    width: int
+    wan_frames: int
+    wan_height: int
+    wan_width: int
+    long_frames: int
+    tile: int
+    overlap: int
+    steps: int
+
+
+FULL = Sizes(ltx=dict(num_layers=28, num_attention_heads=32, attention_head_dim=64), ltx2_layers=None,
+             ltx2_narrow=False, wan=dict(num_layers=30, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960),
+             frames=121, height=512, width=768, wan_frames=81, wan_height=480, wan_width=832,
+             long_frames=249, tile=120, overlap=24, steps=8)
+QUICK = Sizes(ltx=dict(num_layers=1, num_attention_heads=2, attention_head_dim=16), ltx2_layers=1,
+              ltx2_narrow=True, wan=dict(num_layers=1, num_attention_heads=2, attention_head_dim=16, ffn_dim=64),
+              frames=9, height=128, width=192, wan_frames=9, wan_height=64, wan_width=96,
+              long_frames=65, tile=40, overlap=24, steps=2)
+
+
+class _Device:
+    """Where the check runs: synchronize, the peak memory, the dtype each component takes."""
+
+    def __init__(self, device: str, dtype: torch.dtype) -> None:
+        self.device, self.dtype = torch.device(device), dtype
+        self.cuda = self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_gib(self) -> float | None:
+        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
+
+    def build(self, make: Any) -> torch.nn.Module:
+        """``make()`` built on the device in the dtype (no float32 copy first), its keep-in-fp32 modules in float32
+        as ``from_pretrained`` keeps them."""
+        torch.manual_seed(SEED)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with self.device:
+                model = make()
+        finally:
+            torch.set_default_dtype(default)
+        keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+        for name, param in model.named_parameters():
+            if any(k in name.split(".") for k in keep):
+                param.data = param.data.float()
+        return model.eval()
+
+    def place(self, module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        dtype = dtype or self.dtype
+        return (module.to(self.device) if module.dtype == dtype else module.to(self.device, dtype=dtype)).eval()
+
+
+class _Steps:
+    """Step ends, each after a device synchronize: the median gap between them is one step."""
+
+    def __init__(self, dev: _Device) -> None:
+        self.dev, self.ends = dev, []
+
+    def mark(self, *_args: Any) -> dict:
+        self.dev.sync()
+        self.ends.append(time.perf_counter())
+        return {}
+
+    def median(self) -> float | None:
+        gaps = np.diff(self.ends)
+        return float(statistics.median(gaps)) if len(gaps) else None
+
+
+def _ours(model: Any, request: Any, dev: _Device) -> dict[str, Any]:
+    """``cp_infer.sampler.sample`` at one rank: the final latents as the pipeline returns them, step time, peak."""
+    from cp_infer import single_process_state
+    from cp_infer.sampler import SampleControl, sample
+
+    steps, out = _Steps(dev), {}
+    dev.reset_peak()
+    control = SampleControl(on_step=lambda *_: steps.mark(), on_latents=out.update)
+    frames = sample(model, request, state=single_process_state(dev.device), control=control)
+    return dict(latents=out, step_s=steps.median(), peak_gib=dev.peak_gib(), frames=frames.shape,
+                windows=model.plan(request).windows)
+
+
+def _theirs(pipe: Any, dev: _Device, **kwargs: Any) -> dict[str, Any]:
+    steps = _Steps(dev)
+    pipe.set_progress_bar_config(disable=True)
+    dev.reset_peak()
+    with torch.inference_mode():
+        out = pipe(generator=torch.Generator("cpu").manual_seed(SEED), output_type="latent",
+                   callback_on_step_end=lambda *a: steps.mark(), **kwargs)
+    latents = {"latents": out.frames}
+    if getattr(out, "audio", None) is not None:
+        latents["audio_latents"] = out.audio
+    return dict(latents=latents, step_s=steps.median(), peak_gib=dev.peak_gib())
+
+
+def _difference(ours: dict[str, Any], reference: dict[str, Any]) -> float:
+    """The largest latent difference over every stream, relative to the reference's largest value."""
+    worst = 0.0
+    for name, ref in reference.items():
+        a = torch.as_tensor(np.asarray(ours[name]), dtype=torch.float32)
+        b = torch.as_tensor(ref.float().cpu().numpy() if torch.is_tensor(ref) else np.asarray(ref),
+                            dtype=torch.float32)
+        if a.shape != b.shape:
+            raise AssertionError(f"{name}: ours {tuple(a.shape)}, the reference {tuple(b.shape)}")
+        worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)))
+    return worst
+
+
+def _request(model: Any, **values: Any) -> Any:
+    from cp_infer.request import GenerationRequest, resolve_request
+
+    return resolve_request(GenerationRequest.of(prompt=PROMPT, negative_prompt=NEGATIVE, seed=SEED, **values),
+                           model.options)
+
+
+# ------------------------------------------------------------------------------------------------- the families
+
+
+def _ltx_video_rows(sizes: Sizes, dev: _Device) -> list[dict[str, Any]]:
+    from diffusers import LTXImageToVideoPipeline, LTXPipeline, LTXVideoTransformer3DModel
+    from PIL import Image
+
+    from cp_infer.request import Condition
+    from models.common.placement import Placement, apply_offload
+    from models.ltx_video.adapter import LTXVideoModel
+    from models.ltx_video.default import build_default_components, build_latent_upsampler
+    from models.ltx_video.loading import LTXVideoComponents
+
+    tiny = build_default_components()
+    transformer = dev.build(lambda: LTXVideoTransformer3DModel(
+        in_channels=16, out_channels=16, patch_size=1, patch_size_t=1,
+        caption_channels=tiny["text_encoder"].config.d_model,
+        cross_attention_dim=sizes.ltx["num_attention_heads"] * sizes.ltx["attention_head_dim"], **sizes.ltx))
+    parts = dict(transformer=transformer, vae=dev.place(tiny["vae"]), text_encoder=dev.place(tiny["text_encoder"]),
+                 scheduler=tiny["scheduler"], tokenizer=tiny["tokenizer"])
+    label = _label("LTX-Video", transformer)
+    t2v = dict(num_frames=sizes.frames, height=sizes.height, width=sizes.width, num_inference_steps=sizes.steps,
+               guidance_scale=3.0)
+    image = np.random.default_rng(SEED).integers(0, 256, (1, sizes.height, sizes.width, 3), dtype=np.uint8)
+    common = dict(prompt=PROMPT, negative_prompt=NEGATIVE, frame_rate=24, max_sequence_length=128, **t2v)
+    # diffusers first: our adapter installs its attention processors on the same transformer.
+    theirs = _theirs(LTXPipeline(**parts), dev, **common)
+    theirs_i2v = _theirs(LTXImageToVideoPipeline(**parts), dev, image=Image.fromarray(image[0]), **common)
+    components = LTXVideoComponents(**parts, path=Path(tempfile.mkdtemp()), dtype=dev.dtype, device=dev.device,
+                                    latent_upsampler=dev.place(build_latent_upsampler()))
+    model = LTXVideoModel(components, state=_state(dev))
+    one_window = dict(t2v, temporal_tile_size=max(sizes.tile, sizes.frames + 7), fps=24, max_sequence_length=128,
+                      stages=1)
+    rows = []
+    ours = _ours(model, _request(model, **one_window), dev)
+    rows.append(_row(f"{label}: text-to-video", ours, theirs, "LTXPipeline"))
+    i2v = _ours(model, _request(model, **one_window, image=Condition(image)), dev)
+    rows.append(_row(f"{label}: image-to-video", i2v, theirs_i2v, "LTXImageToVideoPipeline"))
+    long = _ours(model, _request(model, **dict(one_window, num_frames=sizes.long_frames, temporal_tile_size=sizes.tile,
+                                                temporal_overlap=sizes.overlap)), dev)
+    rows.append(_row(f"{label}: {sizes.long_frames} frames in {long['windows']} windows", long, None, "-"))
+    two = _ours(model, _request(model, **dict(one_window, stages=2)), dev)
+    rows.append(_row(f"{label}: two stages (half size, upsampler, refine)", two, None, "-"))
+    rows.append(dict(case=f"{label}: --weights sharded", reference="-", note="needs a replica group of >= 2 ranks: "
+                     "a group of one loads replicated (models.common.placement)"))
+    # Offloaded components start on the CPU (models.common.placement).
+    for name in ("transformer", "text_encoder", "vae"):
+        getattr(components, name).to("cpu")
+    apply_offload(components, Placement(weights="replicated", offload=("transformer_blocks", "text_encoder", "vae"),
+                                        state=_state(dev)))
+    offloaded = _ours(model, _request(model, **one_window), dev)
+    rows.append(_row(f"{label}: --offload transformer_blocks,text_encoder,vae", offloaded,
+                     dict(latents={k: torch.as_tensor(v) for k, v in ours["latents"].items()}), "ours without offload"))
+    return rows
+
+
+def _ltx2_rows(sizes: Sizes, dev: _Device) -> list[dict[str, Any]]:
+    from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+
+    from models.ltx2.adapter import LTX2Model
+    from models.ltx2.default import build_ltx2_components
+
+    tiny = build_ltx2_components(rope_type="interleaved")
+    small = tiny["transformer"].config
+    config = {k: v for k, v in json.loads(LTX2_CONFIG.read_text()).items() if not k.startswith("_")}
+    config.update({k: small[k] for k in ("in_channels", "out_channels", "audio_in_channels", "audio_out_channels",
+                                         "caption_channels")})
+    config["vae_scale_factors"] = tuple(config["vae_scale_factors"])
+    if sizes.ltx2_layers is not None:
+        config["num_layers"] = sizes.ltx2_layers
+    if sizes.ltx2_narrow:
+        config.update(num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32, audio_num_attention_heads=2,
+                      audio_attention_head_dim=8, audio_cross_attention_dim=16)
+    transformer = dev.build(lambda: LTX2VideoTransformer3DModel(**config))
+    parts = {**{k: (dev.place(v, torch.float32 if k == "vocoder" else None) if isinstance(v, torch.nn.Module) else v)
+                for k, v in tiny.items() if k != "transformer"}, "transformer": transformer}
+    label = _label("LTX-2", transformer)
+    guidance = dict(guidance_scale=3.0, audio_guidance_scale=7.0, stg_scale=1.0, audio_stg_scale=1.0,
+                    modality_scale=3.0, audio_modality_scale=3.0, guidance_rescale=0.7, audio_guidance_rescale=0.7)
+    stg = (config["num_layers"] - 1,)
+    values = dict(num_frames=sizes.frames, height=sizes.height, width=sizes.width, num_inference_steps=sizes.steps)
+    theirs = _theirs(LTX2Pipeline(**parts), dev, prompt=PROMPT, negative_prompt=NEGATIVE, frame_rate=24,
+                     spatio_temporal_guidance_blocks=list(stg), max_sequence_length=128, **values, **guidance)
+    model = LTX2Model(SimpleNamespace(**parts), state=_state(dev))
+    ours = _ours(model, _request(model, **values, fps=24, spatio_temporal_guidance_blocks=stg, max_sequence_length=128,
+                                 stages=1, **guidance), dev)
+    return [_row(f"{label}: text-to-video, audio", ours, theirs, "LTX2Pipeline")]
+
+
+def _wan_rows(sizes: Sizes, dev: _Device) -> list[dict[str, Any]]:
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from models.wan.adapter import WanModel
+    from models.wan.default import build_wan_pipeline
+    from models.wan.loading import WanComponents
+
+    tiny = build_wan_pipeline("t2v")
+    transformer = dev.build(lambda: WanTransformer3DModel(
+        patch_size=(1, 2, 2), in_channels=tiny.vae.config.z_dim, out_channels=tiny.vae.config.z_dim,
+        text_dim=tiny.text_encoder.config.d_model, freq_dim=256, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **sizes.wan))
+    # Wan's VAE in float32, as models.wan.loading and diffusers' Wan examples keep it.
+    components = WanComponents(transformer=transformer, vae=dev.place(tiny.vae, torch.float32),
+                               scheduler=tiny.scheduler, text_encoder=dev.place(tiny.text_encoder),
+                               tokenizer=tiny.tokenizer, path=Path("."), dtype=dev.dtype, device=dev.device)
+    label = _label("Wan 2.1", transformer)
+    values = dict(num_frames=sizes.wan_frames, height=sizes.wan_height, width=sizes.wan_width,
+                  num_inference_steps=sizes.steps, guidance_scale=5.0)
+    theirs = _theirs(WanPipeline(transformer=transformer, vae=components.vae, text_encoder=components.text_encoder,
+                                 tokenizer=tiny.tokenizer, scheduler=tiny.scheduler), dev, prompt=PROMPT,
+                     negative_prompt=NEGATIVE, max_sequence_length=128, **values)
+    model = WanModel(components, state=_state(dev))
+    ours = _ours(model, _request(model, **values, max_sequence_length=128), dev)
+    return [_row(f"{label}: text-to-video", ours, theirs, "WanPipeline")]
+
+
+def _state(dev: _Device) -> Any:
+    from cp_infer import single_process_state
+
+    return single_process_state(dev.device)
+
+
+def _label(family: str, transformer: torch.nn.Module) -> str:
+    config = transformer.config
+    params = sum(p.numel() for p in transformer.parameters())
+    return (f"{family} {config.num_layers} x {config.num_attention_heads} x {config.attention_head_dim} "
+            f"({params / 1e9:.2f}B)")
+
+
+def _row(case: str, ours: dict[str, Any], theirs: dict[str, Any] | None, reference: str) -> dict[str, Any]:
+    row = dict(case=case, reference=reference, ours_step_s=ours["step_s"], ours_peak_gib=ours["peak_gib"])
+    if theirs is not None:
+        row.update(difference=_difference(ours["latents"], theirs["latents"]), theirs_step_s=theirs.get("step_s"),
+                   theirs_peak_gib=theirs.get("peak_gib"))
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------- the table
+
+
+def _cell(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[dict[str, Any]], *, dtype: torch.dtype) -> list[str]:
+    tolerance = TOLERANCE[dtype]
+    lines = ["| case | reference | ours step (s) | reference step (s) | max rel. latent diff | ok | ours peak (GiB) "
+             "| reference peak (GiB) |", "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+    for r in rows:
+        diff = r.get("difference")
+        ok = "-" if diff is None else ("yes" if diff <= tolerance else "NO")
+        lines.append(f"| {r['case']} | {r['reference']} | {_cell(r.get('ours_step_s'), '.3f')} | "
+                     f"{_cell(r.get('theirs_step_s'), '.3f')} | {_cell(diff, '.2e')} | {ok} | "
+                     f"{_cell(r.get('ours_peak_gib'), '.2f')} | {_cell(r.get('theirs_peak_gib'), '.2f')} |"
+                     + (f" {r['note']}" if r.get("note") else ""))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--quick", action="store_true", help="tiny transformers and videos (the CPU smoke mode)")
+    ap.add_argument("--layers", type=int, default=None, help="cut every transformer to this many layers")
+    ap.add_argument("--families", default="ltx-video,ltx2,wan", help="comma-separated subset")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available here; use --device cpu --quick")
+    sizes = QUICK if args.quick else FULL
+    if args.layers is not None:
+        sizes = replace(sizes, ltx={**sizes.ltx, "num_layers": args.layers}, ltx2_layers=args.layers,
+                        wan={**sizes.wan, "num_layers": args.layers})
+    defaults = apply_device_defaults(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[device_defaults(args.device).dtype]
+    dev = _Device(args.device, dtype)
+    started, rows = time.perf_counter(), []
+    builders = {"ltx-video": _ltx_video_rows, "ltx2": _ltx2_rows, "wan": _wan_rows}
+    for family in args.families.split(","):
+        began = time.perf_counter()
+        rows.extend(builders[family](sizes, dev))
+        print(f"[gpu_check] {family}: {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+    name = torch.cuda.get_device_name(dev.device) if dev.cuda else "cpu"
+    print(f"bench/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}: {name}, 1 rank, "
+          f"{str(dtype).removeprefix('torch.')}, TF32 {'on' if defaults.tf32 else 'off'}, torch {torch.__version__}; "
+          f"{sizes.steps} steps; {time.perf_counter() - started:.0f} s in all")
+    print("\n".join(table(rows, dtype=dtype)))
+    failed = [r["case"] for r in rows if r.get("difference") is not None and r["difference"] > TOLERANCE[dtype]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
