@@ -29,7 +29,7 @@ MARGIN = 80 << 20
 """Above the plan: a tiny request's activations and the interpreter's objects (a replicated rank's own grew 26-38 MiB
 at this request, measured the same way), and the allocator's slack (chunks under the 1 MiB mmap threshold are the
 heap's). A rank that kept each gathered block in its heap (glibc's dynamic threshold, before ``cp_infer.weights``
-fixed it) went 96-230 MiB past the plan here."""
+fixed it) went 123-255 MiB past the plan here (every case failed)."""
 
 
 def _write(family: str, folder) -> None:
