@@ -145,7 +145,7 @@ def _private(pid: int) -> int:
 
 def measure_ranks(folder: str, family: str, weights: str, offload: tuple = ()) -> list[dict[str, int]]:
     """Per rank: its private bytes before the load (``base``) and the peak ``load`` and ``generate`` above it."""
-    from bench.harness import free_port
+    from server.cli.launch import free_port
 
     ctx = multiprocessing.get_context("spawn")
     outbox = ctx.Queue()
