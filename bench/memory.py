@@ -11,18 +11,25 @@ LTX-2's at 48 layers x 8 heads x 64 (audio 8 x 32; 1.1 GiB: as deep as the relea
 components. Ranks: 1 process at 2 intra-op threads, or 2 at 1 each, Ulysses over both (gloo on loopback); every
 configuration is a fresh group.
 
-Per rank (the largest over the ranks), each configuration in fresh processes: the transformer's bytes it holds; the
-peak RSS of the load (every weight read once after it: NOTE(mmap) in ``_touch``) and of a whole 2-step generation at
-the timed size (prepare and its text encoder, the steps, the decode), ``VmHWM`` reset between them, with glibc's mmap
-threshold at 1 MiB so that RSS follows the live tensors (``bench.harness``); the load (``open_model``). Then the
+Per rank (the largest over the ranks), each configuration in fresh processes, the allocator as the product leaves it
+(no malloc setting of the benchmark's; a sharded rank on the CPU sets its own, NOTE(malloc) in ``cp_infer/weights.py``):
+the transformer's bytes it holds; the memory plan's bytes per rank (``cp-infer memory``: at rest, and at the peak with
+the root and two blocks gathered); during the load (every weight read once after it: NOTE(mmap) in ``_touch``) and
+during a whole 2-step generation at the timed size (prepare and its text encoder, the steps, the decode), the peaks
+of private memory (anonymous pages plus private file pages: a page of a file only this rank has read so far counts)
+and of anonymous memory (the files left out: a replicated rank's weights are pages of its files) above the rank's
+before the load, sampled every 5 ms, and the peak RSS (``VmHWM``, reset between them: the mapped files' pages
+included); the load (``open_model``). Then the
 times, every configuration of one N loaded in the same processes and the rounds interleaved (``rotated``, so that the
 machine's other load falls on each alike), malloc from the heap only (NOTE(page-faults) in ``_heap_only``): the
 median step of a ``--steps`` generation and the text encoder (``encode_prompt`` of the request's prompts, median of
 3), the median over the rounds.
 
-Targets at N=2 (the issue's): the sharded peak per rank lower than the replicated one by at least 0.4x the
-transformer's bytes, and the sharded step at most 1.25x the replicated one (prefetch on: each unit's pre-forward issues
-the next one's all-gather, asynchronous on gloo). The ideal saving is a half of the transformer and of the text
+Targets at N=2 (the issues'): the sharded peak RSS per rank lower than the replicated one by at least 0.4x the
+transformer's bytes; what a sharded rank holds privately beyond a replicated rank's anonymous memory (its weights:
+the activations are the same) within 10% of the plan's bytes, at rest after the load and at the peak while
+generating; and the sharded step at most 1.25x the replicated one (prefetch on: each unit's pre-forward issues the
+next one's all-gather, asynchronous on gloo). The ideal saving is a half of the transformer and of the text
 encoder; while the steps run a rank also holds the root and two blocks whole (the one computing, the one
 prefetched), 2/L of the transformer, which is why LTX-2's model here is as deep as the released one. On the CPU
 the offload device is the device: "offloaded" runs the same code and holds the same memory (what it saves on a GPU,
@@ -42,7 +49,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from bench.harness import (  # noqa: E402
-    MALLOC_MEASURE,
     MALLOC_TIMED,
     TIMEOUT_S,
     WARMUP_STEPS,
@@ -63,7 +69,7 @@ _OFFLOAD = ("text_encoder", "vae", "transformer_blocks")
 _CONFIGS = ((1, "replicated", ()), (2, "replicated", ()), (2, "sharded", ()), (2, "sharded", _OFFLOAD))
 _LABELS = {"ltx-video": "LTX-Video, transformer 12 layers x 16 heads x 64, T5 8 layers x 1024, tiny VAE",
            "ltx2": "LTX-2, transformer 48 layers x 8 heads x 64 (audio 8 x 32), tiny Gemma, connectors, VAEs"}
-_PEAK_TARGET, _STEP_TARGET = 0.4, 1.25
+_PEAK_TARGET, _STEP_TARGET, _PLAN_TOLERANCE = 0.4, 1.25, 0.1
 
 
 def _write(family: str, folder: Path) -> None:
@@ -147,26 +153,80 @@ def _memory_worker(rank: int, world: int, port: int, family: str, folder: str, w
         from cp_infer.sampler import sample
         from models.common.placement import measure_components
 
-        set_malloc(*MALLOC_MEASURE)
+        # NOTE(allocator): no malloc setting here: the allocator as the product leaves it (cp_infer.weights sets what
+        # a sharded rank on the CPU needs, NOTE(malloc) there).
         state = _init(rank, world, port)
+        private = _PrivatePeak()
         reset_peak_rss()
         started = time.perf_counter()
         model = _open(state, folder, weights, offload)
         load_s = time.perf_counter() - started
         _touch(model.components)
-        load_peak = status_kib("VmHWM") * 1024
+        load_peak, (load_private, load_anon) = status_kib("VmHWM") * 1024, private.take()
         held = measure_components(model.components, model.placement)
         # A generation at the timed size (NOTE(warm-up-steps) in bench/harness.py: 2 steps, not 1): prepare (the text
         # encoder), the steps, the decode.
         reset_peak_rss()
         sample(model, resolve_request(_request(family, args, WARMUP_STEPS), model.options), state=state)
+        run_private, run_anon = private.take()
+        private.stop()
         outbox.put((rank, "ok", dict(load_s=load_s, load_peak=load_peak, run_peak=status_kib("VmHWM") * 1024,
+                                     load_private=load_private, run_private=run_private, load_anon=load_anon,
+                                     run_anon=run_anon,
                                      transformer=sum(n for name, _, n in held.entries if name == "transformer"),
                                      weights=model.placement.weights)))
     except BaseException:
         outbox.put((rank, "error", traceback.format_exc()))
         return
     inbox.get()
+
+
+def _private_bytes() -> tuple[int, int]:
+    """This process's ``(private, anonymous)`` bytes (``smaps_rollup``): private is its anonymous pages plus its
+    private file pages (a page of a file that two ranks have both read is shared, not private); anonymous leaves the
+    files out (a replicated rank's weights are pages of its files)."""
+    private = anonymous = 0
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                private += int(line.split()[1]) * 1024
+            elif line.startswith("Anonymous:"):
+                anonymous = int(line.split()[1]) * 1024
+    return private, anonymous
+
+
+class _PrivatePeak:
+    """The peaks of :func:`_private_bytes` above their values at the start, sampled every 5 ms on a thread of its
+    own; ``take()`` returns the peaks since the last ``take()`` (no kernel counter keeps a peak of either)."""
+
+    def __init__(self):
+        import threading
+
+        self.base = _private_bytes()
+        self._peak = (0, 0)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _above(self) -> tuple[int, int]:
+        return tuple(now - base for now, base in zip(_private_bytes(), self.base, strict=True))
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            now = self._above()
+            with self._lock:
+                self._peak = tuple(map(max, self._peak, now))
+
+    def take(self) -> tuple[int, int]:
+        now = self._above()
+        with self._lock:
+            peak, self._peak = tuple(map(max, self._peak, now)), (0, 0)
+        return peak
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _timing_worker(rank: int, world: int, port: int, family: str, folder: str, configs: list, args,
@@ -253,7 +313,9 @@ def _memory(family: str, folder: Path, args, world: int, weights: str, offload: 
         ranks = group.replies()
     finally:
         group.close()
-    worst = {key: max(r[key] for r in ranks) for key in ("load_s", "load_peak", "run_peak", "transformer")}
+    worst = {key: max(r[key] for r in ranks)
+             for key in ("load_s", "load_peak", "run_peak", "load_private", "run_private", "load_anon", "run_anon",
+                         "transformer")}
     return {**worst, "weights": ranks[0]["weights"]}
 
 
@@ -279,22 +341,33 @@ def _timing(family: str, folder: Path, args, world: int) -> dict[str, dict]:
 
 
 def _bench(family: str, args, tmp: Path) -> list[str]:
-    from cp_infer.placement import format_bytes
+    from cp_infer.placement import format_bytes, plan_memory
     from models.common.placement import model_components
 
     folder = tmp / family
     _write(family, folder)
-    whole = {c.name: c.nbytes for c in model_components(folder, dtype="fp32")}["transformer"]
+    components = model_components(folder, dtype="fp32")
+    whole = {c.name: c.nbytes for c in components}["transformer"]
+    plans = {(world, weights, offload): plan_memory(components, ranks=world, sharded=weights == "sharded",
+                                                    offload=offload) for world, weights, offload in _CONFIGS}
     memory = [((world, weights, offload), _memory(family, folder, args, world, weights, offload))
               for world, weights, offload in _CONFIGS]
     timing = {world: _timing(family, folder, args, world) for world in sorted({c[0] for c in _CONFIGS})}
     lines = [f"{_LABELS[family]} (transformer {format_bytes(whole)}): {args.frames} frames {args.width}x{args.height}, "
              f"{args.steps} steps, {args.rounds} interleaved round(s); load average after: {load_average()}", "",
-             *table_head(("N", "weights", "transformer held per rank", "peak RSS at load", "peak RSS generating",
-                          "load", "step (median)", "text encoder"), left=2)]
-    for (world, weights, offload), m in memory:
+             *table_head(("N", "weights", "transformer held per rank", "plan: at rest / peak",
+                          "private (anonymous) at load", "private (anonymous) generating", "peak RSS at load",
+                          "peak RSS generating", "load", "step (median)",
+                          "text encoder"), left=2)]
+    for config, m in memory:
+        world, weights, offload = config
         t = timing[world][_label(weights, offload)]
+        plan = plans[config]
         lines.append(table_row([world, _label(weights, offload), format_bytes(m["transformer"]),
+                                f"{format_bytes(plan.device_bytes + plan.host_bytes)} / "
+                                f"{format_bytes(plan.peak_device_bytes + plan.host_bytes)}",
+                                f"{format_bytes(m['load_private'])} ({format_bytes(m['load_anon'])})",
+                                f"{format_bytes(m['run_private'])} ({format_bytes(m['run_anon'])})",
                                 format_bytes(m["load_peak"]), format_bytes(m["run_peak"]), f"{m['load_s']:.2f} s",
                                 f"{t['step_s']:.3f} s", f"{t['encode_s'] * 1e3:.1f} ms"]))
     replicated, sharded = memory[1][1], memory[2][1]
@@ -305,6 +378,17 @@ def _bench(family: str, args, tmp: Path) -> list[str]:
                   f"({saved['load_peak'] / whole:.2f}x the transformer) and {format_bytes(saved['run_peak'])} "
                   f"generating ({saved['run_peak'] / whole:.2f}x); step time {ratio:.2f}x; text encoder "
                   f"{sh_t['encode_s'] / rep_t['encode_s']:.2f}x."]
+    # The plan against the measure: a replicated rank's weights are pages of its files, so its anonymous memory is
+    # what it holds beside them (the activations, the interpreter's); a sharded rank's private memory beyond that is
+    # its weights: at rest after the load, at the peak (the root and two blocks gathered) while generating.
+    plan = plans[(2, "sharded", ())]
+    for what, measured, planned in (
+            ("at load", sharded["load_private"] - replicated["load_anon"], plan.device_bytes),
+            ("generating", sharded["run_private"] - replicated["run_anon"], plan.peak_device_bytes)):
+        lines.append(f"N=2 sharded {what}: private memory beyond a replicated rank's anonymous memory "
+                     f"{format_bytes(measured)}, the plan's {format_bytes(planned)} ({measured / planned:.2f}x)")
+        if abs(measured / planned - 1) > _PLAN_TOLERANCE:
+            lines.append(f"CHECK FAILED: {family}: the plan is off by more than {_PLAN_TOLERANCE:.0%} {what}")
     for what, value in (("at load", saved["load_peak"]), ("generating", saved["run_peak"])):
         if value < _PEAK_TARGET * whole:
             lines.append(f"CHECK FAILED: {family}: sharded peak RSS {what} is lower by {value / whole:.2f}x the "

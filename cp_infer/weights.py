@@ -20,6 +20,10 @@ Invariants:
   holds a whole parameter it does not own, at load or after. Every rank of the world agrees on the outcome
   (:func:`agree_on_load`): a rank that could not read its shard fails every rank with its message, and none waits
   in a collective for it.
+- What a rank's forwards gather and free goes back to the OS: on the CPU, where the gathers are host memory, glibc's
+  mmap threshold is fixed (NOTE(malloc) in :func:`_unmap_freed_gathers`), so a rank holds its shards and at most the
+  root and two blocks whole, not its shards plus every block it has gathered; on CUDA the load's leftovers in torch's
+  cache are released after it.
 - Layers added to a sharded module after :func:`shard_module` (a LoRA adapter's, :func:`adding_layers`) are no part
   of any FSDP unit: FSDP2 fixed its units' parameters when it sharded them, so the new ones stay whole on every rank,
   on the device forwards run on, and never take part in an all-gather. The base weights stay sharded.
@@ -33,6 +37,7 @@ outside it may not write into. Run a sharded module's forwards under inference m
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -68,6 +73,7 @@ __all__ = [
 ]
 
 _HANDLE = "_cp_infer_weights"
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 T = TypeVar("T")
 
 
@@ -126,6 +132,8 @@ def shard_module(module: nn.Module, blocks: Sequence[nn.Module], *, mesh: Device
     forward prefetch root -> blocks[0] -> blocks[1] ...; ``offload``: the shards stay on the CPU (pinned with
     ``pin_memory``). Call it on a module whose parameters are on the meta device, then :func:`load_shards`."""
     policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
+    if mesh.device_type == "cpu":
+        _unmap_freed_gathers()
     # FSDP2 cannot shard a 0-d parameter (a gain): it stays whole on every rank, read as it is.
     scalars = {p for p in module.parameters() if p.dim() == 0}
     for unit in (*blocks, *idle):
@@ -147,6 +155,27 @@ def shard_module(module: nn.Module, blocks: Sequence[nn.Module], *, mesh: Device
     handle = ShardedWeights(mesh=mesh, blocks=tuple(blocks), idle=tuple(idle), offload=offload)
     object.__setattr__(module, _HANDLE, handle)
     return handle
+
+
+_GATHER_MMAP_THRESHOLD = 1 << 20
+"""glibc's mmap threshold in a process whose sharded modules gather in host memory (:func:`_unmap_freed_gathers`)."""
+
+
+def _unmap_freed_gathers() -> bool:
+    """Make freed gathered weights go back to the OS: glibc's mmap threshold fixed at
+    :data:`_GATHER_MMAP_THRESHOLD` for this process; False where malloc is not glibc's.
+
+    NOTE(malloc): each unit's forward allocates its parameters whole (FSDP2's all-gather) and frees them after it.
+    glibc's default threshold is dynamic: every freed mmapped chunk raises it to that chunk's size (up to 32 MiB), so
+    after the first block the gathered parameters (1-32 MiB each) come from the heap, whose freed chunks, fragmented
+    by the small allocations in between, the process keeps: a sharded rank came to hold about the whole transformer
+    again on top of its shard, from its first forward to its end. Fixed (which also stops the dynamic rule), every
+    tensor of 1 MiB or more is mmapped and unmapped when freed, so a rank holds what it uses. On CUDA the gathers are
+    the caching allocator's, which reuses them; this is for ranks whose device is the CPU."""
+    try:
+        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _GATHER_MMAP_THRESHOLD))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 @contextlib.contextmanager
@@ -342,6 +371,10 @@ def load_shards(module: nn.Module, files: SafetensorsFiles, *, device: torch.dev
                 raise WeightsLoadError(f"the buffer {name!r} is in no file of {files.folder} and not computed")
     if offload:  # only the shards live on the CPU: buffers and unsharded (0-d) parameters are used where they are
         _onload_unsharded(module, device)
+    if device.type == "cuda":
+        # Whatever the load allocated and freed on the device stays reserved in torch's cache until reused: released
+        # here, so that what a rank reserves after its load is what it holds (the plan's bytes).
+        torch.cuda.empty_cache()
     if handle is not None:
         # NOTE(lazy-init): FSDP2 finds its root and shares its streams in the root's first forward; a rank that joins
         # all-gathers (join_call) before running any forward needs that done.

@@ -75,8 +75,8 @@ class RuntimeConfig:
     the model folder's own ``latent_upsampler/``, if any."""
     dtype: str = AUTO
     """``fp32``, ``bf16`` or ``fp16`` for the transformer, text encoder and VAE (a family may keep some components in
-    float32: ``Family.float32_components``); ``auto``: the device's (``cp_infer.devices.device_defaults``: bf16 on CUDA, fp32 on the
-    CPU)."""
+    float32: ``Family.float32_components``); ``auto``: the device's (``cp_infer.devices.device_defaults``: bf16 on
+    CUDA, fp32 on the CPU)."""
     device: str | None = None
     """``cpu`` or ``cuda``; ``None`` picks ``cuda:LOCAL_RANK`` when CUDA exists."""
     timeout_s: float = 120.0
