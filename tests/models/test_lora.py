@@ -293,8 +293,8 @@ def _two_stage_and_windows(state, folder: str, adapters: str, seed: int):
     from models.common.lora import LoadedLoras, LoraDirectory
     from models.ltx_video.adapter import LORA, LTXVideoModel
 
-    from .ltx_video import test_ltx_video_two_stage as two_stage
-    from .ltx_video import test_ltx_video_windows as windows
+    from .ltx_video import test_two_stage as two_stage
+    from .ltx_video import test_windows as windows
 
     loras = (LoraWeight("a", 0.7), LoraWeight("b", 1.2))
     out = {}
