@@ -38,8 +38,8 @@ class DeviceDefaults:
     dtype: str
     """The weights' and activations' dtype (``--dtype auto``): ``bf16`` on CUDA, ``fp32`` elsewhere."""
     tf32: bool
-    """TF32 for float32 matmuls and cuDNN convolutions (what stays float32 under bf16: Wan's VAE, the schedulers'
-    arithmetic) on CUDA; never on the CPU, which has none."""
+    """TF32 for float32 matmuls and cuDNN convolutions (what stays float32 under bf16: a family's float32 VAE, the
+    schedulers' arithmetic) on CUDA; never on the CPU, which has none."""
 
 
 def device_defaults(device: str | torch.device) -> DeviceDefaults:
