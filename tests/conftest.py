@@ -42,3 +42,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"model cache: CP_INFER_CACHE={os.environ.get('CP_INFER_CACHE')} (HF_HUB_OFFLINE=1)"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_worker_groups():
+    """Closes the worker groups the session's tests shared (``tests/worker_groups.py``) when the session ends."""
+    yield
+    from .worker_groups import close_shared_groups
+
+    close_shared_groups()

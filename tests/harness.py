@@ -68,6 +68,7 @@ class WorkerGroup:
                  guidance_degree: int | None = None, ulysses_degree: int | None = None):
         """``guidance_degree``/``ulysses_degree``: the mesh layout (``ParallelConfig``; default: Ulysses only)."""
         self.world = world
+        self.closed = False
         layout = dict(guidance_degree=guidance_degree, ulysses_degree=ulysses_degree)
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
@@ -115,7 +116,13 @@ class WorkerGroup:
             raise RankError(f"{what} failed on ranks {sorted(errors)}:\n{detail}")
         return [results[r] for r in range(self.world)]
 
+    @property
+    def usable(self) -> bool:
+        """Not closed and every rank alive: a group a later test can run on."""
+        return not self.closed and all(p.is_alive() for p in self._procs)
+
     def close(self) -> None:
+        self.closed = True
         for box in self._inboxes:
             with contextlib.suppress(ValueError, OSError):
                 box.put(None)

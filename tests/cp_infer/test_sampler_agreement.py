@@ -22,7 +22,7 @@ from cp_infer.sampler import Decoder, JobFailed, JobOutOfMemory, Prepared, Sampl
 from cp_infer.shapes import VideoGeometry
 from models.common.standard_options import standard_options
 
-from ..harness import WorkerGroup
+from ..worker_groups import group_per_world
 
 
 class _FakeModel:
@@ -80,11 +80,7 @@ def _run(state, fail):
     return "ok", (None if frames is None else frames.shape, heard)
 
 
-@pytest.fixture(scope="module")
-def group():
-    g = WorkerGroup(2)
-    yield g
-    g.close()
+group = group_per_world([2])
 
 
 @pytest.mark.parametrize("fail,rank,words", [("prepare", 1, "text encoder out of memory"),

@@ -17,7 +17,7 @@ import torch
 from cp_infer import ShardPlan, pass_shares, single_process_state
 from cp_infer.step_cache import CacheConfig, CacheContext, StepCache, cache_blocks, fixed_point_sum
 
-from ..harness import WorkerGroup
+from ..worker_groups import SharedGroup
 
 CHANNELS, LAYERS, STEPS = 6, 4, 9
 TOKENS = {"hidden_states": 19, "audio_hidden_states": 7}  # per stream; divides none of 2, 3, 4
@@ -166,7 +166,7 @@ CASES = [
 ]
 
 
-def _check_layout(group: WorkerGroup):
+def _check_layout(group: SharedGroup):
     seed = random.randrange(2**31)
     for kind, contexts, streams in CASES:
         # A threshold between the metrics' range of values: some steps skip, some compute.
@@ -189,8 +189,5 @@ def test_every_layout_decides_as_one_rank(world, guidance):
     ranks (reduced over the mesh, where the two ranks that hold none of it join with zeros; with one context, also
     the two ranks that hold no pass at all), STG's and modality's passes each on one rank, the step's totals agreed
     over the mesh. (G=2 x U=2, both at once, runs on the real models: ``tests/models/test_*_cache.py``.)"""
-    group = WorkerGroup(world, guidance_degree=guidance)
-    try:
-        _check_layout(group)
-    finally:
-        group.close()
+    group = SharedGroup(world, guidance)
+    _check_layout(group)

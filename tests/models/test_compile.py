@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from ..harness import WorkerGroup
+from ..worker_groups import SharedGroup
 
 # LTX-Video: 3 x 1 x 3 = 9 latent tokens, uneven over 2 ranks (a padded token), CFG on (batch 2 through the blocks).
 # LTX-2 (64 px at least): 2 x 2 x 3 = 12 video tokens and its own audio stream.
@@ -58,12 +58,9 @@ def test_compiled_blocks_equal_eager(model_name, world, weights):
     """``weights="sharded"``: the blocks FSDP2-sharded (``--weights sharded``) and compiled, against the eager
     replicated run: FSDP2's gathers stay outside the compiled graphs (NOTE(compile-fsdp) in models/registry.py)."""
     seed = random.randrange(2**31)
-    group = WorkerGroup(world)
-    try:
-        eager_ranks = group.run(_sample, seed, False, model_name, timeout=300)
-        compiled_ranks = group.run(_sample, seed, True, model_name, weights, timeout=600)
-    finally:
-        group.close()
+    group = SharedGroup(world)
+    eager_ranks = group.run(_sample, seed, False, model_name, timeout=300)
+    compiled_ranks = group.run(_sample, seed, True, model_name, weights, timeout=600)
     for rank, (e, c) in enumerate(zip(eager_ranks, compiled_ranks, strict=True)):
         assert e["graphs"] == 0 and c["graphs"] >= 1, f"rank {rank}: graphs eager {e['graphs']}, compiled {c['graphs']}"
         assert c["breaks"] == 0, f"rank {rank}: {c['breaks']} graph break(s) in the compiled blocks"

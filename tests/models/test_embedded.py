@@ -21,7 +21,7 @@ from models.common.embedded import MARKER_FILE, cache_root, check_folder
 from models.ltx2.default import default_ltx2_model_dir, ensure_default_ltx2_model
 from models.ltx2.loading import load_ltx2
 
-from ..harness import WorkerGroup
+from ..worker_groups import SharedGroup
 
 
 def _components(folder: Path) -> list[str]:
@@ -66,12 +66,9 @@ def _build_in_group(state, cache: str, first: int | None) -> str:
 def test_a_worker_rank_builds_a_complete_folder(tmp_path):
     # transformers' save_pretrained writes nothing on a rank other than 0 of an initialised process group: a
     # worker rank that builds the folder must still write text_encoder/.
-    group = WorkerGroup(2)
-    try:
-        alone = group.run(_build_in_group, str(tmp_path / "rank1"), 1)
-        raced = group.run(_build_in_group, str(tmp_path / "race"), None)
-    finally:
-        group.close()
+    group = SharedGroup(2)
+    alone = group.run(_build_in_group, str(tmp_path / "rank1"), 1)
+    raced = group.run(_build_in_group, str(tmp_path / "race"), None)
     for cache, paths in (("rank1", alone), ("race", raced)):
         folder = default_ltx2_model_dir(tmp_path / cache)
         assert paths == [str(folder)] * 2

@@ -40,7 +40,7 @@ def folders(tmp_path_factory):
     return {"ltx-video": str(ensure_default_model(root / "ltx")), "ltx2": str(ensure_default_ltx2_model(root / "ltx2"))}
 
 
-layouts = groups_by_layout()  # (world, guidance_degree) -> WorkerGroup, each started once
+layouts = groups_by_layout()  # (world, guidance_degree) -> the session's shared group
 
 
 def _media(rng: np.random.Generator, frames: int, height: int, width: int) -> np.ndarray:

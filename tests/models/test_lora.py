@@ -185,7 +185,7 @@ def test_one_rank_equals_the_pipeline_with_its_adapters(setup, one_rank, family)
     np.testing.assert_array_equal(ours[0][0], ours[-1][0])  # a, then a again after the others
 
 
-groups = groups_by_layout()  # (world, guidance degree) -> a WorkerGroup, started on first use
+groups = groups_by_layout()  # (world, guidance degree) -> the session's shared group
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -25,8 +25,9 @@ import torch
 
 from cp_infer.request import GenerationRequest
 
-from ..harness import WorkerGroup, one_thread
+from ..harness import one_thread
 from ..lora_adapters import LTX_VIDEO_A, LTX_VIDEO_B, make_adapter
+from ..worker_groups import SharedGroup
 from .test_lora import _comfy
 
 # 17 x 32 x 96: 3 x 1 x 3 = 9 latent tokens, CFG (batch 2 through the blocks): test_compile's shape.
@@ -95,12 +96,9 @@ def _run(state, folder: str, adapters: str, seed: int, compiled: bool):
 def eager(setup):
     """(seed, the eager engine's run of ``SEQUENCE`` at 1 rank, the compiled one's)."""
     seed = random.randrange(2**31)
-    group = WorkerGroup(1)
-    try:
-        [run] = group.run(_run, *setup, seed, False, timeout=300)
-        [compiled] = group.run(_run, *setup, seed, True, timeout=600)
-    finally:
-        group.close()
+    group = SharedGroup(1)
+    [run] = group.run(_run, *setup, seed, False, timeout=300)
+    [compiled] = group.run(_run, *setup, seed, True, timeout=600)
     return seed, run, compiled
 
 
@@ -133,11 +131,8 @@ def test_two_ranks_compiled_equal_one_rank_eager(setup, eager):
     """Ulysses 2 (9 tokens: a padded one), the all-to-alls compiled inside the blocks with the slots: as 1 rank
     eager, and the same graphs on every rank for every request."""
     seed, run, _ = eager
-    group = WorkerGroup(2)
-    try:
-        ranks = group.run(_run, *setup, seed, True, timeout=600)
-    finally:
-        group.close()
+    group = SharedGroup(2)
+    ranks = group.run(_run, *setup, seed, True, timeout=600)
     for rank, got in enumerate(ranks):
         graphs = [g for *_, g in got["out"]]
         assert graphs == [graphs[0]] * len(graphs) and graphs[0] >= 1, f"rank {rank}: graphs {graphs}"

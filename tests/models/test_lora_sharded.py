@@ -41,7 +41,7 @@ LAYOUTS = [(2, 1), (2, 2)]
 joined)."""
 
 
-layouts = groups_by_layout()  # (world, guidance degree) -> a WorkerGroup, started on first use
+layouts = groups_by_layout()  # (world, guidance degree) -> the session's shared group
 
 
 @pytest.fixture(scope="module")

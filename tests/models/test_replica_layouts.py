@@ -14,7 +14,7 @@ import torch
 
 from cp_infer.request import GenerationRequest
 
-from ..harness import WorkerGroup
+from ..worker_groups import SharedGroup
 from .test_guidance_parallel import LTX2_THREE_PASSES, _check, _ltx2_requests, _one_rank, _sample
 
 
@@ -29,17 +29,8 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layouts():
-    """``(guidance, ulysses) -> WorkerGroup`` of 4 ranks, each started once for the module."""
-    made: dict[tuple[int, int], WorkerGroup] = {}
-
-    def get(guidance: int, ulysses: int) -> WorkerGroup:
-        if (guidance, ulysses) not in made:
-            made[(guidance, ulysses)] = WorkerGroup(4, guidance_degree=guidance, ulysses_degree=ulysses)
-        return made[(guidance, ulysses)]
-
-    yield get
-    for group in made.values():
-        group.close()
+    """``(guidance, ulysses) -> `` the session's group of 4 ranks in that layout."""
+    return lambda guidance, ulysses: SharedGroup(4, guidance, ulysses)
 
 
 def _per_replica(state, family: str, folder: str, requests: list[list[GenerationRequest]]) -> list[tuple]:

@@ -47,7 +47,7 @@ def folders(tmp_path_factory):
             "root": tmp_path_factory.mktemp("sharded")}
 
 
-layouts = groups_by_layout()  # (world, guidance_degree) -> WorkerGroup, each started once
+layouts = groups_by_layout()  # (world, guidance_degree) -> the session's shared group
 
 
 def _open(state, folder: str, weights: str, offload=()):

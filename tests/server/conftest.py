@@ -4,8 +4,8 @@
 waits for ``/ready`` and, at teardown, stops every process it started: the CLI, torchrun (which the CLI starts
 in another session) and the ranks, found by walking ``/proc`` for descendants and reading ``group.json``.
 
-One server is shared by the e2e, fault and bad-input modules (``api_server``, session-scoped: a start costs
-~15-30 s on two cores); the restart and torchrun modules start their own, because they kill them.
+One server is shared by the e2e, fault, bad-input, LoRA and playground modules (``api_server``, session-scoped: a
+start costs ~15-30 s on two cores); the restart and torchrun modules start their own, because they kill them.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ import torch
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import SampleControl, sample
 
-from ...harness import WorkerGroup, one_thread
+from ...harness import one_thread
+from ...worker_groups import SharedGroup
 
 GUIDANCE = dict(guidance_scale=3.0, audio_guidance_scale=5.0, stg_scale=1.0, audio_stg_scale=0.5,
                 modality_scale=2.0, audio_modality_scale=1.5, guidance_rescale=0.7, audio_guidance_rescale=0.5)
@@ -223,11 +224,8 @@ def guidance_and_ulysses(folder, one_rank, taylorseer):
     """G=2 x U=2, one group for both caches' requests (first_block's, then taylorseer's): per rank, per request its
     frames, waveform and totals and its pass's trace on that rank. CFG's pair on guidance rank 0, STG's and
     modality's passes on rank 1."""
-    group = WorkerGroup(4, guidance_degree=2)
-    try:
-        results = group.run(_traces, folder, [one_rank[1], taylorseer[1]], timeout=300)
-    finally:
-        group.close()
+    group = SharedGroup(4, 2)
+    results = group.run(_traces, folder, [one_rank[1], taylorseer[1]], timeout=300)
     return [list(zip(out, traces, strict=True)) for out, traces in results]
 
 

@@ -23,7 +23,8 @@ import torch
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import SampleControl, sample
 
-from ...harness import WorkerGroup, one_thread
+from ...harness import one_thread
+from ...worker_groups import SharedGroup
 
 SHAPES = [(9, 64, 96), (17, 64, 160)]
 ROPES = ("interleaved", "split")
@@ -133,11 +134,8 @@ def one_rank(folders):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_n_ranks_equal_one_rank(folders, one_rank, world):
     seed, expected = one_rank
-    group = WorkerGroup(world)
-    try:
-        results = {rope: group.run(_sample_all, folders[rope], seed, timeout=600) for rope in ROPES}
-    finally:
-        group.close()
+    group = SharedGroup(world)
+    results = {rope: group.run(_sample_all, folders[rope], seed, timeout=600) for rope in ROPES}
     for rope in ROPES:
         assert all(frames is None and not audio for rank in results[rope][1:] for frames, audio in rank), \
             "only group rank 0 returns frames and audio"

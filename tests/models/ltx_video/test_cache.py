@@ -25,7 +25,8 @@ import torch
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import SampleControl, sample
 
-from ...harness import WorkerGroup, one_thread
+from ...harness import one_thread
+from ...worker_groups import SharedGroup
 
 BASE = dict(prompt="a red fox runs through fresh snow", negative_prompt="blurry, low quality", num_frames=33,
             height=32, width=224, num_inference_steps=10, guidance_scale=3.0, fps=24)
@@ -207,12 +208,9 @@ def test_ranks_decide_as_one_rank(folder, one_rank, world, guidance):
     """U2 and U3: uneven shards (35 tokens), U3 also with garbage in their padding rows (bit-identical to the clean
     run); G2: CFG's two passes on two guidance ranks; G2xU2: both, the decision reduced over the mesh."""
     seed, threshold, expected = one_rank
-    group = WorkerGroup(world, guidance_degree=guidance)
-    try:
-        results = group.run(_sample, folder, _requests(seed, threshold), timeout=300)
-        garbage = None if world != 3 else group.run(_sample, folder, _requests(seed, threshold)[:1], True, timeout=300)
-    finally:
-        group.close()
+    group = SharedGroup(world, guidance)
+    results = group.run(_sample, folder, _requests(seed, threshold), timeout=300)
+    garbage = None if world != 3 else group.run(_sample, folder, _requests(seed, threshold)[:1], True, timeout=300)
     # Rank 0 delivers; every rank holds the one context (Ulysses peers, and both guidance ranks of CFG's pair).
     for rank, result in enumerate(results):
         if rank:

@@ -18,7 +18,7 @@ from cp_infer import ShardPlan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import sample
 
-from ...harness import WorkerGroup
+from ...worker_groups import SharedGroup
 
 # (frames, height, width) -> latent tokens: 3*2*3=18, 2*3*5=30, 4*1*7=28, 1*1*1=1
 SHAPES = [(17, 64, 96), (9, 96, 160), (25, 32, 224), (1, 32, 32)]
@@ -112,11 +112,8 @@ def one_rank(cache_dir):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_n_ranks_equal_one_rank(cache_dir, one_rank, world):
     seed, expected = one_rank
-    group = WorkerGroup(world)
-    try:
-        results = {dtype: group.run(_sample_all, cache_dir, seed, dtype, timeout=600) for dtype in DTYPES}
-    finally:
-        group.close()
+    group = SharedGroup(world)
+    results = {dtype: group.run(_sample_all, cache_dir, seed, dtype, timeout=600) for dtype in DTYPES}
     for dtype in DTYPES:
         assert all(r is None for rank in results[dtype][1:] for r in rank), "only group rank 0 returns frames"
         for exp, exp_fp32, got in zip(expected[dtype], expected[torch.float32], results[dtype][0], strict=True):

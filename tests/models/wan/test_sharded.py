@@ -30,7 +30,7 @@ def folders(tmp_path_factory):
             "a14b": str(save_wan_model(tmp_path_factory.mktemp("wan-a14b") / "a14b", variant="a14b"))}
 
 
-groups = groups_by_layout()  # (world, guidance_degree) -> WorkerGroup, each started once
+groups = groups_by_layout()  # (world, guidance_degree) -> the session's shared group
 
 
 def _run(state, folder: str, weights: str, seed: int):

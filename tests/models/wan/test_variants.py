@@ -27,7 +27,8 @@ from PIL import Image
 from cp_infer.request import Condition, GenerationRequest
 from cp_infer.sampler import SampleControl, sample
 
-from ...harness import WorkerGroup, one_thread
+from ...harness import one_thread
+from ...worker_groups import SharedGroup
 
 VARIANTS = ("i2v", "a14b", "a14b-i2v", "ti2v")
 
@@ -154,11 +155,8 @@ def test_the_low_noise_expert_and_its_guidance_are_used(folders, one_rank):
 
 def test_two_ranks_equal_one_rank(folders, one_rank):
     seed, expected = one_rank
-    group = WorkerGroup(2)
-    try:
-        results = group.run(_sample_all, folders, seed, timeout=600)
-    finally:
-        group.close()
+    group = SharedGroup(2)
+    results = group.run(_sample_all, folders, seed, timeout=600)
     assert all(frames is None for rank in results[1:] for runs in rank.values() for frames, _ in runs)
     for variant in VARIANTS:
         for (exp, exp_latents), (got, got_latents) in zip(expected[variant], results[0][variant], strict=True):

@@ -178,14 +178,11 @@ def test_n_ranks_equal_one_rank(folder, one_rank, groups, world):
 def test_guidance_ranks_equal_one_rank(folder, one_rank):
     """G=2: CFG's conditional pass on one rank, the unconditional on the other (the second request has no CFG: one
     pass, the second rank idle but in the exchange)."""
-    from ...harness import WorkerGroup
+    from ...worker_groups import SharedGroup
 
     seed, expected = one_rank
-    group = WorkerGroup(2, guidance_degree=2)
-    try:
-        results = group.run(_sample_all, folder, seed, timeout=600)
-    finally:
-        group.close()
+    group = SharedGroup(2, 2)
+    results = group.run(_sample_all, folder, seed, timeout=600)
     _assert_close_to(expected, results, world=2, seed=seed, exact=True)
 
 
@@ -243,13 +240,10 @@ def _per_replica(state, folder: str, seed: int):
 
 def test_two_replicas_each_equal_one_rank(folder, one_rank):
     """World 2 = 2 replicas x 1 rank: each replica runs its own job; each is the 1-rank video bit for bit."""
-    from ...harness import WorkerGroup
+    from ...worker_groups import SharedGroup
 
     seed, expected = one_rank
-    group = WorkerGroup(2, guidance_degree=1, ulysses_degree=1)
-    try:
-        results = group.run(_per_replica, folder, seed, timeout=600)
-    finally:
-        group.close()
+    group = SharedGroup(2, 1, 1)
+    results = group.run(_per_replica, folder, seed, timeout=600)
     for replica, frames in enumerate(results):
         np.testing.assert_array_equal(frames, expected[replica][0], err_msg=f"replica {replica} seed={seed}")

@@ -19,33 +19,29 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ..conftest import API_ARGS, API_FAULTS, API_KEY, REPO, ServerProcess
+from ..conftest import API_KEY, REPO
 
 pytestmark = pytest.mark.timeout(240)
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
+ADAPTER = "playground"
+"""The adapter this module places in the shared server's folder (the LoRA tests place theirs under other names)."""
 SMALL = {"num_frames": "9", "width": "96", "height": "64", "num_inference_steps": "2"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, cache_dir):
+def server(api_server, cache_dir):
+    """The session's API server (``api_server``: 2 ranks, a key, conftest's faults), with an adapter of this
+    module's own name in its adapter folder (a server reads the folder per request)."""
     from models.ltx_video.default import ensure_default_model
     from models.ltx_video.loading import load_ltx_video
 
     from ...lora_adapters import LTX_VIDEO_A, make_adapter
 
-    workdir = tmp_path_factory.mktemp("playground")
-    adapters = workdir / "adapters"
-    adapters.mkdir()
-    make_adapter(load_ltx_video(ensure_default_model(cache_dir)), adapters / "a.safetensors", seed=1,
-                 targets=LTX_VIDEO_A)
-    s = ServerProcess(workdir, cache_dir, extra_args=[*API_ARGS, "--lora-dir", str(adapters)], faults=API_FAULTS)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    make_adapter(load_ltx_video(ensure_default_model(cache_dir)), api_server.lora_dir / f"{ADAPTER}.safetensors",
+                 seed=1, targets=LTX_VIDEO_A)
+    return api_server
 
 
 @pytest.fixture(scope="module")
@@ -251,23 +247,23 @@ def test_image_to_video_from_an_uploaded_file(server, browser, tmp_path):
 
 def test_an_adapter_is_applied_with_its_scale_and_a_bad_scale_is_the_apis_error(server, browser):
     open_page(browser, server)
-    assert visible(browser, "loras") and by_id(browser, "lora-a").get_attribute("data-lora") == "a"
+    assert visible(browser, "loras") and by_id(browser, f"lora-{ADAPTER}").get_attribute("data-lora") == ADAPTER
     fill(browser, "a lighthouse", **SMALL)
-    js(browser, "document.getElementById('lora-a').checked = true; "
-                "document.getElementById('lora-a-scale').value = '9';")
+    js(browser, f"document.getElementById('lora-{ADAPTER}').checked = true; "
+                f"document.getElementById('lora-{ADAPTER}-scale').value = '9';")
     by_id(browser, "generate").click()
     wait_for(lambda: visible(browser, "error"), 30, "the API's error")
     assert "loras[0].scale" in by_id(browser, "error-param").text
     assert "invalid" in by_id(browser, "loras").get_attribute("class")
 
-    js(browser, "document.getElementById('lora-a-scale').value = '0.75';")
+    js(browser, f"document.getElementById('lora-{ADAPTER}-scale').value = '0.75';")
     job_id = submit(browser)
     wait_for(lambda: current(browser)["status"] == "completed", 120, "the job with an adapter to complete")
     job = server.client.get(f"/v1/videos/{job_id}").json()
-    assert job["loras"] == [{"name": "a", "scale": 0.75}]
+    assert job["loras"] == [{"name": ADAPTER, "scale": 0.75}]
     # Reset clears the choice: the next job runs the base weights.
     js(browser, "document.getElementById('reset').click();")
-    assert not by_id(browser, "lora-a").is_selected()
+    assert not by_id(browser, f"lora-{ADAPTER}").is_selected()
 
 
 def test_a_bad_value_shows_the_apis_error(server, browser):
