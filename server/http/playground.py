@@ -12,17 +12,22 @@ Invariants:
   the page can load and reach nothing but this server.
 - ``/playground/options`` is derived from the model's option declaration and the deployment's limits, as the
   OpenAPI document is; the page holds no list of options of its own.
+- A default may follow the values before it (``height`` lowered under ``stages=2``): ``POST /playground/defaults``
+  resolves the defaults given what the user changed, with the API's own resolution, and the page shows them in the
+  fields the user left alone. A field it leaves unsent is then resolved by the API to the value it shows.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.responses import FileResponse
 
+from cp_infer.options import UnknownOption
 from cp_infer.request import LORA_SCALE, MAX_LORAS
 from server.http.engine import EngineDep
+from server.http.schemas import ApiError
 
 __all__ = ["PAGES", "PageFiles", "router"]
 
@@ -97,3 +102,25 @@ async def playground_options(engine: EngineDep) -> dict:
         "window_tile_causal": engine.options.window_tile_causal,
         "spatial_step": geometry.spatial_step if geometry else None,
     }
+
+
+@router.post("/defaults")
+async def playground_defaults(request: Request, engine: EngineDep) -> dict:
+    """Every option's value for a request that gives the options in the JSON body and leaves the rest out: the
+    given ones as the API takes them, the others' defaults as the API fills them in under this deployment's limits
+    (a default may follow a value given: ``height`` and ``width`` under ``stages=2``). A value the API would refuse
+    is this route's 400 naming it, with the API's words."""
+    try:
+        given = await request.json()
+    except ValueError:
+        raise ApiError(400, "invalid_json", "the body must be a JSON object of option values") from None
+    if not isinstance(given, dict):
+        raise ApiError(400, "invalid_json", "the body must be a JSON object of option values")
+    try:
+        values = engine.options.resolve(given, limits=engine.limits, geometry=engine.geometry)
+    except UnknownOption as exc:
+        raise ApiError(400, "unknown_parameter", str(exc), exc.name) from None
+    except ValueError as exc:
+        param = max((name for name in engine.options.names if str(exc).startswith(name)), key=len, default=None)
+        raise ApiError(400, "invalid_value", str(exc), param) from None
+    return {"defaults": {name: list(v) if isinstance(v, tuple) else v for name, v in values.items()}}

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cp_infer.options import ModelOptions
@@ -178,15 +178,29 @@ def test_http_takes_a_request_inside_the_limits_it_names(tmp_path, variant, imag
         run()
 
 
-def _page_bodies(options_json: dict, cases: list[dict]) -> dict:
+def _page_bodies(options_json: dict, cases: list[dict], defaults: list[dict]) -> dict:
     """What the playground's page sends for each case (``tests/server/http/playground_body.js``: its own
-    playground.js in node over a stand-in DOM), and the number fields its browser would refuse to submit."""
+    playground.js in node over a stand-in DOM; ``defaults``: ``POST /playground/defaults``'s answer to each case),
+    what it shows, and the number fields its browser would refuse to submit."""
     if shutil.which("node") is None:
         pytest.fail("node is needed to run the playground's page script (apt-get install nodejs)")
-    run = subprocess.run(["node", str(_PAGE_BODY)], input=json.dumps({"options": options_json, "cases": cases}),
-                         capture_output=True, text=True, timeout=60)
+    page = {"options": options_json, "cases": cases, "defaults": defaults}
+    run = subprocess.run(["node", str(_PAGE_BODY)], input=json.dumps(page), capture_output=True, text=True,
+                         timeout=60)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)
+
+
+def _field_value(option, text: str):
+    """A playground field's text as the value it shows (the page's ``shown``: JSON for lists, ``""`` for unset)."""
+    if text == "":
+        return None if option.nullable or option.default is None else ""
+    if option.kind in (tuple, list):
+        value = json.loads(text)
+        return tuple(value) if option.kind is tuple else value
+    if option.kind is bool:
+        return text == "true"
+    return option.kind(text)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_IDS)
@@ -201,18 +215,25 @@ def test_the_playground_form_starts_inside_its_ranges_and_what_it_sends_is_taken
     @given(drawn=limits_and_values(variant))
     def run(drawn):
         limits, values = drawn
-        # NOTE(playground-stages): the page shows the defaults as lowered under the stages it shows and does not
-        # recompute them when the user changes stages, so a request naming stages is left out here (an open defect).
-        assume("stages" not in values)
         engine.limits = limits
-        page = _page_bodies(client.get("/playground/options").json(), [{}, values])
+        cases = [{}, values]
+        defaults = [client.post("/playground/defaults", json=case) for case in cases]
+        assert all(d.status_code == 200 for d in defaults), (limits, values, [d.text for d in defaults])
+        page = _page_bodies(client.get("/playground/options").json(), cases, [d.json() for d in defaults])
         assert not page["out_of_range"], (limits, page["out_of_range"])
+        # The page asked for the defaults under what was typed (the answer given was for exactly that).
+        if values:
+            assert json.loads(json.dumps(values)) == page["asked"][1], (values, page["asked"])
         plain, typed = page["bodies"]
         assert plain == {"prompt": "after the fuzz"}  # nothing changed: nothing but the prompt is sent
-        for body in (plain, typed):
+        for body, shown in zip((plain, typed), page["shown"], strict=True):
             r = client.post("/v1/videos", json={**body, **media})
             assert r.status_code == 200, (limits, body, r.text)
-        _check_used(variant, limits, values, _job_values(r.json(), variant.options))
+            # What the page shows in every field is what the job gets, sent or not (a default lowered under
+            # stages=2 included).
+            job = _job_values(r.json(), variant.options)
+            assert {o.name: _field_value(o, shown[o.name]) for o in variant.options} == job, (values, body, shown)
+        _check_used(variant, limits, values, job)
 
     with client:
         run()

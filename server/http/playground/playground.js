@@ -7,7 +7,8 @@ const TERMINAL = new Set(["completed", "failed", "cancelled"]);
 const LENGTH_OPTIONS = ["num_frames", "frame_rate"];
 const $ = (id) => document.getElementById(id);
 
-const state = { model: null, options: [], job: null, controller: null, thumbs: new Map(), poll: null };
+const state = { model: null, options: [], job: null, controller: null, thumbs: new Map(), poll: null,
+  defaults: Promise.resolve(), defaultsAsked: 0 };
 
 // -- the API, same origin only ----------------------------------------------------------------------------------
 
@@ -136,10 +137,15 @@ function optionField(option) {
   input.id = id;
   input.dataset.option = option.name;
   input.dataset.param = option.name;
+  input.dataset.initial = shown(option.default);
   input.dataset.default = shown(option.default);
   input.value = shown(option.default);
   input.title = option.help;
-  input.addEventListener("input", lengthHint);
+  input.addEventListener("input", () => {
+    input.dataset.touched = "1";
+    lengthHint();
+    state.defaults = refreshDefaults();
+  });
   const help = document.createElement("small");
   help.className = "help";
   const initial = option.default === null ? "unset" : option.default === "" ? '""' : shown(option.default);
@@ -231,7 +237,11 @@ function lengthHint() {
 }
 
 $("reset").addEventListener("click", () => {
-  for (const input of document.querySelectorAll("[data-option]")) input.value = input.dataset.default;
+  state.defaultsAsked += 1;  // an answer still on its way is for values no longer shown
+  for (const input of document.querySelectorAll("[data-option]")) {
+    input.value = input.dataset.default = input.dataset.initial;
+    delete input.dataset.touched;
+  }
   for (const on of document.querySelectorAll("[data-lora]")) {
     on.checked = false;
     $(`${on.id}-scale`).value = "1";
@@ -239,6 +249,38 @@ $("reset").addEventListener("click", () => {
   $("seed").value = "";
   lengthHint();
 });
+
+function givenValue(option, input) {
+  // What a field gives the API: undefined when it gives nothing (left empty where the default is unset).
+  const text = input.value.trim();
+  if (text === "" && option.default === null) return undefined;
+  return text === "" ? null : parsed(option, text);
+}
+
+async function refreshDefaults() {
+  // A default may follow what the user changed (height and width are lowered further under stages=2): the API's
+  // own resolution (POST /playground/defaults) gives them, and the fields the user left alone show them, so that
+  // a field the page leaves unsent is what the job gets. A value the API refuses changes nothing here: its error
+  // comes when the job is submitted.
+  const asked = ++state.defaultsAsked;
+  const given = {};
+  for (const option of state.options) {
+    const input = document.querySelector(`[data-option="${option.name}"]`);
+    const value = input.dataset.touched === "1" ? givenValue(option, input) : undefined;
+    if (value !== undefined) given[option.name] = value;
+  }
+  const r = await api("/playground/defaults", {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(given),
+  });
+  if (!r.ok || asked !== state.defaultsAsked) return;
+  const { defaults } = await r.json();
+  for (const option of state.options) {
+    const input = document.querySelector(`[data-option="${option.name}"]`);
+    if (input.dataset.touched === "1" || !(option.name in defaults)) continue;
+    input.value = input.dataset.default = shown(defaults[option.name]);
+  }
+  lengthHint();
+}
 
 function parsed(option, text) {
   // A value the API is given as typed: numbers as numbers, lists as JSON; anything that does not parse is sent
@@ -264,12 +306,15 @@ function readFile(file) {
 }
 
 async function body() {
+  await state.defaults;  // the defaults shown are those of the values the user changed
   const out = { prompt: $("prompt").value };
   for (const option of state.options) {
+    // Sent: what the user changed, and any field that no longer shows its default; a field left alone shows
+    // what the API fills in without it.
     const input = document.querySelector(`[data-option="${option.name}"]`);
-    const text = input.value.trim();
-    if (text === input.dataset.default || (text === "" && option.default === null)) continue;
-    out[option.name] = text === "" ? null : parsed(option, text);
+    if (input.dataset.touched !== "1" && input.value.trim() === input.dataset.default) continue;
+    const value = givenValue(option, input);
+    if (value !== undefined) out[option.name] = value;
   }
   const seed = $("seed").value.trim();
   if (seed !== "") out.seed = Number.isFinite(Number(seed)) ? Number(seed) : seed;
