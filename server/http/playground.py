@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from fastapi import APIRouter, Request
@@ -26,8 +27,9 @@ from starlette.responses import FileResponse
 
 from cp_infer.options import UnknownOption
 from cp_infer.request import LORA_SCALE, MAX_LORAS
+from server.http.config import ConfigDep
 from server.http.engine import EngineDep
-from server.http.schemas import ApiError
+from server.http.schemas import ApiError, error_responses
 
 __all__ = ["PAGES", "PageFiles", "router"]
 
@@ -104,16 +106,29 @@ async def playground_options(engine: EngineDep) -> dict:
     }
 
 
-@router.post("/defaults")
-async def playground_defaults(request: Request, engine: EngineDep) -> dict:
+_VALUES = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "description": "option values by name (as POST /v1/videos takes them)"}}}}}
+
+
+@router.post("/defaults", responses=error_responses(400, 413, 415), openapi_extra=_VALUES)
+async def playground_defaults(request: Request, engine: EngineDep, config: ConfigDep) -> dict:
     """Every option's value for a request that gives the options in the JSON body and leaves the rest out: the
     given ones as the API takes them, the others' defaults as the API fills them in under this deployment's limits
     (a default may follow a value given: ``height`` and ``width`` under ``stages=2``). A value the API would refuse
     is this route's 400 naming it, with the API's words."""
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if not (ctype in ("application/json", "text/json") or ctype.endswith("+json")):
+        raise ApiError(415, "unsupported_media_type", f"Content-Type {ctype!r} is not accepted; send application/json")
+    body, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > config.max_body_bytes:
+            raise ApiError(413, "request_too_large", f"the body is over the limit of {config.max_body_bytes} bytes")
+        body.append(chunk)
     try:
-        given = await request.json()
-    except ValueError:
-        raise ApiError(400, "invalid_json", "the body must be a JSON object of option values") from None
+        given = json.loads(b"".join(body).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        given = None
     if not isinstance(given, dict):
         raise ApiError(400, "invalid_json", "the body must be a JSON object of option values")
     try:
