@@ -11,6 +11,11 @@
   Wan's real compression, 4x time and 8x space, and its UniPC scheduler); the Wan workloads of ``bench/generate.py``
   have the LTX-Video workloads' latent token grids (4 x 8 x 16 and 16 x 16 x 16 tokens).
 
+The families' differences sit in tables, one per concern: :data:`BENCH_FAMILIES` (what the text-to-video
+benchmarks need of LTX-Video and Wan: components, requests, runners, workload shapes) and :data:`GUIDED` (the
+medium models' prompts and guidance); what ``models.families`` knows (transformer and pipeline classes, the adapter)
+is asked there.
+
 Invariants: every process builds the same weights (LTX-Video: torch's own init under :data:`SEED`, the global RNG
 forked; LTX-2: ``models.common.embedded.init_deterministic`` from :data:`SEED`); everything is fp32.
 """
@@ -18,16 +23,18 @@ forked; LTX-2: ``models.common.embedded.init_deterministic`` from :data:`SEED`);
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 __all__ = [
-    "COMM", "COMPUTE", "FPS", "GUIDANCE", "LATENT_TOL", "LTX2_GUIDANCE", "LTX2_HEADS", "LTX2_HEAD_DIM", "LTX2_LAYERS",
-    "LTX2_NEGATIVE", "LTX2_PROMPT", "LTX_VIDEO", "MEDIUM", "MEDIUM_LABEL", "NEGATIVE", "PROMPT", "SEED", "SHORT_WIDE",
-    "WAN", "ModelSize", "OursRunner", "Workload", "build_components", "build_ltx2_components", "make_request",
-    "model_sizes", "wan_workloads", "workloads", "write_medium_folder",
+    "BENCH_FAMILIES", "COMM", "COMPUTE", "FPS", "GUIDANCE", "GUIDED", "LATENT_TOL", "LTX2", "LTX2_GUIDANCE",
+    "LTX2_HEADS", "LTX2_HEAD_DIM", "LTX2_LAYERS", "LTX2_NEGATIVE", "LTX2_PROMPT", "LTX_VIDEO", "MEDIUM", "MEDIUM_LABEL",
+    "NEGATIVE", "PROMPT", "SEED", "SHORT_WIDE", "WAN", "BenchFamily", "ModelSize", "OursRunner", "Workload",
+    "build_components", "build_ltx2_components", "make_request", "model_sizes", "save_folder", "workloads",
+    "write_medium_folder",
 ]
 
 SEED = 1234
@@ -36,6 +43,10 @@ LATENT_TOL = 1e-3
 """fp32 throughout. N ranks run the same maths as 1 rank, but matmuls over fewer rows with another thread count
 and SDPA over another head grouping may sum in another order (~1e-6 relative per op); over a few steps of a
 random transformer that stays far below 1e-3 absolute on latents of unit scale."""
+
+LTX_VIDEO, LTX2, WAN = "ltx-video", "ltx2", "wan"
+"""``models.families`` names."""
+COMM, SHORT_WIDE, COMPUTE = "comm-bound", "short, wide model", "compute-bound"
 
 PROMPT = "a red fox runs through fresh snow at dawn, cinematic tracking shot"
 NEGATIVE = "blurry, low quality"
@@ -49,9 +60,20 @@ LTX2_GUIDANCE = dict(guidance_scale=3.0, audio_guidance_scale=7.0, stg_scale=1.0
 """``LTX2Pipeline``'s defaults."""
 LTX2_LAYERS, LTX2_HEADS, LTX2_HEAD_DIM = 2, 8, 64  # the benchmark transformer; audio: heads x head_dim // 2
 
+GUIDED = {LTX_VIDEO: dict(prompt=PROMPT, negative_prompt=NEGATIVE, guidance_scale=GUIDANCE),
+          LTX2: dict(prompt=LTX2_PROMPT, negative_prompt=LTX2_NEGATIVE, stages=1, **LTX2_GUIDANCE)}
+"""Family -> the request values of its medium model (``bench/cache.py``, ``bench/memory.py``): prompts and its
+pipeline's guidance (LTX-2: one stage, the benchmark folders come without a latent upsampler)."""
+
+
+def _family(name: str) -> Any:
+    from models.families import family
+
+    return family(name)
+
 
 # ---------------------------------------------------------------------------------------------------------
-# LTX-Video.
+# The text-to-video benchmark models and workloads (LTX-Video, Wan).
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -69,8 +91,8 @@ class ModelSize:
         if self.layers < 1 or self.heads < 2 or self.heads % 2:
             raise ValueError(f"layers={self.layers} must be >= 1 and heads={self.heads} even (Ulysses over 2 ranks)")
 
-    def describe(self, params: int, family: str = "ltx-video") -> str:
-        cls = "WanTransformer3DModel" if family == WAN else "LTXVideoTransformer3DModel"
+    def describe(self, params: int, family: str = LTX_VIDEO) -> str:
+        cls = _family(family).transformers[0]
         return (f"`{cls}`, {self.layers} layers, {self.heads} heads x {self.head_dim} dim "
                 f"(inner {self.heads * self.head_dim}), {self.channels} latent channels, {params / 1e6:.1f} M params")
 
@@ -90,49 +112,49 @@ class Workload:
     model: ModelSize
     target: bool = True
     """Whether the issue's targets are read off this workload (``False``: reported for context only)."""
-    family: str = "ltx-video"
-    """``ltx-video`` or ``wan``: which transformer and pipeline (:func:`build_components`)."""
+    family: str = LTX_VIDEO
+    """A :data:`BENCH_FAMILIES` key: which transformer and pipeline (:func:`build_components`)."""
 
     def tokens(self) -> int:
         from cp_infer import VideoGeometry
 
-        geometry = (VideoGeometry(temporal_compression=4, spatial_compression=8, patch_size=2) if self.family == WAN
-                    else VideoGeometry())
+        geometry = VideoGeometry(**BENCH_FAMILIES[self.family].geometry)
         return geometry.latent_shape(self.frames, self.height, self.width).tokens
 
 
-LTX_VIDEO, WAN = "ltx-video", "wan"
-COMM, SHORT_WIDE, COMPUTE = "comm-bound", "short, wide model", "compute-bound"
+@dataclass(frozen=True)
+class BenchFamily:
+    """What the text-to-video benchmarks (``bench/generate.py``, ``bench/conditioning.py``, ``bench/compile.py``,
+    ``bench/layout.py``) need of one family: a row of :data:`BENCH_FAMILIES`."""
+
+    title: str
+    """How the reports name the model the benchmark follows."""
+    prefix: str
+    """What its workloads' names start with."""
+    geometry: dict[str, int]
+    """``VideoGeometry``'s arguments: its VAE's compression, its transformer's patch."""
+    short: tuple[int, int, int]
+    """Frames, height, width of its 512-token workloads (4 x 8 x 16 latent tokens)."""
+    long: tuple[int, int, int]
+    """Frames, height, width of its 4096-token workload (16 x 16 x 16)."""
+    build: Callable[[ModelSize], Any]
+    """Its pipeline's components around the benchmark transformer at a size."""
+    request: Callable[[Workload, int, dict[str, Any]], Any]
+    """``(workload, steps, values)``: the workload's request, resolved against its declared options."""
+    transformer: Callable[[Any], Any]
+    """The transformer of :attr:`build`'s components."""
+    ours: Callable[[Any, Any], Any]
+    """``(components, state)``: our adapter over them (``models.families``' ``wrap``)."""
+    latents: Callable[[Any, dict[str, Any], Any], Any]
+    """``(adapter, latents, prepared)``: the final latents the sampler hands to the decode, as the reports compare
+    them."""
+    diffusers: Callable[..., Any]
+    """``(components, ranks=, tokens=)``: diffusers' own pipeline over them (``bench/peers/diffusers_cp.py``)."""
 
 
-def model_sizes(*, quick: bool, layers: int | None = None, heads: int | None = None) -> tuple[ModelSize, ModelSize]:
-    """(wide, narrow): wide 2 layers x 16 heads (``--quick``: 1 x 8), ``layers``/``heads`` overriding; narrow 8
-    layers x 2 heads (``--quick``: 4 layers). ``bench/generate.py``'s docstring says why these two."""
-    wide = ModelSize(layers=layers or (1 if quick else 2), heads=heads or (8 if quick else 16))
-    return wide, ModelSize(layers=4 if quick else 8, heads=2)
-
-
-def workloads(wide: ModelSize, narrow: ModelSize) -> tuple[Workload, ...]:
-    """comm-bound (narrow model, 512 tokens), the same 512 tokens on the wide model (context, no target),
-    compute-bound (wide model, 4096 tokens)."""
-    return (Workload(COMM, frames=25, height=256, width=512, model=narrow),
-            Workload(SHORT_WIDE, frames=25, height=256, width=512, model=wide, target=False),
-            Workload(COMPUTE, frames=121, height=512, width=512, model=wide))
-
-
-def wan_workloads(wide: ModelSize, narrow: ModelSize) -> tuple[Workload, ...]:
-    """:func:`workloads` on Wan 2.1 text-to-video, with the same latent token grids: 13 frames at 128x256 (4 x 8 x 16
-    tokens after the 1x2x2 patch) and 61 frames at 256x256 (16 x 16 x 16)."""
-    return (Workload(f"wan {COMM}", frames=13, height=128, width=256, model=narrow, family=WAN),
-            Workload(f"wan {SHORT_WIDE}", frames=13, height=128, width=256, model=wide, target=False, family=WAN),
-            Workload(f"wan {COMPUTE}", frames=61, height=256, width=256, model=wide, family=WAN))
-
-
-def build_components(size: ModelSize, family: str = LTX_VIDEO) -> Any:
+def _ltx_video_components(size: ModelSize) -> dict[str, Any]:
     """``LTXPipeline``'s components (a dict): the benchmark transformer at ``size`` around the embedded default's
-    others; ``family="wan"``: ``WanPipeline``'s, as ``models.wan.loading.WanComponents``, around ``tiny-wan``'s."""
-    if family == WAN:
-        return _build_wan_components(size)
+    others."""
     import torch
     from diffusers import LTXVideoTransformer3DModel
 
@@ -151,7 +173,29 @@ def build_components(size: ModelSize, family: str = LTX_VIDEO) -> Any:
     return components
 
 
-def _build_wan_components(size: ModelSize) -> Any:
+def _ltx_video_request(workload: Workload, steps: int, values: dict[str, Any]) -> Any:
+    from cp_infer.request import GenerationRequest, resolve_request
+    from models.ltx_video.options import ltx_video_options
+
+    options = ltx_video_options()
+    # NOTE(one-window): one sequence, as LTXPipeline makes it. Ours makes a video longer than temporal_tile_size
+    # window by window, so a longer workload gets a window as long as the video ((frames + 7) // 8 latent frames).
+    tile = next(o.default for o in options if o.name == "temporal_tile_size")
+    values = {"temporal_tile_size": max(tile, workload.frames + 7), **values}
+    req = GenerationRequest.of(prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=workload.frames,
+                               height=workload.height, width=workload.width, num_inference_steps=steps,
+                               guidance_scale=GUIDANCE, seed=SEED, fps=FPS, max_sequence_length=128, **values)
+    return resolve_request(req, options)
+
+
+def _ltx_video_diffusers(components: dict[str, Any], *, ranks: int, tokens: int) -> Any:
+    from bench.peers.diffusers_cp import DiffusersRunner
+
+    return DiffusersRunner(components, ranks=ranks)
+
+
+def _wan_components(size: ModelSize) -> Any:
+    """``WanPipeline``'s components, as ``models.wan.loading.WanComponents``, around ``tiny-wan``'s."""
     import torch
     from diffusers import WanTransformer3DModel
 
@@ -172,71 +216,115 @@ def _build_wan_components(size: ModelSize) -> Any:
                          dtype=torch.float32, device=torch.device("cpu"))
 
 
-def write_medium_folder(folder: Path) -> None:
-    """An LTX-Video folder (``LTXPipeline.save_pretrained``) with the :data:`MEDIUM` transformer."""
-    from diffusers import LTXPipeline
+def _wan_request(workload: Workload, steps: int, values: dict[str, Any]) -> Any:
+    from cp_infer.request import GenerationRequest, resolve_request
+    from models.wan.options import wan_options
 
-    LTXPipeline(**build_components(MEDIUM)).save_pretrained(folder)
+    req = GenerationRequest.of(prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=workload.frames,
+                               height=workload.height, width=workload.width, num_inference_steps=steps,
+                               guidance_scale=GUIDANCE, seed=SEED, max_sequence_length=128, **values)
+    return resolve_request(req, wan_options())
+
+
+def _wan_latents(model: Any, latents: dict[str, Any], prepared: Any) -> Any:
+    """The pipeline's final ``[B, C, F, H, W]`` latents, as ``WanPipeline`` has them."""
+    import torch
+
+    return torch.from_numpy(model.output_latents(latents, prepared)["latents"])
+
+
+def _wan_diffusers(components: Any, *, ranks: int, tokens: int) -> Any:
+    from bench.peers.diffusers_cp import DiffusersWanRunner
+
+    return DiffusersWanRunner(components, ranks=ranks, tokens=tokens)
+
+
+BENCH_FAMILIES: dict[str, BenchFamily] = {
+    LTX_VIDEO: BenchFamily(
+        title="LTX-Video", prefix="", geometry={}, short=(25, 256, 512), long=(121, 512, 512),
+        build=_ltx_video_components, request=_ltx_video_request, transformer=lambda c: c["transformer"],
+        ours=lambda c, state: _family(LTX_VIDEO).wrap(SimpleNamespace(**c), state=state),
+        latents=lambda _model, latents, _prepared: latents["video"].clone(),  # packed [B, S, C]
+        diffusers=_ltx_video_diffusers),
+    # Wan 2.1 text-to-video: Wan's VAE compresses 4x in time and 8x in space, its transformer patches 1x2x2.
+    WAN: BenchFamily(
+        title="Wan 2.1", prefix="wan ", geometry=dict(temporal_compression=4, spatial_compression=8, patch_size=2),
+        short=(13, 128, 256), long=(61, 256, 256), build=_wan_components, request=_wan_request,
+        transformer=lambda c: c.transformer, ours=lambda c, state: _family(WAN).wrap(c, state=state),
+        latents=_wan_latents, diffusers=_wan_diffusers),
+}
+"""Family -> what the text-to-video benchmarks need of it; the order is the reports' order."""
+
+
+def model_sizes(*, quick: bool, layers: int | None = None, heads: int | None = None) -> tuple[ModelSize, ModelSize]:
+    """(wide, narrow): wide 2 layers x 16 heads (``--quick``: 1 x 8), ``layers``/``heads`` overriding; narrow 8
+    layers x 2 heads (``--quick``: 4 layers). ``bench/generate.py``'s docstring says why these two."""
+    wide = ModelSize(layers=layers or (1 if quick else 2), heads=heads or (8 if quick else 16))
+    return wide, ModelSize(layers=4 if quick else 8, heads=2)
+
+
+def workloads(wide: ModelSize, narrow: ModelSize, family: str = LTX_VIDEO) -> tuple[Workload, ...]:
+    """comm-bound (narrow model, 512 tokens), the same 512 tokens on the wide model (context, no target),
+    compute-bound (wide model, 4096 tokens), on ``family``'s transformer: the same latent token grids for every
+    family (LTX-Video: 25 frames at 256x512 and 121 at 512x512; Wan: 13 at 128x256 and 61 at 256x256)."""
+    b = BENCH_FAMILIES[family]
+    return (Workload(b.prefix + COMM, *b.short, model=narrow, family=family),
+            Workload(b.prefix + SHORT_WIDE, *b.short, model=wide, target=False, family=family),
+            Workload(b.prefix + COMPUTE, *b.long, model=wide, family=family))
+
+
+def build_components(size: ModelSize, family: str = LTX_VIDEO) -> Any:
+    """``family``'s pipeline components around the benchmark transformer at ``size`` (LTX-Video: ``LTXPipeline``'s,
+    a dict; Wan: ``WanPipeline``'s, as ``models.wan.loading.WanComponents``)."""
+    return BENCH_FAMILIES[family].build(size)
+
+
+def save_folder(family: str, components: dict[str, Any], folder: Path) -> None:
+    """``components`` written as a folder of ``family``'s pipeline (``save_pretrained``)."""
+    import diffusers
+
+    getattr(diffusers, _family(family).pipelines[0])(**components).save_pretrained(folder)
+
+
+_MEDIUM: dict[str, Callable[[], Any]] = {LTX_VIDEO: lambda: build_components(MEDIUM),
+                                         LTX2: lambda: build_ltx2_components()}
+"""Family -> its medium model's components: LTX-Video's with the :data:`MEDIUM` transformer, LTX-2's with the
+benchmark transformer of :func:`build_ltx2_components`."""
+
+
+def write_medium_folder(folder: Path, family: str = LTX_VIDEO) -> None:
+    """A folder of ``family``'s medium model (:data:`_MEDIUM`)."""
+    save_folder(family, _MEDIUM[family](), folder)
 
 
 def make_request(workload: Workload, steps: int, **values: Any):
     """The workload's request, resolved against its family's declared options (diffusers' runner reads them all)."""
-    from cp_infer.request import GenerationRequest, resolve_request
-    from models.ltx_video.options import ltx_video_options
-
-    if workload.family == WAN:
-        from models.wan.options import wan_options
-
-        req = GenerationRequest.of(prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=workload.frames,
-                                   height=workload.height, width=workload.width, num_inference_steps=steps,
-                                   guidance_scale=GUIDANCE, seed=SEED, max_sequence_length=128, **values)
-        return resolve_request(req, wan_options())
-
-    options = ltx_video_options()
-    # NOTE(one-window): one sequence, as LTXPipeline makes it. Ours makes a video longer than temporal_tile_size
-    # window by window, so a longer workload gets a window as long as the video ((frames + 7) // 8 latent frames).
-    tile = next(o.default for o in options if o.name == "temporal_tile_size")
-    values = {"temporal_tile_size": max(tile, workload.frames + 7), **values}
-    req = GenerationRequest.of(prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=workload.frames,
-                               height=workload.height, width=workload.width, num_inference_steps=steps,
-                               guidance_scale=GUIDANCE, seed=SEED, fps=FPS, max_sequence_length=128, **values)
-    return resolve_request(req, options)
+    return BENCH_FAMILIES[workload.family].request(workload, steps, values)
 
 
 class _Recording:
-    """Our model adapter, unchanged, except that it keeps the full latents the sampler hands to the decode."""
+    """Our model adapter, unchanged, except that it keeps the final latents the sampler hands to the decode."""
 
-    def __init__(self, model: Any) -> None:
-        self._model, self.latents = model, None
+    def __init__(self, model: Any, final: Callable[[Any, dict[str, Any], Any], Any]) -> None:
+        self._model, self._final, self.latents = model, final, None
 
     def __getattr__(self, name: str) -> Any:  # geometry, prepare, predict, step: the adapter's own
         return getattr(self._model, name)
 
     def decoder(self, latents, prepared):
-        if self._model.family == WAN:  # the pipeline's final [B, C, F, H, W] latents, as WanPipeline has them
-            import torch
-
-            self.latents = torch.from_numpy(self._model.output_latents(latents, prepared)["latents"])
-        else:
-            self.latents = latents["video"].clone()
+        self.latents = self._final(self._model, latents, prepared)
         return self._model.decoder(latents, prepared)
 
 
 class OursRunner:
-    """``cp_infer.sampler.sample`` over ``models.ltx_video.adapter.LTXVideoModel`` (a components dict) or
-    ``models.wan.adapter.WanModel`` (``WanComponents``); a call returns the uint8 frames, the final latents (LTX-Video:
-    packed; Wan: ``[B, C, F, H, W]``), the step times and the time from the call to the first step's start."""
+    """``cp_infer.sampler.sample`` over ``family``'s adapter around :func:`build_components`' components; a call
+    returns the uint8 frames, the final latents (LTX-Video: packed; Wan: ``[B, C, F, H, W]``), the step times and
+    the time from the call to the first step's start."""
 
-    def __init__(self, components: Any, *, state: Any) -> None:
+    def __init__(self, components: Any, *, state: Any, family: str = LTX_VIDEO) -> None:
         self.state = state
-        if isinstance(components, dict):
-            from models.ltx_video.adapter import LTXVideoModel
-
-            self.model = _Recording(LTXVideoModel(SimpleNamespace(**components), state=state))
-        else:
-            from models.wan.adapter import WanModel
-
-            self.model = _Recording(WanModel(components, state=state))
+        bench = BENCH_FAMILIES[family]
+        self.model = _Recording(bench.ours(components, state), bench.latents)
 
     def __call__(self, request: Any, on_last_step: Any) -> dict[str, Any]:
         from cp_infer.sampler import SampleControl, sample

@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
@@ -47,34 +48,33 @@ from bench.harness import (  # noqa: E402
     table_row,
 )
 
-_STEPS = {"ltx-video": 50, "ltx2": 30}
-_THRESHOLDS = {"ltx-video": [0.02, 0.05, 0.1, 0.2], "ltx2": [0.3, 0.4, 0.5, 0.7]}
-_LABELS = {"ltx-video": "medium LTX-Video (4 layers x 16 heads x 64, tiny T5 and VAE), CFG 3",
-           "ltx2": "medium LTX-2 (2 layers x 8 heads x 64, audio 8 x 32, tiny Gemma and VAEs), LTX2Pipeline's guidance"}
+
+@dataclass(frozen=True)
+class _Model:
+    """A family's row: its medium model (``bench._models.write_medium_folder``) at its steps and thresholds; its
+    request is ``bench._models.GUIDED``'s."""
+
+    label: str
+    steps: int
+    thresholds: list[float]
+    """The default ``first_block`` thresholds (see above)."""
+
+
+_MODELS = {
+    "ltx-video": _Model("medium LTX-Video (4 layers x 16 heads x 64, tiny T5 and VAE), CFG 3", 50,
+                        [0.02, 0.05, 0.1, 0.2]),
+    "ltx2": _Model("medium LTX-2 (2 layers x 8 heads x 64, audio 8 x 32, tiny Gemma and VAEs), LTX2Pipeline's guidance",
+                   30, [0.3, 0.4, 0.5, 0.7]),
+}
 _TAYLORSEER = (dict(cache="taylorseer", cache_interval=3, disable_cache_before_step=3, max_order=1),
                dict(cache="taylorseer", cache_interval=5, disable_cache_before_step=3, max_order=1))
 
 
-def _write(family: str, folder: Path) -> None:
-    from bench._models import build_ltx2_components, write_medium_folder
-
-    if family == "ltx-video":
-        write_medium_folder(folder)
-    else:
-        from diffusers import LTX2Pipeline
-
-        LTX2Pipeline(**build_ltx2_components()).save_pretrained(folder)
-
-
 def _request(family: str, values: dict):
-    from bench._models import LTX2_GUIDANCE, LTX2_NEGATIVE, LTX2_PROMPT, NEGATIVE, PROMPT
+    from bench._models import GUIDED
     from cp_infer.request import GenerationRequest
 
-    if family == "ltx-video":
-        return GenerationRequest.of(prompt=PROMPT, negative_prompt=NEGATIVE, guidance_scale=3.0, seed=7, fps=24,
-                                    max_sequence_length=128, **values)
-    return GenerationRequest.of(prompt=LTX2_PROMPT, negative_prompt=LTX2_NEGATIVE, seed=7, fps=24, stages=1,
-                                max_sequence_length=128, **LTX2_GUIDANCE, **values)
+    return GenerationRequest.of(seed=7, fps=24, max_sequence_length=128, **GUIDED[family], **values)
 
 
 def _worker(rank: int, port: int, family: str, folder: str, inbox, outbox) -> None:
@@ -129,10 +129,13 @@ def _settings(thresholds: list[float]) -> list[tuple[str, dict]]:
 
 
 def _bench(family: str, args, tmp: Path) -> list[str]:
+    from bench._models import write_medium_folder
+
+    row = _MODELS[family]
     folder = tmp / family
-    _write(family, folder)
-    size = dict(num_frames=args.frames, height=args.height, width=args.width, num_inference_steps=_STEPS[family])
-    settings = _settings(args.thresholds or _THRESHOLDS[family])
+    write_medium_folder(folder, family)
+    size = dict(num_frames=args.frames, height=args.height, width=args.width, num_inference_steps=row.steps)
+    settings = _settings(args.thresholds or row.thresholds)
     port = free_port()
     group = RankGroup(f"{family} N=2", _worker, [(r, port, family, str(folder)) for r in range(2)],
                       timeout_s=TIMEOUT_S)
@@ -148,7 +151,7 @@ def _bench(family: str, args, tmp: Path) -> list[str]:
         group.close()
     base_s = statistics.median(s for s, *_ in runs["none"])
     base_frames = runs["none"][0][1]
-    lines = [f"{_LABELS[family]}: {args.frames} frames {args.width}x{args.height}, {_STEPS[family]} steps, N=2 "
+    lines = [f"{row.label}: {args.frames} frames {args.width}x{args.height}, {row.steps} steps, N=2 "
              f"(Ulysses), {args.rounds} round(s) alternating, load average after: {load_average()}", "",
              *table_head(("cache", "whole generation", "speed-up", "PSNR vs uncached", "steps computed / skipped",
                           "block evaluations saved"), left=1)]
@@ -166,7 +169,7 @@ def _bench(family: str, args, tmp: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", nargs="+", choices=tuple(_STEPS), default=list(_STEPS))
+    parser.add_argument("--family", nargs="+", choices=tuple(_MODELS), default=list(_MODELS))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--frames", type=int, default=17)
     parser.add_argument("--height", type=int, default=192)

@@ -107,18 +107,16 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from bench._models import (  # noqa: E402 -- path set-up
+    BENCH_FAMILIES,
     COMM,
     COMPUTE,
     GUIDANCE,
     LATENT_TOL,
-    LTX_VIDEO,
-    WAN,
     OursRunner,
     Workload,
     build_components,
     make_request,
     model_sizes,
-    wan_workloads,
     workloads,
 )
 from bench.harness import (  # noqa: E402
@@ -209,20 +207,14 @@ def _worker(rank: int, setup: Setup, config: BenchConfig, workload: Workload, po
             dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=setup.ranks,
                                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
         started = time.perf_counter()
+        bench = BENCH_FAMILIES[workload.family]
         components = build_components(workload.model, workload.family)
         clock = CollectiveClock.install()
-        transformer = components.transformer if workload.family == WAN else components["transformer"]
-        weights = list(transformer.parameters())
+        weights = list(bench.transformer(components).parameters())
         if state is not None:
-            run = OursRunner(components, state=state)
-        elif workload.family == WAN:
-            from bench.peers.diffusers_cp import DiffusersWanRunner
-
-            run = DiffusersWanRunner(components, ranks=setup.ranks, tokens=workload.tokens())
+            run = OursRunner(components, state=state, family=workload.family)
         else:
-            from bench.peers.diffusers_cp import DiffusersRunner
-
-            run = DiffusersRunner(components, ranks=setup.ranks)
+            run = bench.diffusers(components, ranks=setup.ranks, tokens=workload.tokens())
         barrier()
         rss_loaded = status_kib("VmRSS")
         outbox.put((rank, "ok", dict(load_s=time.perf_counter() - started, malloc_ok=malloc_ok,
@@ -369,11 +361,11 @@ def _ratios(config: BenchConfig, rows: dict[tuple[str, str], dict[str, Any]]) ->
         if DIFF_1.label in r:
             add("step ours N=1 / diffusers N=1 (same modules; a noise check)", o1["step_s"] / r[DIFF_1.label]["step_s"])
     for family in dict.fromkeys(w.family for w in config.workloads):
-        prefix = "wan " if family == WAN else ""
-        c = {s.label: rows[(prefix + COMPUTE, s.label)] for s in config.setups}
+        bench = BENCH_FAMILIES[family]
+        c = {s.label: rows[(bench.prefix + COMPUTE, s.label)] for s in config.setups}
         o1, o2, d2 = c[OURS_1.label], c[OURS_2.label], c[DIFF_2.label]
-        comm = rows[(prefix + COMM, OURS_2.label)]["e2e_s"] / rows[(prefix + COMM, DIFF_2.label)]["e2e_s"]
-        lines.append(f"targets ({'Wan 2.1' if family == WAN else 'LTX-Video'}):")
+        comm = rows[(bench.prefix + COMM, OURS_2.label)]["e2e_s"] / rows[(bench.prefix + COMM, DIFF_2.label)]["e2e_s"]
+        lines.append(f"targets ({bench.title}):")
         add("comm-bound: e2e ours N=2 / diffusers CP N=2", comm, 0.8)
         add("compute-bound: e2e ours N=2 / diffusers CP N=2", o2["e2e_s"] / d2["e2e_s"], 1.0)
         add("compute-bound: step ours N=2 / diffusers CP N=2", o2["step_s"] / d2["step_s"], 1.0)
@@ -401,18 +393,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="denoising steps per generation (default 3, --quick 2)")
     parser.add_argument("--layers", type=int, default=None, help="transformer layers (default 2, --quick 1)")
     parser.add_argument("--heads", type=int, default=None, help="attention heads of 64 dims (default 16, --quick 8)")
-    parser.add_argument("--families", default=f"{LTX_VIDEO},{WAN}",
-                        help=f"comma-separated model families to run: {LTX_VIDEO}, {WAN} (default both)")
+    parser.add_argument("--families", default=",".join(BENCH_FAMILIES),
+                        help=f"comma-separated model families to run: {', '.join(BENCH_FAMILIES)} (default all)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report to this markdown file")
     args = parser.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
-    if not families or set(families) - {LTX_VIDEO, WAN}:
-        parser.error(f"--families {args.families!r}: expected a comma-separated list of {LTX_VIDEO} and {WAN}")
+    if not families or set(families) - set(BENCH_FAMILIES):
+        parser.error(f"--families {args.families!r}: expected a comma-separated list of "
+                     f"{' and '.join(BENCH_FAMILIES)}")
     command = command_line(__file__, argv)
     sizes = model_sizes(quick=args.quick, layers=args.layers, heads=args.heads)
     config = BenchConfig(
-        workloads=(*(workloads(*sizes) if LTX_VIDEO in families else ()),
-                   *(wan_workloads(*sizes) if WAN in families else ())),
+        workloads=tuple(w for family in BENCH_FAMILIES if family in families for w in workloads(*sizes, family)),
         setups=(OURS_1, OURS_2, DIFF_2) if args.quick else (OURS_1, OURS_2, DIFF_2, DIFF_1),
         steps=args.steps or (2 if args.quick else 3), rounds=args.rounds or (1 if args.quick else 3),
     )

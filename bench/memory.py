@@ -44,6 +44,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
@@ -67,36 +69,37 @@ from bench.harness import (  # noqa: E402
 
 _OFFLOAD = ("text_encoder", "vae", "transformer_blocks")
 _CONFIGS = ((1, "replicated", ()), (2, "replicated", ()), (2, "sharded", ()), (2, "sharded", _OFFLOAD))
-_LABELS = {"ltx-video": "LTX-Video, transformer 12 layers x 16 heads x 64, T5 8 layers x 1024, tiny VAE",
-           "ltx2": "LTX-2, transformer 48 layers x 8 heads x 64 (audio 8 x 32), tiny Gemma, connectors, VAEs"}
 _PEAK_TARGET, _STEP_TARGET, _PLAN_TOLERANCE = 0.4, 1.25, 0.1
 
 
-def _write(family: str, folder: Path) -> None:
-    import torch
+def _ltx_video_components() -> dict:
+    """LTX-Video's weight-heavy model: a 12-layer transformer and an 8-layer T5 around the tiny VAE."""
+    from diffusers import LTXVideoTransformer3DModel
+    from transformers import T5Config, T5EncoderModel
 
     from bench._models import SEED
     from models.common.embedded import init_deterministic
+    from models.ltx_video.default import build_default_components
 
-    if family == "ltx-video":
-        from diffusers import LTXPipeline, LTXVideoTransformer3DModel
-        from transformers import T5Config, T5EncoderModel
+    c = build_default_components()
+    text = T5EncoderModel(T5Config(vocab_size=c["text_encoder"].config.vocab_size, d_model=1024, d_kv=64,
+                                   d_ff=2816, num_layers=8, num_heads=16, feed_forward_proj="gated-gelu"))
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=16, out_channels=16, patch_size=1, patch_size_t=1, num_attention_heads=16,
+        attention_head_dim=64, cross_attention_dim=1024, num_layers=12, caption_channels=1024)
+    for i, model in enumerate((text, transformer)):
+        init_deterministic(model, SEED + i)
+    c.update(text_encoder=text.eval(), transformer=transformer.eval())
+    return c
 
-        from models.ltx_video.default import build_default_components
 
-        c = build_default_components()
-        text = T5EncoderModel(T5Config(vocab_size=c["text_encoder"].config.vocab_size, d_model=1024, d_kv=64,
-                                       d_ff=2816, num_layers=8, num_heads=16, feed_forward_proj="gated-gelu"))
-        transformer = LTXVideoTransformer3DModel(
-            in_channels=16, out_channels=16, patch_size=1, patch_size_t=1, num_attention_heads=16,
-            attention_head_dim=64, cross_attention_dim=1024, num_layers=12, caption_channels=1024)
-        for i, model in enumerate((text, transformer)):
-            init_deterministic(model, SEED + i)
-        c.update(text_encoder=text.eval(), transformer=transformer.eval())
-        LTXPipeline(**c).save_pretrained(folder)
-        return
-    from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+def _ltx2_components() -> dict:
+    """LTX-2's medium model as deep as the released one (48 layers) around ``tiny-ltx2``'s other components."""
+    import torch
+    from diffusers import LTX2VideoTransformer3DModel
 
+    from bench._models import SEED
+    from models.common.embedded import init_deterministic
     from models.ltx2.default import build_ltx2_components
 
     c = build_ltx2_components(rope_type="interleaved")
@@ -110,18 +113,35 @@ def _write(family: str, folder: Path) -> None:
             rope_type="interleaved")
     init_deterministic(transformer, SEED)
     c["transformer"] = transformer.eval()
-    LTX2Pipeline(**c).save_pretrained(folder)
+    return c
+
+
+@dataclass(frozen=True)
+class _Model:
+    """A family's row: its model here; its request is ``bench._models.GUIDED``'s."""
+
+    label: str
+    components: Callable[[], dict]
+
+
+_MODELS = {"ltx-video": _Model("LTX-Video, transformer 12 layers x 16 heads x 64, T5 8 layers x 1024, tiny VAE",
+                               _ltx_video_components),
+           "ltx2": _Model("LTX-2, transformer 48 layers x 8 heads x 64 (audio 8 x 32), tiny Gemma, connectors, VAEs",
+                          _ltx2_components)}
+
+
+def _write(family: str, folder: Path) -> None:
+    from bench._models import save_folder
+
+    save_folder(family, _MODELS[family].components(), folder)
 
 
 def _request(family: str, args, steps: int):
-    from bench._models import LTX2_GUIDANCE, LTX2_NEGATIVE, LTX2_PROMPT, NEGATIVE, PROMPT
+    from bench._models import GUIDED
     from cp_infer.request import GenerationRequest
 
-    size = dict(num_frames=args.frames, height=args.height, width=args.width, num_inference_steps=steps, seed=7,
-                fps=24, max_sequence_length=128)
-    if family == "ltx-video":
-        return GenerationRequest.of(prompt=PROMPT, negative_prompt=NEGATIVE, guidance_scale=3.0, **size)
-    return GenerationRequest.of(prompt=LTX2_PROMPT, negative_prompt=LTX2_NEGATIVE, stages=1, **LTX2_GUIDANCE, **size)
+    return GenerationRequest.of(num_frames=args.frames, height=args.height, width=args.width,
+                                num_inference_steps=steps, seed=7, fps=24, max_sequence_length=128, **GUIDED[family])
 
 
 def _open(state, folder: str, weights: str, offload: tuple):
@@ -353,8 +373,9 @@ def _bench(family: str, args, tmp: Path) -> list[str]:
     memory = [((world, weights, offload), _memory(family, folder, args, world, weights, offload))
               for world, weights, offload in _CONFIGS]
     timing = {world: _timing(family, folder, args, world) for world in sorted({c[0] for c in _CONFIGS})}
-    lines = [f"{_LABELS[family]} (transformer {format_bytes(whole)}): {args.frames} frames {args.width}x{args.height}, "
-             f"{args.steps} steps, {args.rounds} interleaved round(s); load average after: {load_average()}", "",
+    lines = [f"{_MODELS[family].label} (transformer {format_bytes(whole)}): {args.frames} frames "
+             f"{args.width}x{args.height}, {args.steps} steps, {args.rounds} interleaved round(s); load average "
+             f"after: {load_average()}", "",
              *table_head(("N", "weights", "transformer held per rank", "plan: at rest / peak",
                           "private (anonymous) at load", "private (anonymous) generating", "peak RSS at load",
                           "peak RSS generating", "load", "step (median)",
@@ -401,7 +422,7 @@ def _bench(family: str, args, tmp: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", nargs="+", choices=tuple(_LABELS), default=list(_LABELS))
+    parser.add_argument("--family", nargs="+", choices=tuple(_MODELS), default=list(_MODELS))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--frames", type=int, default=49)

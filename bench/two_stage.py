@@ -23,35 +23,46 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from bench.harness import TIMEOUT_S, WARMUP_STEPS, RankGroup, free_port, load_average, table_head, table_row  # noqa: E402
 
-# What each model's stage 2 runs, for the table; and the request options its benchmark request sets.
-_REFINE = {"tiny-ltx2": "3 unguided steps", "tiny-ltx-video": "4 guided steps (denoise_strength 0.4 of 10)"}
-_OPTIONS = {"tiny-ltx2": dict(max_sequence_length=128), "tiny-ltx-video": {}}
+
+@dataclass(frozen=True)
+class _Model:
+    """An embedded model's row (its family: ``models.families.by_default_name``)."""
+
+    refine: str
+    """What its stage 2 runs, for the table."""
+    options: dict
+    """The request options its benchmark request sets."""
+    upsampler: tuple[str, str]
+    """(module, function) building its tiny latent upsampler."""
+
+
+_MODELS = {
+    "tiny-ltx2": _Model("3 unguided steps", dict(max_sequence_length=128),
+                        ("models.ltx2.default", "build_ltx2_latent_upsampler")),
+    "tiny-ltx-video": _Model("4 guided steps (denoise_strength 0.4 of 10)", {},
+                             ("models.ltx_video.default", "build_latent_upsampler")),
+}
 
 
 def _write_medium(model_name: str, folder: Path) -> None:
     """The ``--medium`` folder of ``model_name``'s family: the benchmark transformer of ``bench/cli.py`` (LTX-Video)
     or ``bench/ltx2.py`` (LTX-2), the embedded components around it, its tiny latent upsampler."""
-    from bench._models import build_ltx2_components, write_medium_folder
+    import importlib
+
+    from bench._models import write_medium_folder
     from models.common.embedded import LATENT_UPSAMPLER
+    from models.families import by_default_name
 
-    if model_name == "tiny-ltx-video":
-        from models.ltx_video.default import build_latent_upsampler
-
-        write_medium_folder(folder)
-        upsampler = build_latent_upsampler()
-    else:
-        from diffusers import LTX2Pipeline
-
-        from models.ltx2.default import build_ltx2_latent_upsampler
-
-        LTX2Pipeline(**build_ltx2_components()).save_pretrained(folder)
-        upsampler = build_ltx2_latent_upsampler()
+    write_medium_folder(folder, by_default_name(model_name).name)
+    module, function = _MODELS[model_name].upsampler
+    upsampler = getattr(importlib.import_module(module), function)()
     upsampler.save_pretrained(folder / LATENT_UPSAMPLER, safe_serialization=True)
 
 
@@ -79,7 +90,7 @@ def _worker(rank: int, port: int, model_name: str, model: str, inbox, outbox) ->
         try:
             steps: list[float] = []
             request = GenerationRequest.of(prompt="a drummer plays on a rainy street", negative_prompt="blurry",
-                                           seed=7, fps=24, **_OPTIONS[model_name], **command)
+                                           seed=7, fps=24, **_MODELS[model_name].options, **command)
             started = time.perf_counter()
             sample(model, request, state=state, control=SampleControl(on_step=lambda i, n, s, a=steps: a.append(s)))
             outbox.put((rank, "ok", (time.perf_counter() - started, steps)))
@@ -89,7 +100,7 @@ def _worker(rank: int, port: int, model_name: str, model: str, inbox, outbox) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=tuple(_REFINE), default="tiny-ltx2")
+    parser.add_argument("--model", choices=tuple(_MODELS), default="tiny-ltx2")
     parser.add_argument("--medium", action="store_true", help="the family's medium transformer (see above)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--frames", type=int, default=17)
@@ -128,7 +139,7 @@ def main() -> None:
         *table_head(("plan", "end to end (median)", "step at full size", "step at half size (stage 1)", "ratio")),
         table_row([f"1 stage, {args.steps} steps, guided", f"{total[1]:.2f} s", f"{one_step * 1e3:.0f} ms", "",
                    "1.00x"]),
-        table_row([f"2 stages, {args.steps} guided + {_REFINE[args.model]}", f"{total[2]:.2f} s",
+        table_row([f"2 stages, {args.steps} guided + {_MODELS[args.model].refine}", f"{total[2]:.2f} s",
                    f"{second * 1e3:.0f} ms (stage 2)", f"{first * 1e3:.0f} ms", f"{total[2] / total[1]:.2f}x"])]))
 
 

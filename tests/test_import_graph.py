@@ -4,8 +4,9 @@ points downward through the layers ``bench -> server.cli -> server.http -> serve
 cp_infer``. A cycle means two modules are one concept or a third is missing; an upward import means a wing knows
 what sits above it. Inside ``models/``: a family package imports no other family package, and the shared package
 ``models.common`` imports none (nor the registry above them); the families are found through the one table,
-``models.families``, and nothing else names one: no ``family == "..."`` outside it, no family's name in ``server/``
-or ``cp_infer/``."""
+``models.families``, and nothing else names one: no ``family == "..."`` (nor ``family == WAN``) outside it, in
+``bench/`` too (its own tables say what a benchmark needs of each family), no family's name in ``server/`` or
+``cp_infer/``."""
 
 from __future__ import annotations
 
@@ -144,17 +145,25 @@ def test_the_shared_package_imports_no_family():
     assert not upward, "models.common imports what sits above it:\n" + "\n".join(upward)
 
 
-# `family == "wan"`, `"ltx2" != family`, `info.family in ("ltx-video", ...)`: a family chosen by its name.
-_COMPARISON = re.compile(r"""family\w*\s*(?:[!=]=|(?:not\s+)?in)\s*[\(\[{]?\s*["']|["']\s*[!=]=\s*[\w.]*family""")
+# `family == "wan"`, `"ltx2" != family`, `info.family in ("ltx-video", ...)`, `w.family == WAN`, `family in (LTX2,
+# WAN)`: a family chosen by its name, written out or as a constant.
+_NAME = r"""(?:["']|[A-Z][A-Z0-9_]*\b)"""
+_COMPARISON = re.compile(
+    rf"""family\w*\s*[!=]=\s*{_NAME}|family\w*\s+(?:not\s+)?in\s*(?:["']|[\(\[{{]\s*{_NAME})"""
+    rf"""|{_NAME}\s*[!=]=\s*[\w.]*family""")
 
 
 def test_no_family_is_chosen_by_comparing_its_name():
     table = {REPO / "models" / "families.py"}
-    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for package in ("models", "server", "cp_infer")
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for package in ("models", "server", "cp_infer", "bench")
              for path in sorted((REPO / package).rglob("*.py")) if path not in table
              for n, line in enumerate(path.read_text().splitlines(), 1) if _COMPARISON.search(line)]
-    assert not found, "ask models.families instead of comparing family names:\n" + "\n".join(found)
-    assert _COMPARISON.search('if family == "wan":') and _COMPARISON.search("info.family in ('ltx2', 'wan')")
+    assert not found, "ask models.families (bench/: its tables) instead of comparing family names:\n" + "\n".join(found)
+    for comparison in ('if family == "wan":', "info.family in ('ltx2', 'wan')", "if workload.family == WAN:",
+                       "'ltx2' != family", "LTX_VIDEO == self.family", "if family not in [LTX2, WAN]:"):
+        assert _COMPARISON.search(comparison), comparison
+    for other in ("for family in FAMILIES:", "family(name).wrap(c)", "if family is None:", "family == other"):
+        assert not _COMPARISON.search(other), other
 
 
 def test_server_and_engine_name_no_family():
