@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import BinaryIO
@@ -83,6 +82,7 @@ class StreamedOutputs:
         from cp_infer.stream import FragmentedMP4Writer
 
         self.job_id = job_id
+        self._store = store
         self.error: str | None = None
         self.frames_written = 0
         self._shape = (request.num_frames if frames is None else frames, request.height, request.width, 3)
@@ -173,16 +173,17 @@ class StreamedOutputs:
         """Encode nothing more (the job will end cancelled: nobody wants the rest)."""
         self._stopped = True
 
-    def commit(self) -> None:
-        """Finish the MP4 and rename every file into place; raises if anything failed or frames are missing."""
+    def commit(self, *, attempt: int = 0) -> None:
+        """Finish the MP4 and hand every file to the output store as ``attempt``'s (``JobStore.publish``); raises
+        if anything failed or frames are missing."""
         if self.error is not None:
             raise RuntimeError(self.error)
         self._writer_now().close()
         if self.frames_written != self._shape[0]:
             raise RuntimeError(f"the decode delivered {self.frames_written} frames, expected {self._shape[0]}")
         self._close()
-        for tmp, final in self._files:
-            os.replace(tmp, final)
+        self._store.publish(self.job_id, [(tmp, "." + final.name.split(".", 1)[1]) for tmp, final in self._files],
+                            attempt=attempt)
         self._done = True
 
     def discard(self) -> None:
