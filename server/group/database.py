@@ -155,8 +155,11 @@ class _Postgres(Database):
     skip_locked = " FOR UPDATE SKIP LOCKED"
 
     def __init__(self, url: str):
-        import psycopg
-        from psycopg.rows import dict_row
+        try:
+            import psycopg
+            from psycopg.rows import dict_row
+        except ImportError:
+            raise ValueError("--job-store postgresql://... needs psycopg 3: pip install 'cp-infer[fleet]'") from None
 
         self._psycopg = psycopg
         info = psycopg.conninfo.conninfo_to_dict(url)

@@ -608,7 +608,7 @@ class JobStore:
                     f"UPDATE jobs SET status = 'in_progress', attempts = attempts + 1, "
                     f"lease_until = {self._db.now} + ? WHERE id = (SELECT id FROM jobs WHERE status = 'queued' "
                     f"AND (pinned_node IS NULL OR pinned_node = ?) ORDER BY seq LIMIT 1{self._db.skip_locked}) "
-                    "RETURNING *", (self.lease_s, self.node)).fetchone()
+                    "AND status = 'queued' RETURNING *", (self.lease_s, self.node)).fetchone()
                 if row is not None:
                     # Its progress as queued: 0, or a requeued job's, which its checkpoint goes on from.
                     job = _row_to_job(row)

@@ -120,8 +120,11 @@ class LocalOutputs(OutputStore):
 
 class S3Outputs(OutputStore):
     def __init__(self, url: str, spool: Path):
-        import boto3
-        from botocore.config import Config
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise ValueError("--output-store s3://... needs boto3: pip install 'cp-infer[fleet]'") from None
 
         bucket, _, prefix = url[len("s3://"):].partition("/")
         if not bucket:
