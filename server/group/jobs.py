@@ -1,28 +1,41 @@
-"""The job store: jobs in an embedded SQLite database, outputs in files named by the server-made job id.
+"""The job store: the queue and every job's record in a database (``server.group.database``: the embedded SQLite file,
+or PostgreSQL shared by a fleet of servers), its files in an output store (``server.outputs.store``: the local
+folder, or S3), both named by the server-made job id.
 
 Invariants:
 - Job ids are made here (``video_`` + 32 hex digits) and are the only names of output files, so a path never
   contains client text; :func:`valid_job_id` gates every id that arrives in a URL.
-- FIFO: the leader claims the oldest queued job (by insertion order); a claim and a cancel of a queued job
-  are serialised by one lock, so a job is either claimed or deleted, never both.
-- The database survives restarts of the worker group and the death of the whole server (``kill -9`` of every
-  process at any moment; not a power loss): it is in WAL mode, where a transaction is in the log once it returns
-  (``synchronous=NORMAL`` syncs only at checkpoints, which is enough while the kernel outlives the process), and each
-  change of a job is one transaction (:meth:`JobStore._transaction` around those of several statements). Files are
-  removed only once the change that orphans them is committed, so a crash leaves extra files, never a live job
-  without its lead or checkpoint.
-- Outputs are written to ``<name>.tmp`` and renamed into place whole (``server.outputs``, the leader's encoder), and
-  only then is the job marked ``completed``: a job's content is never a half-written MP4.
-- :meth:`JobStore.recover` (run once by each new leader, before any job runs) puts jobs that were ``in_progress``
-  back at the head of the queue (they run again, a long video from its last finished window's checkpoint,
-  ``<id>.resume.npz``), unless they have already been started ``MAX_ATTEMPTS`` times: a job that takes the group
-  down every time it runs is failed instead of taking it down forever. It fails a ``completed`` job whose MP4 is
-  missing or cut short (``output_lost``) and sweeps what interrupted writes left (``*.tmp``, files of no job).
+- FIFO: a claim takes the oldest queued job (by insertion order) in one statement whose row lock skips rows another
+  server is claiming, and re-checks that the job is still queued, so a job is claimed once, and either claimed or
+  cancelled/deleted, never both.
+- A claim is an attempt (``attempts`` + 1) with a lease (``lease_s``, on the database's clock) that a thread of
+  this store renews while the job runs. A shared store takes back jobs whose lease ran out (their server died or
+  froze) before each claim; the embedded one takes back all its jobs in progress at :meth:`JobStore.recover` (one
+  server: they are its dead group's). Every write of a running job carries its attempt and changes nothing unless
+  that attempt is still the job's (progress, window, step-cache counts, checkpoint, the end); a lost claim's
+  :meth:`JobStore.cancel_requested` is true, so its group stops at the next step.
+- The embedded database survives restarts of the worker group and the death of the whole server (``kill -9`` of
+  every process at any moment; not a power loss): it is in WAL mode, where a transaction is in the log once it
+  returns (``synchronous=NORMAL`` syncs only at checkpoints, which is enough while the kernel outlives the process),
+  and each change of a job is one transaction (:meth:`JobStore._transaction` around those of several statements).
+  Files are removed only once the change that orphans them is committed, so a crash leaves extra files, never a
+  live job without its lead or checkpoint.
+- Outputs are made whole first and handed to the output store (:meth:`JobStore.publish`: a rename, or one PUT of
+  the attempt's own key), and only then is the job marked ``completed``, in the guarded update that records the
+  attempt whose files they are (``output_attempt``): a job's content is never a half-written MP4, nor a stale
+  attempt's.
+- A job that runs again (requeued at :meth:`JobStore.recover` or when its lease ran out) goes on from its last
+  finished window's checkpoint (``.resume.npz``, the current attempt's: ``checkpoint_attempt``), unless it has
+  already been started ``MAX_ATTEMPTS`` times (across the fleet): a job that takes its group down every time it runs
+  is failed instead of taking it down forever. :meth:`JobStore.recover` also fails a ``completed`` job whose local
+  MP4 is missing or cut short (``output_lost``) and sweeps what interrupted writes left (``*.tmp``, files of no job).
 - ``progress`` never decreases while a job can go on from a checkpoint: a requeued job keeps the progress it had
   (at least its checkpoint's) from the requeue through its resume, whose steps only raise it again once past it. A
   job that starts over (no checkpoint, or an unreadable one: :meth:`JobStore.start_over`) goes back to 0.
-- Every change of a job's visible state appends a snapshot to an in-memory event log (per job, bounded), which
-  the SSE endpoint tails, so no progress change is missed however slowly a client reads.
+- Every change of a job's visible state this server makes appends a snapshot to an in-memory event log (per job,
+  bounded), which the SSE endpoint tails, so no such change is missed however slowly a client reads; with a shared
+  store, a change made by another server's group is logged when a reader looks (the state then, at the rate it
+  reads).
 """
 
 from __future__ import annotations
