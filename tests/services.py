@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["postgres_server", "pg_url", "s3_server", "s3_url", "S3_ENV"]
+__all__ = ["PostgresURL", "postgres_server", "pg_url", "s3_server", "s3_url", "S3_ENV"]
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "cpinfer-test-key", "AWS_SECRET_ACCESS_KEY": "cpinfer-test-secret-0123456789",
           "AWS_REGION": "us-east-1"}
@@ -82,9 +82,28 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
+class PostgresURL(str):
+    """The URL of a running PostgreSQL superuser connection to its ``postgres`` database, with :meth:`restart`."""
+
+    _start: object
+
+    def restart(self, down_s: float = 0.0) -> None:
+        """Stop the server (a fast shutdown: every connection cut), wait ``down_s``, start it again."""
+        self._start(down_s)
+
+
+def _connects(url: str) -> bool:
+    import psycopg
+
+    try:
+        psycopg.connect(url, connect_timeout=1).close()
+    except psycopg.OperationalError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="session")
-def postgres_server() -> Iterator[str]:
-    """The URL of a running PostgreSQL superuser connection to its ``postgres`` database."""
+def postgres_server() -> Iterator[PostgresURL]:
     initdb, postgres = _find("initdb"), _find("postgres")
     if initdb is None or postgres is None:
         _unavailable("PostgreSQL's initdb/postgres are not installed (Debian: apt-get install postgresql)")
@@ -100,31 +119,38 @@ def postgres_server() -> Iterator[str]:
     if init.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
         _unavailable(f"initdb failed: {init.stderr.strip()[-500:]}")
-    log = open(root / "postgres.log", "wb")  # noqa: SIM115 -- closed at teardown
-    proc = subprocess.Popen([*as_user, postgres, "-D", str(data), "-p", str(port), "-k", str(root),
-                             "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "synchronous_commit=off",
-                             "-c", "full_page_writes=off", "-c", "max_connections=200"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
-    import psycopg
+    log = open(root / "postgres.log", "ab")  # noqa: SIM115 -- closed at teardown
+    args = [*as_user, postgres, "-D", str(data), "-p", str(port), "-k", str(root), "-c", "listen_addresses=127.0.0.1",
+            "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
+            "-c", "max_connections=200"]
+    url = PostgresURL(f"postgresql://postgres@127.0.0.1:{port}/postgres")
+    procs: list[subprocess.Popen] = []
 
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            psycopg.connect(url, connect_timeout=1).close()
-            break
-        except psycopg.OperationalError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                _stop(proc)
-                log.close()
+    def start(down_s: float = 0.0) -> None:
+        if procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(procs[-1].pid, signal.SIGINT)  # postgres' fast shutdown
+            procs[-1].wait(30)
+            time.sleep(down_s)
+        procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + 30
+        while not _connects(url):
+            if procs[-1].poll() is not None or time.monotonic() > deadline:
+                _stop(procs[-1])
                 text = (root / "postgres.log").read_text(errors="replace")[-800:]
+                if len(procs) > 1:  # a restart that failed
+                    pytest.fail(f"postgres did not start again: {text}")
+                log.close()
                 shutil.rmtree(root, ignore_errors=True)
                 _unavailable(f"postgres did not start: {text}")
             time.sleep(0.1)
+
+    url._start = start
+    start()
     try:
         yield url
     finally:
-        _stop(proc)
+        _stop(procs[-1])
         log.close()
         shutil.rmtree(root, ignore_errors=True)
 

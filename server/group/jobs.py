@@ -335,6 +335,16 @@ class JobStore:
                         attempt: int | None = None) -> None:
         """A running job's checkpoint (``SampleControl.on_checkpoint``), replacing the one before atomically; with
         ``attempt``, only while that attempt is the job's (it then records which attempt's checkpoint is current)."""
+        if attempt is not None:
+            try:
+                self._save_checkpoint(job_id, passes_done, arrays, attempt)
+            except StoreUnavailable as exc:  # no checkpoint costs a resume from the one before, not the job
+                log.warning("job %s: checkpoint after pass %d not saved (%s)", job_id, passes_done, exc)
+            return
+        self._save_checkpoint(job_id, passes_done, arrays, None)
+
+    def _save_checkpoint(self, job_id: str, passes_done: int, arrays: dict[str, np.ndarray],
+                         attempt: int | None) -> None:
         if attempt is not None and not self._current(job_id, attempt):
             return
         buffer = io.BytesIO()
@@ -595,15 +605,6 @@ class JobStore:
                     self._log(self._get(row["id"]))
         return [r["id"] for r in rows if not r["deleting"]]
 
-    def set_window(self, job_id: str, window: int, windows: int, *, attempt: int | None = None) -> None:
-        """The window a long video is making now."""
-        fence, args = _fence(attempt)
-        with self._lock:
-            cur = self._db.execute(f"UPDATE jobs SET \"window\" = ?, windows = ? WHERE id = ? AND status = "
-                                   f"'in_progress'{fence}", (window, windows, job_id, *args))
-            if cur.rowcount:
-                self._log(self._get(job_id))
-
     def wake(self) -> None:
         with self._lock:
             self._work.notify_all()
@@ -667,50 +668,83 @@ class JobStore:
 
     def cancel_requested(self, job_id: str, *, attempt: int | None = None) -> bool:
         """Whether a running job should stop: cancelled, deleted, or (given its ``attempt``) no longer that
-        attempt's (its claim was lost)."""
-        with self._lock:
-            row = self._db.execute("SELECT deleting, cancel_requested, attempts, status FROM jobs WHERE id = ?",
-                                   (job_id,)).fetchone()
+        attempt's (its claim was lost). Given its attempt, an unreachable database says go on (see
+        :meth:`_riding_out`)."""
+        try:
+            with self._lock:
+                row = self._db.execute("SELECT deleting, cancel_requested, attempts, status FROM jobs WHERE id = ?",
+                                       (job_id,)).fetchone()
+        except StoreUnavailable:
+            if attempt is None:
+                raise
+            self._riding_out(job_id)
+            return False
         if row is None or bool(row["deleting"]) or bool(row["cancel_requested"]):
             return True
         return attempt is not None and (row["attempts"] != attempt or row["status"] != "in_progress")
 
+    def _running_update(self, job_id: str, attempt: int | None, sets: str, args: tuple, where: str = "",
+                        where_args: tuple = (), *, logged: bool = True) -> None:
+        """``UPDATE jobs SET <sets>`` of a running job (its ``attempt``'s, when given), logged as an event when it
+        changed a row; given the attempt, an unreachable database is ridden out (:meth:`_riding_out`)."""
+        fence, fence_args = _fence(attempt)
+        try:
+            with self._lock:
+                cur = self._db.execute(f"UPDATE jobs SET {sets} WHERE id = ?{where} AND status = 'in_progress'{fence}",
+                                       (*args, job_id, *where_args, *fence_args))
+                if cur.rowcount and logged:
+                    self._log(self._get(job_id))
+        except StoreUnavailable:
+            if attempt is None:
+                raise
+            self._riding_out(job_id)
+
+    def set_window(self, job_id: str, window: int, windows: int, *, attempt: int | None = None) -> None:
+        """The window a long video is making now."""
+        self._running_update(job_id, attempt, '"window" = ?, windows = ?', (window, windows))
+
     def start_over(self, job_id: str, *, attempt: int | None = None) -> None:
         """A claimed job runs from its start (its checkpoint could not be read): its progress goes back to 0."""
-        fence, args = _fence(attempt)
-        with self._lock:
-            cur = self._db.execute(f"UPDATE jobs SET progress = 0 WHERE id = ? AND progress > 0 AND status = "
-                                   f"'in_progress'{fence}", (job_id, *args))
-            if cur.rowcount:
-                self._log(self._get(job_id))
+        self._running_update(job_id, attempt, "progress = 0", (), " AND progress > 0")
 
     def set_cache_steps(self, job_id: str, computed: int, skipped: int, *, attempt: int | None = None) -> None:
         """A running job's step-cache totals so far. Logged with the job's next change (its progress, at most a
         step later, or its end), not as an event of their own."""
-        fence, args = _fence(attempt)
-        with self._lock:
-            self._db.execute(f"UPDATE jobs SET steps_computed = ?, steps_skipped = ? WHERE id = ? AND status = "
-                             f"'in_progress'{fence}", (computed, skipped, job_id, *args))
+        self._running_update(job_id, attempt, "steps_computed = ?, steps_skipped = ?", (computed, skipped),
+                             logged=False)
 
     def set_progress(self, job_id: str, progress: int, *, attempt: int | None = None) -> None:
         """Raise a running job's progress (a lower value, such as a resumed job's steps before its checkpoint's
         progress, changes nothing)."""
-        fence, args = _fence(attempt)
-        with self._lock:
-            cur = self._db.execute(f"UPDATE jobs SET progress = ? WHERE id = ? AND progress < ? AND status = "
-                                   f"'in_progress'{fence}", (progress, job_id, progress, *args))
-            if cur.rowcount:
-                self._log(self._get(job_id))
+        self._running_update(job_id, attempt, "progress = ?", (progress,), " AND progress < ?", (progress,))
 
     def finish(self, job_id: str, status: str, code: str | None = None, message: str | None = None, *,
                attempt: int | None = None) -> Job | None:
         """End a job (``completed``/``failed``/``cancelled``); a job being deleted is removed instead. With
         ``attempt`` (the group that ran it), only while that attempt is the job's: a stale one changes nothing
-        (returns ``None``), and a completed job's files are that attempt's."""
-        with self._lock:
-            if attempt is not None:
-                self._held.pop(job_id, None)
-            return self._finish_locked(job_id, status, code, message, attempt=attempt)
+        (returns ``None``), and a completed job's files are that attempt's; an unreachable database is waited for
+        (retried with backoff until it answers or the store closes), so the end is reported once it is back."""
+        delay = 0.1
+        while True:
+            try:
+                with self._lock:
+                    job = self._finish_locked(job_id, status, code, message, attempt=attempt)
+                    if attempt is not None:
+                        self._held.pop(job_id, None)
+                    return job
+            except StoreUnavailable as exc:
+                if attempt is None or self._closed.is_set():
+                    raise
+                log.warning("job %s ended %s; reporting it when the job store is back (%s)", job_id, status, exc)
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
+    def _riding_out(self, job_id: str) -> None:
+        """A running job's write (one carrying its attempt) found the database unreachable: the job goes on. Its
+        progress, window and counts are dropped (the next write carries them), its poll says go on, and its end is
+        waited for (:meth:`finish`); its lease is renewed once the database is back, or lost if it stays away past
+        it (then another server runs the job and this attempt's end changes nothing)."""
+        log.warning("job %s: the job store is unreachable; the job goes on", job_id)
 
     def _finish_locked(self, job_id: str, status: str, code: str | None, message: str | None, *,
                        attempt: int | None = None, expect: str | None = None) -> Job | None:

@@ -194,6 +194,38 @@ def test_an_unreachable_database_is_a_503_naming_it(tmp_path, pg_url, s3_url, po
     store._closed.set()
 
 
+def test_a_postgresql_restart_mid_run_loses_nothing(tmp_path, pg_url, s3_url, postgres_server):
+    """The database goes away while a job runs and another waits: the running job's progress is dropped, its poll
+    says go on, its end waits for the database, and once it is back every job is there and the end is recorded."""
+    store = _store(tmp_path, "a", pg_url, s3_url)
+    running = store.submit(_request("running"), model="m")
+    waiting = store.submit(_request("waiting"), model="m")
+    job = store.claim_next(timeout=0)
+    store.set_progress(job.id, 20, attempt=job.attempts)
+    ended: list = []
+    down = threading.Event()
+
+    def run_on() -> None:  # the group, stepping on while the database is away
+        down.wait()
+        store.set_progress(job.id, 60, attempt=job.attempts)
+        assert not store.cancel_requested(job.id, attempt=job.attempts)
+        _publish(store, job.id, b"the video", job.attempts)
+        ended.append(store.finish(job.id, "completed", attempt=job.attempts))
+
+    thread = threading.Thread(target=run_on)
+    thread.start()
+    stopper = threading.Thread(target=postgres_server.restart, kwargs={"down_s": 2.0})
+    stopper.start()
+    time.sleep(0.5)
+    down.set()  # the group's writes come while it is down (a fast shutdown takes well under 0.5 s)
+    stopper.join(60)
+    thread.join(60)
+    assert ended and ended[0] is not None and ended[0].status == "completed", ended
+    assert store.get(running.id).status == "completed" and store.get(waiting.id).status == "queued"
+    assert store.output_bytes(store.get(running.id), ".mp4") == b"the video"
+    store.close()
+
+
 def test_the_schema_is_versioned_and_an_old_sqlite_file_migrates(tmp_path, pg_url):
     import sqlite3
 
