@@ -52,6 +52,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -260,6 +261,7 @@ class JobStore:
         self._lost: set[tuple[str, int]] = set()  # claims whose lease another server took over
         self._renewer: threading.Thread | None = None
         self._closed = threading.Event()
+        self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cp-infer-cleanup")
 
     @property
     def stores(self) -> tuple[str, str]:
@@ -380,13 +382,23 @@ class JobStore:
     def _remove_files(self, job_id: str, *suffixes: str) -> None:
         """The job's files with these suffixes (none given: all of them), after the commit in progress."""
         def remove() -> None:
-            self.outputs.delete(job_id, *suffixes)
-            if self.outputs.local_path(job_id, ".mp4") is None:  # this node's spool copies too
-                for file in self.videos_dir.glob(f"{job_id}.*"):
-                    if not suffixes or file.name.endswith(suffixes):
-                        file.unlink(missing_ok=True)
+            if self.outputs.local_path(job_id, ".mp4") is not None:
+                self.outputs.delete(job_id, *suffixes)
+                return
+            for file in self.videos_dir.glob(f"{job_id}.*"):  # this node's spool copies
+                if not suffixes or file.name.endswith(suffixes):
+                    file.unlink(missing_ok=True)
+            # NOTE(cleanup): requests to a remote store, off the store's lock and the job's lane; one that fails
+            # leaves objects no record points at (logged), never a record without its objects.
+            self._cleaner.submit(self._delete_remote, job_id, suffixes)
 
         self._remove(remove)
+
+    def _delete_remote(self, job_id: str, suffixes: tuple[str, ...]) -> None:
+        try:
+            self.outputs.delete(job_id, *suffixes)
+        except StoreUnavailable as exc:
+            log.warning("job %s: its files %s were not removed from the %s", job_id, suffixes or "(all)", exc)
 
     def _sweep(self) -> None:
         """Files that interrupted writes left (caller holds the lock; no job of this server runs): temporary
@@ -690,8 +702,8 @@ class JobStore:
         fence, fence_args = _fence(attempt)
         try:
             with self._lock:
-                cur = self._db.execute(f"UPDATE jobs SET {sets} WHERE id = ?{where} AND status = 'in_progress'{fence}",
-                                       (*args, job_id, *where_args, *fence_args))
+                cur = self._db.execute_lazy(f"UPDATE jobs SET {sets} WHERE id = ?{where} AND status = "
+                                            f"'in_progress'{fence}", (*args, job_id, *where_args, *fence_args))
                 if cur.rowcount and logged:
                     self._log(self._get(job_id))
         except StoreUnavailable:
@@ -781,5 +793,6 @@ class JobStore:
 
     def close(self) -> None:
         self._closed.set()
+        self._cleaner.shutdown(wait=True)
         with self._lock:
             self._db.close()
