@@ -40,189 +40,44 @@ Invariants:
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import io
-import json
 import logging
-import re
 import secrets
-import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from cp_infer.request import Condition, GenerationRequest, loras_from
+from cp_infer.request import GenerationRequest
 from server.group.database import open_database
+from server.group.job_record import TERMINAL, Job, mp4_complete, request_to_json, row_to_job, valid_job_id
+from server.group.job_record import mp4_complete as _mp4_complete  # noqa: F401 -- the tests' name for it
+from server.group.job_record import request_from_json as _request_from_json  # noqa: F401 -- as above
 from server.outputs.store import StoreUnavailable, open_outputs
 
 __all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
 
 log = logging.getLogger("cp_infer.jobs")
 
-TERMINAL = ("completed", "failed", "cancelled")
 MAX_ATTEMPTS = 3
 """Times a job is started before a restart of the group fails it instead of running it again."""
-_ID_RE = re.compile(r"^video_[0-9a-f]{32}$")
 _MAX_LOGGED_JOBS = 256
 
 _POLL_S = 0.2
 """How often a shared store's idle claimer looks at the queue again."""
 
 
-def valid_job_id(job_id: str) -> bool:
-    return bool(_ID_RE.match(job_id))
-
-
-def _mp4_complete(path: Path) -> bool:
-    """Whether ``path`` is a whole MP4: its top-level boxes tile the file exactly, starting with ``ftyp`` and
-    holding ``moov`` and ``mdat``, and a fragmented one ends with its ``mfra`` (its muxer's last box); a file cut
-    anywhere fails (reads the box headers only)."""
-    try:
-        size = path.stat().st_size
-        kinds = []
-        with open(path, "rb") as f:
-            pos = 0
-            while pos < size:
-                f.seek(pos)
-                header = f.read(16)
-                if len(header) < 8:
-                    return False
-                length, kind = struct.unpack(">I4s", header[:8])
-                if length == 1:  # a 64-bit size follows the type
-                    if len(header) < 16:
-                        return False
-                    length = struct.unpack(">Q", header[8:16])[0]
-                elif length == 0:  # the box runs to the end of the file
-                    length = size - pos
-                if length < 8:
-                    return False
-                kinds.append(kind)
-                pos += length
-    except OSError:
-        return False
-    if pos != size or not kinds or kinds[0] != b"ftyp" or not {b"moov", b"mdat"} <= set(kinds):
-        return False
-    return b"moof" not in kinds or kinds[-1] == b"mfra"
-
-
 class QueueFull(Exception):
     def __init__(self, depth: int):
         super().__init__(f"the queue holds {depth} jobs, its limit")
         self.depth = depth
-
-
-@dataclass(frozen=True)
-class Job:
-    seq: int
-    id: str
-    status: str
-    progress: int
-    created_at: int
-    completed_at: int | None
-    model: str
-    request: GenerationRequest
-    error_code: str | None = None
-    error_message: str | None = None
-    deleting: bool = False
-    window: int | None = None
-    """A long video's window being made (from 0), ``None`` before the first or for one made at once."""
-    windows: int | None = None
-    attempts: int = 0
-    lead_frames: int = 0
-    """Frames the video starts with before the ones made (an extension's: the video it extends)."""
-    steps_computed: int | None = None
-    """A request with a step cache (``cache``): the steps so far that ran every transformer block; ``None``: none."""
-    steps_skipped: int | None = None
-    """A request with a step cache: the steps so far that used it (``cp_infer.step_cache.CacheStats``)."""
-    output_attempt: int | None = None
-    """A completed job: the attempt whose files are its outputs (the one that completed it)."""
-
-    @property
-    def terminal(self) -> bool:
-        return self.status in TERMINAL
-
-    def public(self) -> dict[str, Any]:
-        """The API's job object (see ``schemas.VideoJob``)."""
-        r = self.request
-        frames = r.num_frames if not self.lead_frames else self.lead_frames + r.num_frames - 1
-        error = None if self.error_code is None else {"code": self.error_code, "message": self.error_message or ""}
-        return {
-            "id": self.id, "object": "video", "status": self.status, "progress": self.progress,
-            "created_at": self.created_at, "completed_at": self.completed_at, "model": self.model,
-            "seconds": f"{frames / r.fps:.3g}", "size": f"{r.width}x{r.height}", "prompt": r.prompt,
-            "error": error, "window": self.window, "windows": self.windows,
-            "steps_computed": self.steps_computed, "steps_skipped": self.steps_skipped,
-            "negative_prompt": r.negative_prompt, "num_frames": r.num_frames, "width": r.width,
-            "height": r.height, "fps": r.fps, "num_inference_steps": r.num_inference_steps,
-            "guidance_scale": r.guidance_scale, "seed": r.seed,
-            # The model's own options, as resolved (every one it declares).
-            **{name: list(v) if isinstance(v, tuple) else v for name, v in r.options.items()},
-            "input_reference": r.image is not None, "extends": r.extends is not None,
-            "conditions": [{"frame_index": c.frame_index, "strength": c.strength,
-                            "num_frames": int(c.frames.shape[0])} for c in r.conditions] or None,
-            "loras": [{"name": lora.name, "scale": lora.scale} for lora in r.loras],
-        }
-
-
-def _condition_to_json(cond: Condition) -> dict[str, Any]:
-    buffer = io.BytesIO()
-    np.savez_compressed(buffer, frames=cond.frames)
-    return {"frames_npz": base64.b64encode(buffer.getvalue()).decode("ascii"), "frame_index": cond.frame_index,
-            "strength": cond.strength}
-
-
-def _condition_from_json(data: dict[str, Any]) -> Condition:
-    with np.load(io.BytesIO(base64.b64decode(data["frames_npz"])), allow_pickle=False) as archive:
-        frames = archive["frames"]
-    return Condition(frames, frame_index=data["frame_index"], strength=data["strength"])
-
-
-def _request_to_json(request: GenerationRequest) -> str:
-    """The request as stored: its fields, conditioning media as compressed arrays (the validated pixels)."""
-    data = {f.name: getattr(request, f.name) for f in fields(request)}
-    data["image"] = None if request.image is None else _condition_to_json(request.image)
-    data["conditions"] = [_condition_to_json(c) for c in request.conditions]
-    data["extends"] = None if request.extends is None else _condition_to_json(request.extends)
-    data["loras"] = [{"name": lora.name, "scale": lora.scale} for lora in request.loras]
-    return json.dumps(data)
-
-
-_REQUEST_FIELDS = frozenset(f.name for f in fields(GenerationRequest))
-
-
-def _request_from_json(text: str) -> GenerationRequest:
-    data = json.loads(text)
-    options = data.get("options") or {}
-    # Rows written before models declared their options hold them as fields: the set ones become options.
-    options.update({k: data.pop(k) for k in list(data) if k not in _REQUEST_FIELDS and data[k] is not None})
-    data = {k: v for k, v in data.items() if k in _REQUEST_FIELDS}
-    # JSON has only lists; a request holds tuples.
-    data["options"] = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
-    if data.get("image") is not None:
-        data["image"] = _condition_from_json(data["image"])
-    data["conditions"] = tuple(_condition_from_json(c) for c in data.get("conditions") or ())
-    if data.get("extends") is not None:
-        data["extends"] = _condition_from_json(data["extends"])
-    data["loras"] = loras_from(data.get("loras"))
-    return GenerationRequest(**data)
-
-
-def _row_to_job(row: Any) -> Job:
-    return Job(
-        seq=row["seq"], id=row["id"], status=row["status"], progress=row["progress"], created_at=row["created_at"],
-        completed_at=row["completed_at"], model=row["model"], request=_request_from_json(row["request"]),
-        error_code=row["error_code"], error_message=row["error_message"], deleting=bool(row["deleting"]),
-        window=row["window"], windows=row["windows"], attempts=row["attempts"], lead_frames=row["lead_frames"],
-        steps_computed=row["steps_computed"], steps_skipped=row["steps_skipped"], output_attempt=row["output_attempt"],
-    )
 
 
 def _fence(attempt: int | None) -> tuple[str, tuple]:
@@ -419,7 +274,7 @@ class JobStore:
     # -- queries -----------------------------------------------------------------------------------------------
     def _get(self, job_id: str) -> Job | None:
         row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return None if row is None else _row_to_job(row)
+        return None if row is None else row_to_job(row)
 
     def get(self, job_id: str) -> Job | None:
         """A visible job (one being deleted is not)."""
@@ -445,7 +300,7 @@ class JobStore:
                 args.append(cursor.seq)
             rows = self._db.execute(f"SELECT * FROM jobs WHERE {where} ORDER BY seq {direction} LIMIT ?",
                                     (*args, limit + 1)).fetchall()
-        jobs = [_row_to_job(r) for r in rows]
+        jobs = [row_to_job(r) for r in rows]
         return jobs[:limit], len(jobs) > limit
 
     def counts(self) -> dict[str, int]:
@@ -520,7 +375,7 @@ class JobStore:
             self._db.execute(
                 "INSERT INTO jobs (id, status, created_at, model, request, lead_frames, pinned_node) "
                 "VALUES (?, 'queued', ?, ?, ?, ?, ?)",
-                (job_id, int(time.time()), model, _request_to_json(request), 0 if lead is None else len(lead),
+                (job_id, int(time.time()), model, request_to_json(request), 0 if lead is None else len(lead),
                  self.node if pinned else None))
             job = self._get(job_id)
             self._log(job)
@@ -579,7 +434,7 @@ class JobStore:
                         self._remove_files(row["id"])
                 for row in self._db.execute("SELECT id FROM jobs WHERE status = 'completed'").fetchall():
                     mp4 = self.outputs.local_path(row["id"], ".mp4")
-                    if mp4 is not None and not _mp4_complete(mp4):  # an object store's PUTs are whole
+                    if mp4 is not None and not mp4_complete(mp4):  # an object store's PUTs are whole
                         state = "cut short" if mp4.exists() else "missing"
                         log.warning("job %s is completed but its video is %s; failing it", row["id"], state)
                         self._finish_locked(row["id"], "failed", "output_lost",
@@ -637,7 +492,7 @@ class JobStore:
                     "AND status = 'queued' RETURNING *", (self.lease_s, self.node)).fetchone()
                 if row is not None:
                     # Its progress as queued: 0, or a requeued job's, which its checkpoint goes on from.
-                    job = _row_to_job(row)
+                    job = row_to_job(row)
                     self._log(job)
                     self._held[job.id] = job.attempts
                     self._start_renewer()
