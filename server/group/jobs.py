@@ -156,8 +156,14 @@ class JobStore:
 
     def publish(self, job_id: str, files: list[tuple[Path, str]], *, attempt: int) -> None:
         """Hand finished files (``(made, suffix)``) to the output store as ``attempt``'s (``server.outputs.store``)."""
-        for made, suffix in files:
-            self.outputs.put(job_id, suffix, made, attempt=attempt)
+        if len(files) < 2 or self.outputs.local_path(job_id, ".mp4") is not None:
+            for made, suffix in files:
+                self.outputs.put(job_id, suffix, made, attempt=attempt)
+            return
+        with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="cp-infer-upload") as uploads:
+            for done in [uploads.submit(self.outputs.put, job_id, suffix, made, attempt=attempt)
+                         for made, suffix in files]:
+                done.result()  # the first failure raises (the job fails; its record is not completed)
 
     def output_path(self, job: Job, suffix: str) -> Path | None:
         """A completed job's file when it is on this machine's disk (served as it is); ``None`` when it is not."""

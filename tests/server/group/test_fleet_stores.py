@@ -153,7 +153,7 @@ def test_a_dead_servers_job_goes_on_from_its_checkpoint_on_the_other(tmp_path, p
     b.close()
 
 
-def test_jobs_over_two_servers_are_each_completed_exactly_once(tmp_path, pg_url, s3_url):
+def test_jobs_over_two_servers_are_each_completed_exactly_once_and_a_pinned_one_by_its_server(tmp_path, pg_url, s3_url):
     stores = [_store(tmp_path, name, pg_url, s3_url) for name in ("a", "b")]
     ids = [stores[i % 2].submit(_request(f"job {i}"), model="m").id for i in range(30)]
     runs: list[tuple[str, str, int]] = []
@@ -166,6 +166,8 @@ def test_jobs_over_two_servers_are_each_completed_exactly_once(tmp_path, pg_url,
             with lock:
                 runs.append((store.node, job.id, job.attempts))
 
+    pinned = stores[0].submit(_request("streamed from a"), model="m", pinned=True)  # its client reads it from a
+    ids.append(pinned.id)
     threads = [threading.Thread(target=serve, args=(s,)) for s in stores for _ in range(2)]
     for t in threads:
         t.start()
@@ -173,6 +175,7 @@ def test_jobs_over_two_servers_are_each_completed_exactly_once(tmp_path, pg_url,
         t.join(60)
     assert sorted(r[1] for r in runs) == sorted(ids), "every job run once"
     assert {r[2] for r in runs} == {1}
+    assert [r[0] for r in runs if r[1] == pinned.id] == ["a"]
     for job_id in ids:
         job = stores[0].get(job_id)
         assert job.status == "completed" and stores[1].output_bytes(job, ".mp4") == job_id.encode()
