@@ -473,8 +473,9 @@ class JobStore:
                     attempt = self._checkpoint_attempt(row["id"])
                     resumes = attempt is not None and self.outputs.size(row["id"], ".resume.npz",
                                                                         attempt=attempt) is not None
-                    self._db.execute("UPDATE jobs SET status = 'queued', progress = CASE WHEN ? THEN progress "
-                                     "ELSE 0 END WHERE id = ?", (resumes, row["id"]))
+                    # Unpinned: a streamed job's client was connected to the server that lost it.
+                    self._db.execute("UPDATE jobs SET status = 'queued', pinned_node = NULL, progress = CASE WHEN ? "
+                                     "THEN progress ELSE 0 END WHERE id = ?", (resumes, row["id"]))
                     self._log(self._get(row["id"]))
         return [r["id"] for r in rows if not r["deleting"]]
 

@@ -61,6 +61,9 @@ def test_a_job_made_on_one_server_is_served_by_the_other(tmp_path, pg_url, s3_ur
         job_id = made.json()["id"]
         assert cb.get(f"/v1/videos/{job_id}").json()["status"] == "queued"
         assert job_id in [j["id"] for j in cb.get("/v1/videos").json()["data"]]
+        time.sleep(1.1)  # the fleet's queue, as b's /metrics sees it: one job, queued a second ago or more
+        metrics = dict(line.rsplit(" ", 1) for line in cb.get("/metrics").text.splitlines() if line[0] != "#")
+        assert float(metrics["cp_infer_queue_depth"]) == 1 and float(metrics["cp_infer_queue_oldest_age_seconds"]) >= 1
         # b's group runs it; a serves its progress, events and content.
         job = b.claim_next(timeout=5)
         assert job.id == job_id and job.attempts == 1
