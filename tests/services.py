@@ -70,10 +70,11 @@ def _free_port(taken: set[int]) -> int:
             return port
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """The service's process group (started in a session of its own), then its leader."""
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGINT) -> None:
+    """The service's process group (started in a session of its own): ``sig`` (SIGINT: postgres' fast shutdown),
+    then SIGKILL if it is still there after 10 s."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, sig)
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
@@ -200,7 +201,7 @@ def s3_server() -> Iterator[str]:
             break
         except Exception:  # noqa: BLE001 -- not up yet: connection refused, or the bucket not made yet
             if proc.poll() is not None or time.monotonic() > deadline:
-                _stop(proc)
+                _stop(proc, signal.SIGKILL)
                 log.close()
                 text = (root / "weed.log").read_text(errors="replace")[-800:]
                 shutil.rmtree(root, ignore_errors=True)
@@ -209,7 +210,7 @@ def s3_server() -> Iterator[str]:
     try:
         yield endpoint
     finally:
-        _stop(proc)
+        _stop(proc, signal.SIGKILL)  # its data is this session's temporary folder
         log.close()
         shutil.rmtree(root, ignore_errors=True)
 

@@ -459,8 +459,14 @@ class GroupLeader:
         with self._streams_lock:
             stream = self._streams.pop(job.id, None)
         outputs = None
-        lead = self.store.lead_frames(job.id)
         try:
+            lead = self.store.lead_frames(job.id) if job.lead_frames else None
+        except StoreUnavailable as exc:
+            lead = exc
+        try:
+            if isinstance(lead, StoreUnavailable):
+                self._finish(lane, job, "failed", "output_store_unavailable", f"the video it extends: {lead}")
+                return
             if stream is not None or lead is not None or self._made_in_windows(lane.driver, job):
                 # Streamed, or long enough to be made window by window: encoded as the frames come, so that rank 0
                 # never holds the whole video.

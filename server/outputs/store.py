@@ -13,7 +13,8 @@ Invariants:
   other writer, and it starts after the old one has died).
 - Credentials and the endpoint come from boto3's usual sources (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
   ``AWS_REGION``, ``AWS_ENDPOINT_URL`` for any S3-compatible server); transient errors are retried with backoff by
-  boto3's standard retry mode, and what still fails raises :class:`StoreUnavailable`.
+  boto3's standard retry mode (5 attempts, or ``AWS_MAX_ATTEMPTS``), and what still fails raises
+  :class:`StoreUnavailable`.
 """
 
 from __future__ import annotations
@@ -134,8 +135,9 @@ class S3Outputs(OutputStore):
         self.name = f"output store (s3://{bucket}/{self.prefix})"
         self.folder = spool
         spool.mkdir(parents=True, exist_ok=True)
+        attempts = int(os.environ.get("AWS_MAX_ATTEMPTS", "5"))  # boto3's own variable, read for the default
         self._client = boto3.session.Session().client("s3", config=Config(
-            retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5, read_timeout=60))
+            retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=5, read_timeout=60))
 
     def probe(self) -> None:
         self._call("list_objects_v2", Prefix=self.prefix, MaxKeys=1)

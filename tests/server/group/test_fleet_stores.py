@@ -23,7 +23,10 @@ from cp_infer.request import GenerationRequest, resolve_request
 from models.ltx_video.options import ltx_video_options
 from server.group.database import SCHEMA_VERSION, open_database
 from server.group.jobs import JobStore
+from server.group.leader import GroupLeader, LeaderConfig
+from server.group.runtime import RuntimeConfig
 from server.http.app import AppConfig, create_app
+from tests.server.group.test_protocol import _Runtime, group  # noqa: F401 -- a stand-in group, its fixture
 from tests.server.http.test_server_app import StubEngine
 
 pytestmark = pytest.mark.timeout(120)
@@ -229,6 +232,30 @@ def test_a_postgresql_restart_mid_run_loses_nothing(tmp_path, pg_url, s3_url, po
     assert ended and ended[0] is not None and ended[0].status == "completed", ended
     assert store.get(running.id).status == "completed" and store.get(waiting.id).status == "queued"
     assert store.output_bytes(store.get(running.id), ".mp4") == b"the video"
+    store.close()
+
+
+def test_an_unreachable_s3_fails_the_job_with_a_clear_code(group, tmp_path, pg_url, s3_url,  # noqa: F811
+                                                            monkeypatch):
+    """The group made the video but S3 does not answer (every attempt refused): the job fails with
+    ``output_store_unavailable``, never completed without its video."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    store = _store(tmp_path, "a", pg_url, s3_url)
+    config = LeaderConfig(runtime=RuntimeConfig(), data_dir=tmp_path, heartbeat_s=0.05, job_store=pg_url,
+                          output_store=s3_url)
+    leader = GroupLeader(config, store, runtime_factory=lambda _config: _Runtime(group.events), exit_on_fatal=False)
+    leader.start()
+    try:
+        job = store.submit(_request("a fox"), model="m")
+        deadline = time.monotonic() + 30
+        while not store.get(job.id).terminal and leader.fatal is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        leader.stop()
+    final = store.get(job.id)
+    assert final.status == "failed" and final.error_code == "output_store_unavailable", final
+    assert "s3://" in final.error_message and final.output_attempt is None
     store.close()
 
 
