@@ -156,7 +156,7 @@ class JobStore:
 
     def publish(self, job_id: str, files: list[tuple[Path, str]], *, attempt: int) -> None:
         """Hand finished files (``(made, suffix)``) to the output store as ``attempt``'s (``server.outputs.store``)."""
-        if len(files) < 2 or self.outputs.local_path(job_id, ".mp4") is not None:
+        if len(files) < 2 or self.outputs.local:
             for made, suffix in files:
                 self.outputs.put(job_id, suffix, made, attempt=attempt)
             return
@@ -182,7 +182,7 @@ class JobStore:
     def lead_frames(self, job_id: str) -> np.ndarray | None:
         """The frames the job's video starts with (``submit``'s ``lead``), memory-mapped; ``None`` without."""
         path = self.path(job_id, ".lead.npy")
-        if self.outputs.local_path(job_id, ".lead.npy") is None and not path.is_file():
+        if not self.outputs.local and not path.is_file():
             data = self.outputs.get_bytes(job_id, ".lead.npy", attempt=0)
             if data is None:
                 return None
@@ -217,11 +217,11 @@ class JobStore:
             with self._lock:
                 cur = self._db.execute("UPDATE jobs SET checkpoint_attempt = ? WHERE id = ? AND attempts = ? AND "
                                        "status = 'in_progress'", (attempt, job_id, attempt))
-            if not cur.rowcount and self.outputs.local_path(job_id, ".resume.npz") is None:
+            if not cur.rowcount and not self.outputs.local:
                 self.outputs.delete(job_id, f"/{attempt}.resume.npz")  # a stale attempt's, nobody's now
 
     def _checkpoint_attempt(self, job_id: str) -> int | None:
-        if self.outputs.local_path(job_id, ".resume.npz") is not None:
+        if self.outputs.local:
             return 0  # the folder's one file
         row = self._db.execute("SELECT checkpoint_attempt FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return None if row is None else row["checkpoint_attempt"]
@@ -243,7 +243,7 @@ class JobStore:
     def _remove_files(self, job_id: str, *suffixes: str) -> None:
         """The job's files with these suffixes (none given: all of them), after the commit in progress."""
         def remove() -> None:
-            if self.outputs.local_path(job_id, ".mp4") is not None:
+            if self.outputs.local:
                 self.outputs.delete(job_id, *suffixes)
                 return
             for file in self.videos_dir.glob(f"{job_id}.*"):  # this node's spool copies
@@ -265,7 +265,7 @@ class JobStore:
         """Files that interrupted writes left (caller holds the lock; no job of this server runs): temporary
         files, files of jobs that no longer exist, and the checkpoint and lead of ended jobs; an S3 store's spool is
         emptied."""
-        spool = self.outputs.local_path("video_" + "0" * 32, ".mp4") is None
+        spool = not self.outputs.local
         states = {r["id"]: r["status"] for r in self._db.execute("SELECT id, status FROM jobs").fetchall()}
         for file in self.videos_dir.iterdir():
             job_id, _, suffix = file.name.partition(".")

@@ -25,7 +25,7 @@ Invariants:
   the job once every rank has left it; so do exceptions in encoding the MP4, which is rank 0's alone. Any other
   exception escaping the sampler may leave the group out of step (a rank can be inside a step's or the parallel
   decode's collectives), so the leader fails the job and ends the process (exit 1): torchrun restarts the
-  group, and the new leader finds the queue in SQLite.
+  group, and the new leader finds the queue in the job store.
 """
 
 from __future__ import annotations

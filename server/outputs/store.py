@@ -40,6 +40,8 @@ class OutputStore:
     """A job's files by (job id, suffix, attempt); see the module docstring."""
 
     name: str
+    local: bool
+    """Whether the files are in :attr:`folder` itself (one server's), rather than a store other servers share."""
     folder: Path
     """The local folder: the files themselves (:class:`LocalOutputs`), or the spool where they are made."""
 
@@ -74,6 +76,8 @@ class OutputStore:
 
 
 class LocalOutputs(OutputStore):
+    local = True
+
     def __init__(self, folder: Path):
         self.name = f"output store (folder {folder})"
         self.folder = folder
@@ -120,6 +124,8 @@ class LocalOutputs(OutputStore):
 
 
 class S3Outputs(OutputStore):
+    local = False
+
     def __init__(self, url: str, spool: Path):
         try:
             import boto3
