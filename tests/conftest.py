@@ -4,6 +4,7 @@
   model a test builds (or breaks) is never the one in ``~/.cache/cp-infer``. ``CP_INFER_TEST_CACHE=DIR`` uses
   ``DIR`` instead and keeps it (to reuse built models across runs).
 - ``HF_HUB_OFFLINE=1``: every model is local; a load that would reach the hub fails instead.
+- ``tests/services.py``'s fixtures (a private PostgreSQL cluster, a SeaweedFS S3 server) are available everywhere.
 
 Both are set in ``os.environ`` before any test module is imported, so the worker processes, servers and CLI
 commands the tests start inherit them; a test that sets ``CP_INFER_CACHE`` itself still wins.
@@ -16,6 +17,9 @@ import shutil
 import tempfile
 
 import pytest
+
+# The real PostgreSQL and S3 servers of the fleet's tests (started once per session, by the first test that asks).
+from tests.services import pg_url, postgres_server, s3_server, s3_url  # noqa: F401 -- fixtures
 
 TEST_CACHE_ENV = "CP_INFER_TEST_CACHE"
 

@@ -62,6 +62,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--data-dir", type=Path, default=Path("cp-infer-data"),
                        help="jobs database and videos (default ./cp-infer-data)")
+    group.add_argument("--job-store", default=os.environ.get("CP_INFER_JOB_STORE"), metavar="URL",
+                       help="where jobs live: postgresql://USER:PASS@HOST/DB for a fleet of servers sharing one queue "
+                       "(default $CP_INFER_JOB_STORE, else the SQLite file in --data-dir: this server alone)")
+    group.add_argument("--output-store", default=os.environ.get("CP_INFER_OUTPUT_STORE"), metavar="URL",
+                       help="where videos and long videos' checkpoints live: s3://BUCKET/PREFIX (credentials and "
+                       "endpoint from AWS_* variables, AWS_ENDPOINT_URL for any S3-compatible server; default "
+                       "$CP_INFER_OUTPUT_STORE, else --data-dir/videos)")
+    group.add_argument("--lease-s", type=float, default=30.0,
+                       help="with a shared --job-store: seconds a running job's claim holds without renewal; a server "
+                       "silent that long loses its jobs to the others (default 30)")
     group.add_argument("--api-key", default=os.environ.get("CP_INFER_API_KEY"),
                        help="bearer token every route but /health requires (default $CP_INFER_API_KEY; none: open)")
     group.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
@@ -116,7 +126,8 @@ def _configs(args: argparse.Namespace):
                             stage_2_loras=tuple(args.stage_2_loras or ()),
                             weights=args.weights, offload=args.offload)
     leader = LeaderConfig(runtime=runtime, data_dir=args.data_dir, heartbeat_s=args.heartbeat_s,
-                          max_queue=args.max_queue, keep_frames=args.keep_frames, model_name=args.served_model_name)
+                          max_queue=args.max_queue, keep_frames=args.keep_frames, model_name=args.served_model_name,
+                          job_store=args.job_store, output_store=args.output_store, lease_s=args.lease_s)
     app = AppConfig(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
                     max_upload_bytes=args.max_upload_bytes, cors_origins=tuple(args.cors_origin))
     if not 0 < args.port < 65536:
@@ -205,7 +216,8 @@ def _run_leader(args: argparse.Namespace, leader_config, app_config) -> int:
     from server.http.app import create_app
 
     leader_config.data_dir.mkdir(parents=True, exist_ok=True)
-    store = JobStore(leader_config.data_dir, max_queue=leader_config.max_queue)
+    store = JobStore(leader_config.data_dir, max_queue=leader_config.max_queue, job_store=leader_config.job_store,
+                     output_store=leader_config.output_store, lease_s=leader_config.lease_s)
     leader = GroupLeader(leader_config, store)
     leader.preload()  # the other ranks wait at the rendezvous for this one: join them before building the app
     app = create_app(app_config, leader)

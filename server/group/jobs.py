@@ -1,119 +1,77 @@
-"""The job store: jobs in an embedded SQLite database, outputs in files named by the server-made job id.
+"""The job store: the queue and every job's record in a database (``server.group.database``: the embedded SQLite file,
+or PostgreSQL shared by a fleet of servers), its files in an output store (``server.outputs.store``: the local
+folder, or S3), both named by the server-made job id.
 
 Invariants:
 - Job ids are made here (``video_`` + 32 hex digits) and are the only names of output files, so a path never
   contains client text; :func:`valid_job_id` gates every id that arrives in a URL.
-- FIFO: the leader claims the oldest queued job (by insertion order); a claim and a cancel of a queued job
-  are serialised by one lock, so a job is either claimed or deleted, never both.
-- The database survives restarts of the worker group and the death of the whole server (``kill -9`` of every
-  process at any moment; not a power loss): it is in WAL mode, where a transaction is in the log once it returns
-  (``synchronous=NORMAL`` syncs only at checkpoints, which is enough while the kernel outlives the process), and each
-  change of a job is one transaction (:meth:`JobStore._transaction` around those of several statements). Files are
-  removed only once the change that orphans them is committed, so a crash leaves extra files, never a live job
-  without its lead or checkpoint.
-- Outputs are written to ``<name>.tmp`` and renamed into place whole (``server.outputs``, the leader's encoder), and
-  only then is the job marked ``completed``: a job's content is never a half-written MP4.
-- :meth:`JobStore.recover` (run once by each new leader, before any job runs) puts jobs that were ``in_progress``
-  back at the head of the queue (they run again, a long video from its last finished window's checkpoint,
-  ``<id>.resume.npz``), unless they have already been started ``MAX_ATTEMPTS`` times: a job that takes the group
-  down every time it runs is failed instead of taking it down forever. It fails a ``completed`` job whose MP4 is
-  missing or cut short (``output_lost``) and sweeps what interrupted writes left (``*.tmp``, files of no job).
+- FIFO: a claim takes the oldest queued job (by insertion order) in one statement whose row lock skips rows another
+  server is claiming, and re-checks that the job is still queued, so a job is claimed once, and either claimed or
+  cancelled/deleted, never both.
+- A claim is an attempt (``attempts`` + 1) with a lease (``lease_s``, on the database's clock) that a thread of
+  this store renews while the job runs. A shared store takes back jobs whose lease ran out (their server died or
+  froze) before each claim; the embedded one takes back all its jobs in progress at :meth:`JobStore.recover` (one
+  server: they are its dead group's). Every write of a running job carries its attempt and changes nothing unless
+  that attempt is still the job's (progress, window, step-cache counts, checkpoint, the end); a lost claim's
+  :meth:`JobStore.cancel_requested` is true, so its group stops at the next step.
+- The embedded database survives restarts of the worker group and the death of the whole server (``kill -9`` of
+  every process at any moment; not a power loss): it is in WAL mode, where a transaction is in the log once it
+  returns (``synchronous=NORMAL`` syncs only at checkpoints, which is enough while the kernel outlives the process),
+  and each change of a job is one transaction (:meth:`JobStore._transaction` around those of several statements).
+  Files are removed only once the change that orphans them is committed, so a crash leaves extra files, never a
+  live job without its lead or checkpoint.
+- Outputs are made whole first and handed to the output store (:meth:`JobStore.publish`: a rename, or one PUT of
+  the attempt's own key), and only then is the job marked ``completed``, in the guarded update that records the
+  attempt whose files they are (``output_attempt``): a job's content is never a half-written MP4, nor a stale
+  attempt's.
+- A job that runs again (requeued at :meth:`JobStore.recover` or when its lease ran out) goes on from its last
+  finished window's checkpoint (``.resume.npz``, the current attempt's: ``checkpoint_attempt``), unless it has
+  already been started ``MAX_ATTEMPTS`` times (across the fleet): a job that takes its group down every time it runs
+  is failed instead of taking it down forever. :meth:`JobStore.recover` also fails a ``completed`` job whose local
+  MP4 is missing or cut short (``output_lost``) and sweeps what interrupted writes left (``*.tmp``, files of no job).
 - ``progress`` never decreases while a job can go on from a checkpoint: a requeued job keeps the progress it had
   (at least its checkpoint's) from the requeue through its resume, whose steps only raise it again once past it. A
   job that starts over (no checkpoint, or an unreadable one: :meth:`JobStore.start_over`) goes back to 0.
-- Every change of a job's visible state appends a snapshot to an in-memory event log (per job, bounded), which
-  the SSE endpoint tails, so no progress change is missed however slowly a client reads.
+- Every change of a job's visible state this server makes appends a snapshot to an in-memory event log (per job,
+  bounded), which the SSE endpoint tails, so no such change is missed however slowly a client reads; with a shared
+  store, a change made by another server's group is logged when a reader looks (the state then, at the rate it
+  reads).
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import io
-import json
 import logging
-import re
 import secrets
-import sqlite3
-import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from cp_infer.request import Condition, GenerationRequest, loras_from
+from cp_infer.request import GenerationRequest
+from server.group.database import open_database
+from server.group.job_record import TERMINAL, Job, mp4_complete, request_to_json, row_to_job, valid_job_id
+from server.group.job_record import mp4_complete as _mp4_complete  # noqa: F401 -- the tests' name for it
+from server.group.job_record import request_from_json as _request_from_json  # noqa: F401 -- as above
+from server.outputs.store import StoreUnavailable, open_outputs
 
 __all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
 
 log = logging.getLogger("cp_infer.jobs")
 
-TERMINAL = ("completed", "failed", "cancelled")
 MAX_ATTEMPTS = 3
 """Times a job is started before a restart of the group fails it instead of running it again."""
-_ID_RE = re.compile(r"^video_[0-9a-f]{32}$")
 _MAX_LOGGED_JOBS = 256
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT UNIQUE NOT NULL,
-    status TEXT NOT NULL,
-    progress INTEGER NOT NULL DEFAULT 0,
-    created_at INTEGER NOT NULL,
-    completed_at INTEGER,
-    model TEXT NOT NULL,
-    request TEXT NOT NULL,
-    error_code TEXT,
-    error_message TEXT,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    deleting INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq);
-"""
-# Columns added after the first schema (an older database gets them on open).
-_ADDED_COLUMNS = {"window": "INTEGER", "windows": "INTEGER", "attempts": "INTEGER NOT NULL DEFAULT 0",
-                  "lead_frames": "INTEGER NOT NULL DEFAULT 0", "steps_computed": "INTEGER", "steps_skipped": "INTEGER"}
-
-
-def valid_job_id(job_id: str) -> bool:
-    return bool(_ID_RE.match(job_id))
-
-
-def _mp4_complete(path: Path) -> bool:
-    """Whether ``path`` is a whole MP4: its top-level boxes tile the file exactly, starting with ``ftyp`` and
-    holding ``moov`` and ``mdat``, and a fragmented one ends with its ``mfra`` (its muxer's last box); a file cut
-    anywhere fails (reads the box headers only)."""
-    try:
-        size = path.stat().st_size
-        kinds = []
-        with open(path, "rb") as f:
-            pos = 0
-            while pos < size:
-                f.seek(pos)
-                header = f.read(16)
-                if len(header) < 8:
-                    return False
-                length, kind = struct.unpack(">I4s", header[:8])
-                if length == 1:  # a 64-bit size follows the type
-                    if len(header) < 16:
-                        return False
-                    length = struct.unpack(">Q", header[8:16])[0]
-                elif length == 0:  # the box runs to the end of the file
-                    length = size - pos
-                if length < 8:
-                    return False
-                kinds.append(kind)
-                pos += length
-    except OSError:
-        return False
-    if pos != size or not kinds or kinds[0] != b"ftyp" or not {b"moov", b"mdat"} <= set(kinds):
-        return False
-    return b"moof" not in kinds or kinds[-1] == b"mfra"
+_POLL_S = 0.2
+"""How often a shared store's idle claimer looks at the queue again."""
 
 
 class QueueFull(Exception):
@@ -122,134 +80,48 @@ class QueueFull(Exception):
         self.depth = depth
 
 
-@dataclass(frozen=True)
-class Job:
-    seq: int
-    id: str
-    status: str
-    progress: int
-    created_at: int
-    completed_at: int | None
-    model: str
-    request: GenerationRequest
-    error_code: str | None = None
-    error_message: str | None = None
-    deleting: bool = False
-    window: int | None = None
-    """A long video's window being made (from 0), ``None`` before the first or for one made at once."""
-    windows: int | None = None
-    attempts: int = 0
-    lead_frames: int = 0
-    """Frames the video starts with before the ones made (an extension's: the video it extends)."""
-    steps_computed: int | None = None
-    """A request with a step cache (``cache``): the steps so far that ran every transformer block; ``None``: none."""
-    steps_skipped: int | None = None
-    """A request with a step cache: the steps so far that used it (``cp_infer.step_cache.CacheStats``)."""
-
-    @property
-    def terminal(self) -> bool:
-        return self.status in TERMINAL
-
-    def public(self) -> dict[str, Any]:
-        """The API's job object (see ``schemas.VideoJob``)."""
-        r = self.request
-        frames = r.num_frames if not self.lead_frames else self.lead_frames + r.num_frames - 1
-        error = None if self.error_code is None else {"code": self.error_code, "message": self.error_message or ""}
-        return {
-            "id": self.id, "object": "video", "status": self.status, "progress": self.progress,
-            "created_at": self.created_at, "completed_at": self.completed_at, "model": self.model,
-            "seconds": f"{frames / r.fps:.3g}", "size": f"{r.width}x{r.height}", "prompt": r.prompt,
-            "error": error, "window": self.window, "windows": self.windows,
-            "steps_computed": self.steps_computed, "steps_skipped": self.steps_skipped,
-            "negative_prompt": r.negative_prompt, "num_frames": r.num_frames, "width": r.width,
-            "height": r.height, "fps": r.fps, "num_inference_steps": r.num_inference_steps,
-            "guidance_scale": r.guidance_scale, "seed": r.seed,
-            # The model's own options, as resolved (every one it declares).
-            **{name: list(v) if isinstance(v, tuple) else v for name, v in r.options.items()},
-            "input_reference": r.image is not None, "extends": r.extends is not None,
-            "conditions": [{"frame_index": c.frame_index, "strength": c.strength,
-                            "num_frames": int(c.frames.shape[0])} for c in r.conditions] or None,
-            "loras": [{"name": lora.name, "scale": lora.scale} for lora in r.loras],
-        }
-
-
-def _condition_to_json(cond: Condition) -> dict[str, Any]:
-    buffer = io.BytesIO()
-    np.savez_compressed(buffer, frames=cond.frames)
-    return {"frames_npz": base64.b64encode(buffer.getvalue()).decode("ascii"), "frame_index": cond.frame_index,
-            "strength": cond.strength}
-
-
-def _condition_from_json(data: dict[str, Any]) -> Condition:
-    with np.load(io.BytesIO(base64.b64decode(data["frames_npz"])), allow_pickle=False) as archive:
-        frames = archive["frames"]
-    return Condition(frames, frame_index=data["frame_index"], strength=data["strength"])
-
-
-def _request_to_json(request: GenerationRequest) -> str:
-    """The request as stored: its fields, conditioning media as compressed arrays (the validated pixels)."""
-    data = {f.name: getattr(request, f.name) for f in fields(request)}
-    data["image"] = None if request.image is None else _condition_to_json(request.image)
-    data["conditions"] = [_condition_to_json(c) for c in request.conditions]
-    data["extends"] = None if request.extends is None else _condition_to_json(request.extends)
-    data["loras"] = [{"name": lora.name, "scale": lora.scale} for lora in request.loras]
-    return json.dumps(data)
-
-
-_REQUEST_FIELDS = frozenset(f.name for f in fields(GenerationRequest))
-
-
-def _request_from_json(text: str) -> GenerationRequest:
-    data = json.loads(text)
-    options = data.get("options") or {}
-    # Rows written before models declared their options hold them as fields: the set ones become options.
-    options.update({k: data.pop(k) for k in list(data) if k not in _REQUEST_FIELDS and data[k] is not None})
-    data = {k: v for k, v in data.items() if k in _REQUEST_FIELDS}
-    # JSON has only lists; a request holds tuples.
-    data["options"] = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
-    if data.get("image") is not None:
-        data["image"] = _condition_from_json(data["image"])
-    data["conditions"] = tuple(_condition_from_json(c) for c in data.get("conditions") or ())
-    if data.get("extends") is not None:
-        data["extends"] = _condition_from_json(data["extends"])
-    data["loras"] = loras_from(data.get("loras"))
-    return GenerationRequest(**data)
-
-
-def _row_to_job(row: sqlite3.Row) -> Job:
-    return Job(
-        seq=row["seq"], id=row["id"], status=row["status"], progress=row["progress"], created_at=row["created_at"],
-        completed_at=row["completed_at"], model=row["model"], request=_request_from_json(row["request"]),
-        error_code=row["error_code"], error_message=row["error_message"], deleting=bool(row["deleting"]),
-        window=row["window"], windows=row["windows"], attempts=row["attempts"], lead_frames=row["lead_frames"],
-        steps_computed=row["steps_computed"], steps_skipped=row["steps_skipped"],
-    )
+def _fence(attempt: int | None) -> tuple[str, tuple]:
+    """The clause that makes a running job's write a no-op unless ``attempt`` is the job's current one."""
+    return ("", ()) if attempt is None else (" AND attempts = ?", (attempt,))
 
 
 class JobStore:
-    """Thread-safe: the HTTP event loop and the leader thread share one connection behind one lock."""
+    """Thread-safe: the HTTP event loop, the leader's threads and the lease renewer share one connection behind one
+    lock. ``job_store`` / ``output_store``: URLs (``server.group.database.open_database``,
+    ``server.outputs.store.open_outputs``); ``None``: the embedded SQLite file and the folder in ``data_dir``.
+    ``lease_s``: how long a claim holds without renewal; ``node``: this server's name in the fleet (pins the
+    streamed jobs it accepts, whose client reads them from it)."""
 
-    def __init__(self, data_dir: str | Path, *, max_queue: int):
+    def __init__(self, data_dir: str | Path, *, max_queue: int, job_store: str | None = None,
+                 output_store: str | None = None, lease_s: float = 30.0, node: str | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue={max_queue} must be >= 1")
+        if not lease_s > 0:
+            raise ValueError(f"lease_s={lease_s} must be > 0")
         self.data_dir = Path(data_dir)
-        self.videos_dir = self.data_dir / "videos"
-        self.videos_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.outputs = open_outputs(output_store, self.data_dir)
+        self.videos_dir = self.outputs.folder
         self.max_queue = max_queue
+        self.lease_s = lease_s
+        self.node = node or f"node-{secrets.token_hex(6)}"
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
-        self._db = sqlite3.connect(self.data_dir / "jobs.sqlite3", check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-        have = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
-        for name, kind in _ADDED_COLUMNS.items():
-            if name not in have:
-                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+        self._db = open_database(job_store, self.data_dir)
+        self.shared = self._db.shared
         self._event_seq = 0
         self._events: OrderedDict[str, list[tuple[int, dict[str, Any]]]] = OrderedDict()
         self._after_commit: list[Callable[[], None]] = []
+        self._held: dict[str, int] = {}  # the jobs this server runs: id -> attempt (their leases are renewed)
+        self._lost: set[tuple[str, int]] = set()  # claims whose lease another server took over
+        self._renewer: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cp-infer-cleanup")
+
+    @property
+    def stores(self) -> tuple[str, str]:
+        """The names of the job store and the output store (``/ready``)."""
+        return self._db.name, self.outputs.name
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -258,14 +130,12 @@ class JobStore:
         if self._db.in_transaction:
             yield
             return
-        self._db.execute("BEGIN IMMEDIATE")
         try:
-            yield
+            with self._db.transaction():
+                yield
         except BaseException:
-            self._db.execute("ROLLBACK")
             self._after_commit.clear()
             raise
-        self._db.execute("COMMIT")
         pending, self._after_commit = self._after_commit, []
         for remove in pending:
             remove()
@@ -280,53 +150,129 @@ class JobStore:
 
     # -- files -------------------------------------------------------------------------------------------------
     def path(self, job_id: str, suffix: str) -> Path:
+        """The job's file on this machine: the file itself (the local folder) or where it is made (S3's spool)."""
         assert valid_job_id(job_id), job_id
         return self.videos_dir / f"{job_id}{suffix}"
 
+    def publish(self, job_id: str, files: list[tuple[Path, str]], *, attempt: int) -> None:
+        """Hand finished files (``(made, suffix)``) to the output store as ``attempt``'s (``server.outputs.store``)."""
+        if len(files) < 2 or self.outputs.local:
+            for made, suffix in files:
+                self.outputs.put(job_id, suffix, made, attempt=attempt)
+            return
+        with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="cp-infer-upload") as uploads:
+            for done in [uploads.submit(self.outputs.put, job_id, suffix, made, attempt=attempt)
+                         for made, suffix in files]:
+                done.result()  # the first failure raises (the job fails; its record is not completed)
+
+    def output_path(self, job: Job, suffix: str) -> Path | None:
+        """A completed job's file when it is on this machine's disk (served as it is); ``None`` when it is not."""
+        path = self.outputs.local_path(job.id, suffix)
+        return path if path is None or path.is_file() else None
+
+    def output_size(self, job: Job, suffix: str) -> int | None:
+        return self.outputs.size(job.id, suffix, attempt=job.output_attempt or job.attempts)
+
+    def read_output(self, job: Job, suffix: str, start: int, end: int) -> Iterator[bytes]:
+        return self.outputs.read(job.id, suffix, attempt=job.output_attempt or job.attempts, start=start, end=end)
+
+    def output_bytes(self, job: Job, suffix: str) -> bytes | None:
+        return self.outputs.get_bytes(job.id, suffix, attempt=job.output_attempt or job.attempts)
+
     def lead_frames(self, job_id: str) -> np.ndarray | None:
         """The frames the job's video starts with (``submit``'s ``lead``), memory-mapped; ``None`` without."""
+        path = self.path(job_id, ".lead.npy")
+        if not self.outputs.local and not path.is_file():
+            data = self.outputs.get_bytes(job_id, ".lead.npy", attempt=0)
+            if data is None:
+                return None
+            tmp = self.path(job_id, ".lead.npy.tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)  # this node's copy, removed with the job's files
         try:
-            return np.load(self.path(job_id, ".lead.npy"), mmap_mode="r", allow_pickle=False)
+            return np.load(path, mmap_mode="r", allow_pickle=False)
         except FileNotFoundError:
             return None
 
-    def save_checkpoint(self, job_id: str, passes_done: int, arrays: dict[str, np.ndarray]) -> None:
-        """A running job's checkpoint (``SampleControl.on_checkpoint``), replacing the one before atomically."""
-        path = self.path(job_id, ".resume.npz")
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, passes_done=np.array(passes_done, dtype=np.int64), **arrays)
-        tmp.replace(path)
+    def save_checkpoint(self, job_id: str, passes_done: int, arrays: dict[str, np.ndarray], *,
+                        attempt: int | None = None) -> None:
+        """A running job's checkpoint (``SampleControl.on_checkpoint``), replacing the one before atomically; with
+        ``attempt``, only while that attempt is the job's (it then records which attempt's checkpoint is current)."""
+        if attempt is not None:
+            try:
+                self._save_checkpoint(job_id, passes_done, arrays, attempt)
+            except StoreUnavailable as exc:  # no checkpoint costs a resume from the one before, not the job
+                log.warning("job %s: checkpoint after pass %d not saved (%s)", job_id, passes_done, exc)
+            return
+        self._save_checkpoint(job_id, passes_done, arrays, None)
+
+    def _save_checkpoint(self, job_id: str, passes_done: int, arrays: dict[str, np.ndarray],
+                         attempt: int | None) -> None:
+        if attempt is not None and not self._current(job_id, attempt):
+            return
+        buffer = io.BytesIO()
+        np.savez(buffer, passes_done=np.array(passes_done, dtype=np.int64), **arrays)
+        self.outputs.put_bytes(job_id, ".resume.npz", buffer.getvalue(), attempt=attempt or 0)
+        if attempt is not None:
+            with self._lock:
+                cur = self._db.execute("UPDATE jobs SET checkpoint_attempt = ? WHERE id = ? AND attempts = ? AND "
+                                       "status = 'in_progress'", (attempt, job_id, attempt))
+            if not cur.rowcount and not self.outputs.local:
+                self.outputs.delete(job_id, f"/{attempt}.resume.npz")  # a stale attempt's, nobody's now
+
+    def _checkpoint_attempt(self, job_id: str) -> int | None:
+        if self.outputs.local:
+            return 0  # the folder's one file
+        row = self._db.execute("SELECT checkpoint_attempt FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else row["checkpoint_attempt"]
 
     def load_checkpoint(self, job_id: str) -> tuple[int, dict[str, np.ndarray]] | None:
         """The job's last checkpoint, ``None`` when it has none (or an unreadable one: the job starts over)."""
-        path = self.path(job_id, ".resume.npz")
+        with self._lock:
+            attempt = self._checkpoint_attempt(job_id)
+        data = None if attempt is None else self.outputs.get_bytes(job_id, ".resume.npz", attempt=attempt)
+        if data is None:
+            return None
         try:
-            with np.load(path, allow_pickle=False) as archive:
+            with np.load(io.BytesIO(data), allow_pickle=False) as archive:
                 arrays = {k: archive[k] for k in archive.files}
-        except (OSError, ValueError):
+        except (OSError, ValueError, EOFError):
             return None
         return int(arrays.pop("passes_done")), arrays
 
     def _remove_files(self, job_id: str, *suffixes: str) -> None:
         """The job's files with these suffixes (none given: all of them), after the commit in progress."""
         def remove() -> None:
-            files = [self.path(job_id, s) for s in suffixes] if suffixes else self.videos_dir.glob(f"{job_id}.*")
-            for file in files:
-                file.unlink(missing_ok=True)
+            if self.outputs.local:
+                self.outputs.delete(job_id, *suffixes)
+                return
+            for file in self.videos_dir.glob(f"{job_id}.*"):  # this node's spool copies
+                if not suffixes or file.name.endswith(suffixes):
+                    file.unlink(missing_ok=True)
+            # NOTE(cleanup): requests to a remote store, off the store's lock and the job's lane; one that fails
+            # leaves objects no record points at (logged), never a record without its objects.
+            self._cleaner.submit(self._delete_remote, job_id, suffixes)
 
         self._remove(remove)
 
+    def _delete_remote(self, job_id: str, suffixes: tuple[str, ...]) -> None:
+        try:
+            self.outputs.delete(job_id, *suffixes)
+        except StoreUnavailable as exc:
+            log.warning("job %s: its files %s were not removed from the %s", job_id, suffixes or "(all)", exc)
+
     def _sweep(self) -> None:
-        """Files that interrupted writes left (caller holds the lock; no job runs): temporary files, files of jobs
-        that no longer exist, and the checkpoint and lead of ended jobs."""
-        states = dict(self._db.execute("SELECT id, status FROM jobs").fetchall())
+        """Files that interrupted writes left (caller holds the lock; no job of this server runs): temporary
+        files, files of jobs that no longer exist, and the checkpoint and lead of ended jobs; an S3 store's spool is
+        emptied."""
+        spool = not self.outputs.local
+        states = {r["id"]: r["status"] for r in self._db.execute("SELECT id, status FROM jobs").fetchall()}
         for file in self.videos_dir.iterdir():
             job_id, _, suffix = file.name.partition(".")
             if not valid_job_id(job_id):
                 continue  # not the store's
             status = states.get(job_id)
-            if (suffix.endswith("tmp") or status is None
+            if (spool or suffix.endswith("tmp") or status is None
                     or (status in TERMINAL and suffix in ("resume.npz", "lead.npy"))):
                 log.info("removing %s, left by an interrupted write", file.name)
                 file.unlink(missing_ok=True)
@@ -334,7 +280,7 @@ class JobStore:
     # -- queries -----------------------------------------------------------------------------------------------
     def _get(self, job_id: str) -> Job | None:
         row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return None if row is None else _row_to_job(row)
+        return None if row is None else row_to_job(row)
 
     def get(self, job_id: str) -> Job | None:
         """A visible job (one being deleted is not)."""
@@ -360,7 +306,7 @@ class JobStore:
                 args.append(cursor.seq)
             rows = self._db.execute(f"SELECT * FROM jobs WHERE {where} ORDER BY seq {direction} LIMIT ?",
                                     (*args, limit + 1)).fetchall()
-        jobs = [_row_to_job(r) for r in rows]
+        jobs = [row_to_job(r) for r in rows]
         return jobs[:limit], len(jobs) > limit
 
     def counts(self) -> dict[str, int]:
@@ -374,8 +320,15 @@ class JobStore:
         with self._lock:
             return self._queued()
 
+    def oldest_queued_age(self) -> float:
+        """Seconds the oldest queued job has waited (0 with none): with the depth, what an autoscaler scales on."""
+        with self._lock:
+            row = self._db.execute(f"SELECT {self._db.now} - MIN(created_at) AS age FROM jobs WHERE status = "
+                                   "'queued'").fetchone()
+        return max(0.0, float(row["age"])) if row["age"] is not None else 0.0
+
     def _queued(self) -> int:
-        return self._db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued'").fetchone()[0]
+        return self._db.execute("SELECT COUNT(*) AS n FROM jobs WHERE status = 'queued'").fetchone()["n"]
 
     # -- events ------------------------------------------------------------------------------------------------
     def _log(self, job: Job) -> None:
@@ -386,33 +339,50 @@ class JobStore:
         while len(self._events) > _MAX_LOGGED_JOBS:
             self._events.popitem(last=False)
 
+    def _sync(self, job_id: str) -> Job | None:
+        """A shared store: log the job's state as the database has it now when it differs from the last logged (its
+        changes made by another server's group, seen at the rate clients read them)."""
+        job = self._get(job_id)
+        if self.shared and job is not None and not job.deleting:
+            logged = self._events.get(job_id)
+            if not logged or logged[-1][1] != job.public():
+                self._log(job)
+        return job
+
     def events_since(self, job_id: str, seq: int) -> list[tuple[int, dict[str, Any]]]:
         with self._lock:
+            if self.shared:
+                self._sync(job_id)
             return [e for e in self._events.get(job_id, ()) if e[0] > seq]
 
     def snapshot(self, job_id: str) -> tuple[int, Job | None]:
         """The job now and the event sequence number it corresponds to (tail :meth:`events_since` from it)."""
         with self._lock:
-            job = self._get(job_id)
+            job = self._sync(job_id)
             return self._event_seq, (None if job is None or job.deleting else job)
 
     # -- the HTTP side -----------------------------------------------------------------------------------------
-    def submit(self, request: GenerationRequest, *, model: str, lead: np.ndarray | None = None) -> Job:
+    def submit(self, request: GenerationRequest, *, model: str, lead: np.ndarray | None = None,
+               pinned: bool = False) -> Job:
         """Queue a validated request; raises :class:`QueueFull` past ``max_queue`` queued jobs. ``lead``: frames
-        the video starts with before the ones made (an extension's: the video it extends), kept in a file
-        beside the job's outputs until it ends."""
+        the video starts with before the ones made (an extension's: the video it extends), kept beside the job's
+        outputs until it ends. ``pinned``: only this server may run it (a streamed job, whose client reads it
+        here)."""
         job_id = f"video_{secrets.token_hex(16)}"
         with self._lock:
             depth = self._queued()
             if depth >= self.max_queue:
                 raise QueueFull(depth)
             if lead is not None:
-                # Written before the job is visible, so that the leader never claims it without them.
-                np.save(self.path(job_id, ".lead.npy"), np.ascontiguousarray(lead, dtype=np.uint8))
+                # Written before the job is visible, so that no leader claims it without them.
+                buffer = io.BytesIO()
+                np.save(buffer, np.ascontiguousarray(lead, dtype=np.uint8))
+                self.outputs.put_bytes(job_id, ".lead.npy", buffer.getvalue(), attempt=0)
             self._db.execute(
-                "INSERT INTO jobs (id, status, created_at, model, request, lead_frames) "
-                "VALUES (?, 'queued', ?, ?, ?, ?)",
-                (job_id, int(time.time()), model, _request_to_json(request), 0 if lead is None else len(lead)))
+                "INSERT INTO jobs (id, status, created_at, model, request, lead_frames, pinned_node) "
+                "VALUES (?, 'queued', ?, ?, ?, ?, ?)",
+                (job_id, int(time.time()), model, request_to_json(request), 0 if lead is None else len(lead),
+                 self.node if pinned else None))
             job = self._get(job_id)
             self._log(job)
             self._work.notify_all()
@@ -420,68 +390,57 @@ class JobStore:
 
     def delete(self, job_id: str) -> tuple[Job | None, bool]:
         """Delete a job. Returns ``(job, running)``: a running job is only marked (hidden, cancel requested);
-        the leader removes it once every rank has stopped it. ``job`` is ``None`` if there is no such job."""
+        the group running it removes it once every rank has stopped it. ``job`` is ``None`` if there is no such
+        job."""
         with self._lock:
             job = self._get(job_id)
             if job is None or job.deleting:
                 return None, False
-            if job.status == "in_progress":
+            # Committed before the files go: a crash in between leaves files of no job, which recover() sweeps.
+            if job.status == "in_progress" or not self._db.execute(
+                    "DELETE FROM jobs WHERE id = ? AND status <> 'in_progress'", (job_id,)).rowcount:
+                # Running (or claimed by another server just now).
                 self._db.execute("UPDATE jobs SET deleting = 1 WHERE id = ?", (job_id,))
                 return job, True
-            # Committed before the files go: a crash in between leaves files of no job, which recover() sweeps.
-            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             final = replace(job, status="cancelled" if job.status == "queued" else job.status)
             self._log(final)
             self._remove_files(job_id)
         return job, False
 
     def cancel(self, job_id: str) -> Job | None:
-        """Cancel a queued job now, or ask the leader to stop a running one at the next step boundary."""
+        """Cancel a queued job now, or ask the group running it (on any server) to stop at the next step."""
         with self._lock:
             job = self._get(job_id)
             if job is None or job.deleting:
                 return None
             if job.status == "queued":
-                self._finish_locked(job_id, "cancelled", "cancelled", "cancelled before it started")
-            elif job.status == "in_progress":
+                job = self._finish_locked(job_id, "cancelled", "cancelled", "cancelled before it started",
+                                          expect="queued")
+            if job is not None and job.status == "in_progress":  # running, or claimed by another server just now
                 self._db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job_id,))
             return self._get(job_id)
 
     # -- the leader side ---------------------------------------------------------------------------------------
     def recover(self) -> list[str]:
         """Run once by a new leader, before it runs any job: jobs a previous group was running go back to the head
-        of the queue (failed after ``MAX_ATTEMPTS`` starts); returns their ids.
+        of the queue (failed after ``MAX_ATTEMPTS`` starts); returns their ids. An embedded store's jobs in progress
+        are all its own dead group's; a shared store's are taken back only once their lease has run out (other
+        servers run the others), which :meth:`claim_next` also does while serving.
 
         A requeued job with a checkpoint keeps its ``progress`` (it goes on from there, so a progress bar never runs
         backwards); one without starts again at 0. Completed jobs whose MP4 is missing or cut short are failed
         (``output_lost``: their record cannot promise a video that is not there), deletes that a crash interrupted
         are finished, and the files interrupted writes left are removed."""
         with self._lock:
+            requeued = self._reap(expired_only=self.shared)
             with self._transaction():
-                rows = self._db.execute("SELECT id, deleting, attempts, cancel_requested FROM jobs WHERE status = "
-                                        "'in_progress'").fetchall()
-                for row in rows:
-                    if row["deleting"]:
-                        continue  # removed below, with the other interrupted deletes
-                    if row["cancel_requested"]:
-                        self._finish_locked(row["id"], "cancelled", "cancelled",
-                                            "cancelled while the group restarted")
-                    elif row["attempts"] >= MAX_ATTEMPTS:
-                        self._finish_locked(row["id"], "failed", "worker_group_restarted",
-                                            f"the worker group failed and restarted each of the {row['attempts']} "
-                                            "times this job ran; it is not run again")
-                    else:
-                        # Back to queued with its place in the queue (the oldest seq runs first).
-                        resumes = self.path(row["id"], ".resume.npz").is_file()
-                        self._db.execute("UPDATE jobs SET status = 'queued', progress = CASE WHEN ? THEN progress "
-                                         "ELSE 0 END WHERE id = ?", (resumes, row["id"]))
-                        self._log(self._get(row["id"]))
-                for row in self._db.execute("SELECT id FROM jobs WHERE deleting = 1").fetchall():
-                    self._db.execute("DELETE FROM jobs WHERE id = ?", (row["id"],))
-                    self._remove_files(row["id"])
+                if not self.shared:
+                    for row in self._db.execute("SELECT id FROM jobs WHERE deleting = 1").fetchall():
+                        self._db.execute("DELETE FROM jobs WHERE id = ?", (row["id"],))
+                        self._remove_files(row["id"])
                 for row in self._db.execute("SELECT id FROM jobs WHERE status = 'completed'").fetchall():
-                    mp4 = self.path(row["id"], ".mp4")
-                    if not _mp4_complete(mp4):
+                    mp4 = self.outputs.local_path(row["id"], ".mp4")
+                    if mp4 is not None and not mp4_complete(mp4):  # an object store's PUTs are whole
                         state = "cut short" if mp4.exists() else "missing"
                         log.warning("job %s is completed but its video is %s; failing it", row["id"], state)
                         self._finish_locked(row["id"], "failed", "output_lost",
@@ -490,83 +449,196 @@ class JobStore:
                         self._remove_files(row["id"])
             self._sweep()
             self._work.notify_all()
-        return [r["id"] for r in rows]
+        return requeued
 
-    def set_window(self, job_id: str, window: int, windows: int) -> None:
-        """The window a long video is making now."""
-        with self._lock:
-            cur = self._db.execute("UPDATE jobs SET window = ?, windows = ? WHERE id = ? AND status = 'in_progress'",
-                                   (window, windows, job_id))
-            if cur.rowcount:
-                self._log(self._get(job_id))
+    def _reap(self, *, expired_only: bool) -> list[str]:
+        """Jobs in progress whose group is gone (all, or those whose lease ran out) back to the queue, or ended:
+        cancelled when asked to, failed past ``MAX_ATTEMPTS``, removed when being deleted. Caller holds the lock."""
+        expired = f" AND lease_until < {self._db.now}" if expired_only else ""
+        with self._transaction():
+            rows = self._db.execute("SELECT id, deleting, attempts, cancel_requested FROM jobs WHERE status = "
+                                    f"'in_progress'{expired}{self._db.skip_locked}").fetchall()
+            for row in rows:
+                if row["deleting"]:
+                    self._db.execute("DELETE FROM jobs WHERE id = ?", (row["id"],))
+                    self._remove_files(row["id"])
+                elif row["cancel_requested"]:
+                    self._finish_locked(row["id"], "cancelled", "cancelled", "cancelled while the group restarted")
+                elif row["attempts"] >= MAX_ATTEMPTS:
+                    self._finish_locked(row["id"], "failed", "worker_group_restarted",
+                                        f"the worker group failed and restarted each of the {row['attempts']} "
+                                        "times this job ran; it is not run again")
+                else:
+                    # Back to queued with its place in the queue (the oldest seq runs first).
+                    attempt = self._checkpoint_attempt(row["id"])
+                    resumes = attempt is not None and self.outputs.size(row["id"], ".resume.npz",
+                                                                        attempt=attempt) is not None
+                    # Unpinned: a streamed job's client was connected to the server that lost it.
+                    self._db.execute("UPDATE jobs SET status = 'queued', pinned_node = NULL, progress = CASE WHEN ? "
+                                     "THEN progress ELSE 0 END WHERE id = ?", (resumes, row["id"]))
+                    self._log(self._get(row["id"]))
+        return [r["id"] for r in rows if not r["deleting"]]
 
     def wake(self) -> None:
         with self._lock:
             self._work.notify_all()
 
     def claim_next(self, timeout: float) -> Job | None:
-        """The oldest queued job, marked ``in_progress``; waits up to ``timeout`` s for one."""
+        """The oldest queued job this server may run, marked ``in_progress`` with a lease this store renews until
+        the job ends; waits up to ``timeout`` s for one. A shared store first takes back the jobs whose lease ran
+        out, and looks again every ``_POLL_S`` (other servers' submissions wake nobody here)."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while True:
+                if self.shared:
+                    self._reap(expired_only=True)
                 row = self._db.execute(
-                    "SELECT * FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1").fetchone()
+                    f"UPDATE jobs SET status = 'in_progress', attempts = attempts + 1, "
+                    f"lease_until = {self._db.now} + ? WHERE id = (SELECT id FROM jobs WHERE status = 'queued' "
+                    f"AND (pinned_node IS NULL OR pinned_node = ?) ORDER BY seq LIMIT 1{self._db.skip_locked}) "
+                    "AND status = 'queued' RETURNING *", (self.lease_s, self.node)).fetchone()
                 if row is not None:
                     # Its progress as queued: 0, or a requeued job's, which its checkpoint goes on from.
-                    self._db.execute("UPDATE jobs SET status = 'in_progress', attempts = attempts + 1 WHERE id = ?",
-                                     (row["id"],))
-                    job = self._get(row["id"])
+                    job = row_to_job(row)
                     self._log(job)
+                    self._held[job.id] = job.attempts
+                    self._start_renewer()
                     return job
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._work.wait(left):
+                if left <= 0:
+                    return None
+                woken = self._work.wait(min(left, _POLL_S) if self.shared else left)
+                if not woken and not self.shared:
                     return None
 
-    def cancel_requested(self, job_id: str) -> bool:
-        with self._lock:
-            row = self._db.execute("SELECT deleting, cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return row is None or bool(row["deleting"]) or bool(row["cancel_requested"])
+    def _start_renewer(self) -> None:
+        if self._renewer is None:
+            self._renewer = threading.Thread(target=self._renew_leases, name="cp-infer-leases", daemon=True)
+            self._renewer.start()
 
-    def start_over(self, job_id: str) -> None:
+    def _renew_leases(self) -> None:
+        """Every third of a lease, renew the lease of each job this server runs; a claim whose row now has another
+        attempt (this server was frozen past its lease and another took the job) is lost: :meth:`cancel_requested`
+        then stops it, and its writes change nothing (they carry its attempt)."""
+        while not self._closed.wait(self.lease_s / 3):
+            with self._lock:
+                for job_id, attempt in list(self._held.items()):
+                    try:
+                        cur = self._db.execute(f"UPDATE jobs SET lease_until = {self._db.now} + ? WHERE id = ? AND "
+                                               "attempts = ? AND status = 'in_progress'",
+                                               (self.lease_s, job_id, attempt))
+                    except StoreUnavailable as exc:
+                        log.warning("renewing the lease of %s failed (%s); retrying", job_id, exc)
+                        break
+                    if not cur.rowcount:
+                        log.warning("job %s attempt %d lost its claim (its lease ran out)", job_id, attempt)
+                        self._held.pop(job_id, None)
+                        self._lost.add((job_id, attempt))
+
+    def _current(self, job_id: str, attempt: int) -> bool:
+        with self._lock:
+            row = self._db.execute("SELECT attempts, status FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return row is not None and row["attempts"] == attempt and row["status"] == "in_progress"
+
+    def cancel_requested(self, job_id: str, *, attempt: int | None = None) -> bool:
+        """Whether a running job should stop: cancelled, deleted, or (given its ``attempt``) no longer that
+        attempt's (its claim was lost). Given its attempt, an unreachable database says go on (see
+        :meth:`_riding_out`)."""
+        try:
+            with self._lock:
+                row = self._db.execute("SELECT deleting, cancel_requested, attempts, status FROM jobs WHERE id = ?",
+                                       (job_id,)).fetchone()
+        except StoreUnavailable:
+            if attempt is None:
+                raise
+            self._riding_out(job_id)
+            return False
+        if row is None or bool(row["deleting"]) or bool(row["cancel_requested"]):
+            return True
+        return attempt is not None and (row["attempts"] != attempt or row["status"] != "in_progress")
+
+    def _running_update(self, job_id: str, attempt: int | None, sets: str, args: tuple, where: str = "",
+                        where_args: tuple = (), *, logged: bool = True) -> None:
+        """``UPDATE jobs SET <sets>`` of a running job (its ``attempt``'s, when given), logged as an event when it
+        changed a row; given the attempt, an unreachable database is ridden out (:meth:`_riding_out`)."""
+        fence, fence_args = _fence(attempt)
+        try:
+            with self._lock:
+                cur = self._db.execute_lazy(f"UPDATE jobs SET {sets} WHERE id = ?{where} AND status = "
+                                            f"'in_progress'{fence}", (*args, job_id, *where_args, *fence_args))
+                if cur.rowcount and logged:
+                    self._log(self._get(job_id))
+        except StoreUnavailable:
+            if attempt is None:
+                raise
+            self._riding_out(job_id)
+
+    def set_window(self, job_id: str, window: int, windows: int, *, attempt: int | None = None) -> None:
+        """The window a long video is making now."""
+        self._running_update(job_id, attempt, '"window" = ?, windows = ?', (window, windows))
+
+    def start_over(self, job_id: str, *, attempt: int | None = None) -> None:
         """A claimed job runs from its start (its checkpoint could not be read): its progress goes back to 0."""
-        with self._lock:
-            cur = self._db.execute("UPDATE jobs SET progress = 0 WHERE id = ? AND progress > 0 AND status = "
-                                   "'in_progress'", (job_id,))
-            if cur.rowcount:
-                self._log(self._get(job_id))
+        self._running_update(job_id, attempt, "progress = 0", (), " AND progress > 0")
 
-    def set_cache_steps(self, job_id: str, computed: int, skipped: int) -> None:
+    def set_cache_steps(self, job_id: str, computed: int, skipped: int, *, attempt: int | None = None) -> None:
         """A running job's step-cache totals so far. Logged with the job's next change (its progress, at most a
         step later, or its end), not as an event of their own."""
-        with self._lock:
-            self._db.execute("UPDATE jobs SET steps_computed = ?, steps_skipped = ? WHERE id = ? AND status = "
-                             "'in_progress'", (computed, skipped, job_id))
+        self._running_update(job_id, attempt, "steps_computed = ?, steps_skipped = ?", (computed, skipped),
+                             logged=False)
 
-    def set_progress(self, job_id: str, progress: int) -> None:
+    def set_progress(self, job_id: str, progress: int, *, attempt: int | None = None) -> None:
         """Raise a running job's progress (a lower value, such as a resumed job's steps before its checkpoint's
         progress, changes nothing)."""
-        with self._lock:
-            cur = self._db.execute("UPDATE jobs SET progress = ? WHERE id = ? AND progress < ? AND status = "
-                                   "'in_progress'", (progress, job_id, progress))
-            if cur.rowcount:
-                self._log(self._get(job_id))
+        self._running_update(job_id, attempt, "progress = ?", (progress,), " AND progress < ?", (progress,))
 
-    def finish(self, job_id: str, status: str, code: str | None = None, message: str | None = None) -> Job | None:
-        """End a job (``completed``/``failed``/``cancelled``); a job being deleted is removed instead."""
-        with self._lock:
-            return self._finish_locked(job_id, status, code, message)
+    def finish(self, job_id: str, status: str, code: str | None = None, message: str | None = None, *,
+               attempt: int | None = None) -> Job | None:
+        """End a job (``completed``/``failed``/``cancelled``); a job being deleted is removed instead. With
+        ``attempt`` (the group that ran it), only while that attempt is the job's: a stale one changes nothing
+        (returns ``None``), and a completed job's files are that attempt's; an unreachable database is waited for
+        (retried with backoff until it answers or the store closes), so the end is reported once it is back."""
+        delay = 0.1
+        while True:
+            try:
+                with self._lock:
+                    job = self._finish_locked(job_id, status, code, message, attempt=attempt)
+                    if attempt is not None:
+                        self._held.pop(job_id, None)
+                    return job
+            except StoreUnavailable as exc:
+                if attempt is None or self._closed.is_set():
+                    raise
+                log.warning("job %s ended %s; reporting it when the job store is back (%s)", job_id, status, exc)
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
 
-    def _finish_locked(self, job_id: str, status: str, code: str | None, message: str | None) -> Job | None:
+    def _riding_out(self, job_id: str) -> None:
+        """A running job's write (one carrying its attempt) found the database unreachable: the job goes on. Its
+        progress, window and counts are dropped (the next write carries them), its poll says go on, and its end is
+        waited for (:meth:`finish`); its lease is renewed once the database is back, or lost if it stays away past
+        it (then another server runs the job and this attempt's end changes nothing)."""
+        log.warning("job %s: the job store is unreachable; the job goes on", job_id)
+
+    def _finish_locked(self, job_id: str, status: str, code: str | None, message: str | None, *,
+                       attempt: int | None = None, expect: str | None = None) -> Job | None:
+        """One guarded update: ``attempt`` (that attempt, in progress) or ``expect`` (that status) or nothing."""
         assert status in TERMINAL, status
+        guard, args = _fence(attempt)
+        if attempt is not None:
+            guard += " AND status = 'in_progress'"
+        if expect is not None:
+            guard, args = guard + " AND status = ?", (*args, expect)
         with self._transaction():
+            cur = self._db.execute(
+                f"UPDATE jobs SET status = ?, progress = CASE WHEN ? THEN 100 ELSE progress END, completed_at = ?, "
+                f"error_code = ?, error_message = ?, output_attempt = CASE WHEN ? THEN attempts ELSE NULL END "
+                f"WHERE id = ?{guard}",
+                (status, status == "completed", int(time.time()), code, message, status == "completed", job_id,
+                 *args))
             job = self._get(job_id)
-            if job is None:
-                return None
-            progress = 100 if status == "completed" else job.progress
-            self._db.execute("UPDATE jobs SET status = ?, progress = ?, completed_at = ?, error_code = ?, "
-                             "error_message = ? WHERE id = ?",
-                             (status, progress, int(time.time()), code, message, job_id))
-            job = self._get(job_id)
+            if job is None or not cur.rowcount:
+                return None if attempt is not None or job is None else job
             if job.deleting:
                 self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
                 self._remove_files(job_id)
@@ -575,7 +647,14 @@ class JobStore:
         self._log(job)
         return job
 
+    def probe(self) -> None:
+        """Raise ``StoreUnavailable`` naming the store that does not answer one cheap question."""
+        with self._lock:
+            self._db.execute("SELECT 1 AS ok").fetchone()
+        self.outputs.probe()
+
     def close(self) -> None:
+        self._closed.set()
+        self._cleaner.shutdown(wait=True)
         with self._lock:
             self._db.close()
-

@@ -25,7 +25,7 @@ Invariants:
   the job once every rank has left it; so do exceptions in encoding the MP4, which is rank 0's alone. Any other
   exception escaping the sampler may leave the group out of step (a rank can be inside a step's or the parallel
   decode's collectives), so the leader fails the job and ends the process (exit 1): torchrun restarts the
-  group, and the new leader finds the queue in SQLite.
+  group, and the new leader finds the queue in the job store.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationLimits, check_request, resolve_request
 from server.group import phases
 from server.group.jobs import Job, JobStore
+from server.outputs.store import StoreUnavailable
 from server.outputs.streaming import StreamedOutputs, VideoStream
 
 if TYPE_CHECKING:
@@ -78,7 +79,26 @@ class LeaderConfig:
     """The name clients pass as ``model``; default: ``models.common.loading.model_name`` (a hub id as written, a
     folder's name, the embedded default's name)."""
 
+    job_store: str | None = None
+    """The job store's URL (``postgresql://...``: shared by a fleet); ``None``: the SQLite file in ``data_dir``."""
+    output_store: str | None = None
+    """The output store's URL (``s3://BUCKET/PREFIX``); ``None``: ``data_dir/videos``."""
+    lease_s: float = 30.0
+    """With a shared job store: how long a running job's claim holds without renewal."""
+
     def __post_init__(self) -> None:
+        if self.job_store is not None and not self.job_store.startswith(("postgresql://", "postgres://",
+                                                                           "sqlite://")):
+            raise ValueError(f"--job-store {self.job_store.split('://')[0]}://... is not a job store; use "
+                             "postgresql://USER:PASS@HOST/DB (or leave it out: the SQLite file in --data-dir)")
+        if self.output_store is not None and not self.output_store.startswith(("s3://", "file://")):
+            raise ValueError(f"--output-store {self.output_store.split('://')[0]}://... is not an output store; use "
+                             "s3://BUCKET/PREFIX (or leave it out: --data-dir/videos)")
+        if (self.job_store or "").startswith("postgres") and not (self.output_store or "").startswith("s3://"):
+            raise ValueError("--job-store postgresql://... is shared by servers that each serve every job's video: "
+                             "give them a shared --output-store s3://BUCKET/PREFIX too")
+        if not self.lease_s > 0:
+            raise ValueError(f"--lease-s {self.lease_s} must be > 0")
         if not 0 < self.heartbeat_s < self.runtime.timeout_s / 2:
             raise ValueError(f"heartbeat_s={self.heartbeat_s} must be > 0 and under half the collective timeout "
                              f"({self.runtime.timeout_s} s)")
@@ -334,7 +354,7 @@ class GroupLeader:
         ``QueueFull`` as ``store.submit`` does."""
         # Under the lock that the leader takes after claiming a job, so it cannot run the job unstreamed.
         with self._streams_lock:
-            job = self.store.submit(request, model=model)
+            job = self.store.submit(request, model=model, pinned=True)  # its client reads it from this server
             stream = self._streams[job.id] = VideoStream(job.id)
         return job, stream
 
@@ -439,8 +459,14 @@ class GroupLeader:
         with self._streams_lock:
             stream = self._streams.pop(job.id, None)
         outputs = None
-        lead = self.store.lead_frames(job.id)
         try:
+            lead = self.store.lead_frames(job.id) if job.lead_frames else None
+        except StoreUnavailable as exc:
+            lead = exc
+        try:
+            if isinstance(lead, StoreUnavailable):
+                self._finish(lane, job, "failed", "output_store_unavailable", f"the video it extends: {lead}")
+                return
             if stream is not None or lead is not None or self._made_in_windows(lane.driver, job):
                 # Streamed, or long enough to be made window by window: encoded as the frames come, so that rank 0
                 # never holds the whole video.
@@ -495,17 +521,17 @@ class GroupLeader:
 
         def poll(_i: int) -> StepStatus:
             # Raising here is safe (the sampler agrees on it); the other hooks must never raise.
-            return StepStatus.CANCEL if self.store.cancel_requested(job.id) else StepStatus.OK
+            return StepStatus.CANCEL if self.store.cancel_requested(job.id, attempt=job.attempts) else StepStatus.OK
 
         def on_step(done: int, total: int, seconds: float) -> None:
             lane.last_contact_at = time.monotonic()
             self.step_seconds.observe(seconds)
-            self.store.set_progress(job.id, _DENOISE_SHARE * done // total)
+            self.store.set_progress(job.id, _DENOISE_SHARE * done // total, attempt=job.attempts)
 
         saved = {"blocks": 0}
 
         def on_cache(stats) -> None:  # cp_infer.step_cache.CacheStats: the job's totals so far
-            self.store.set_cache_steps(job.id, stats.steps_computed, stats.steps_skipped)
+            self.store.set_cache_steps(job.id, stats.steps_computed, stats.steps_skipped, attempt=job.attempts)
             with self._counts_lock:
                 self.blocks_saved += stats.blocks_saved - saved["blocks"]
             saved["blocks"] = stats.blocks_saved
@@ -514,7 +540,7 @@ class GroupLeader:
             phase["name"] = name
             progress = {"decode": _DENOISE_SHARE, "done": _DECODED}.get(name)
             if progress is not None:
-                self.store.set_progress(job.id, progress)
+                self.store.set_progress(job.id, progress, attempt=job.attempts)
 
         soundtrack: dict[str, object] = {}
 
@@ -533,14 +559,15 @@ class GroupLeader:
             if outputs is not None:
                 # NOTE(timeout): the ranks whose pieces come later wait in their send while this encodes; that
                 # wait (about the encode time of the pieces before theirs) must stay under the collective timeout.
-                if self.store.cancel_requested(job.id):
+                if self.store.cancel_requested(job.id, attempt=job.attempts):
                     outputs.stop()  # the job ends cancelled: encode nothing more
                 outputs.write(frames, first)
             if phase["name"] == "decode":
                 # A long video's earlier windows are decoded while later ones denoise: their frames count once the
                 # denoising is done, so that progress keeps to the steps until then (90 means all of them ran).
                 decoded = (first - offset + len(frames)) / max(total, 1)
-                self.store.set_progress(job.id, _DENOISE_SHARE + int((_DECODED - _DENOISE_SHARE) * decoded))
+                self.store.set_progress(job.id, _DENOISE_SHARE + int((_DECODED - _DENOISE_SHARE) * decoded),
+                                        attempt=job.attempts)
 
         def deferred(hook):
             """``hook`` with its exceptions kept for after the sampler: raising inside it would leave rank 0
@@ -560,16 +587,17 @@ class GroupLeader:
         def on_pass(index: int, plan) -> None:
             window = plan.passes[index].window
             if window is not None:
-                self.store.set_window(job.id, window, plan.windows)
+                self.store.set_window(job.id, window, plan.windows, attempt=job.attempts)
 
         def on_checkpoint(passes_done: int, arrays: dict[str, np.ndarray]) -> None:
-            self.store.save_checkpoint(job.id, passes_done, arrays)
+            self.store.save_checkpoint(job.id, passes_done, arrays, attempt=job.attempts)
 
         resume = self.store.load_checkpoint(job.id)
         if resume is not None:
             log.info("job %s goes on from its checkpoint after pass %d", job.id, resume[0])
         elif job.progress:
-            self.store.start_over(job.id)  # requeued with a checkpoint that cannot be read: it runs from its start
+            # Requeued with a checkpoint that cannot be read: it runs from its start.
+            self.store.start_over(job.id, attempt=job.attempts)
         # Encoded as they come, a long LTX-2 video's soundtrack comes piece by piece too, each before its frames.
         control = SampleControl(poll=poll, on_step=on_step, on_cache=on_cache, on_phase=on_phase, on_frames=on_frames,
                                 on_audio=on_audio, on_audio_piece=None if outputs is None else outputs.add_audio,
@@ -619,15 +647,16 @@ class GroupLeader:
         self._encoder.submit(self._encode, lane, job, frames, started, soundtrack)
 
     def _commit_stream(self, lane: Lane, job: Job, outputs: StreamedOutputs, started: float) -> None:
-        if self.store.cancel_requested(job.id):
+        if self.store.cancel_requested(job.id, attempt=job.attempts):
             # Asked to stop during the decode, which could not be interrupted: the job still ends cancelled.
             self._finish(lane, job, "cancelled", "cancelled", "cancelled during the decode")
             return
         try:
-            outputs.commit()
+            outputs.commit(attempt=job.attempts)
         except Exception as exc:  # noqa: BLE001 -- the group is done with this job: fail it only
             log.exception("job %s: writing the streamed video failed", job.id)
-            self._finish(lane, job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
+            code = "output_store_unavailable" if isinstance(exc, StoreUnavailable) else "encode_failed"
+            self._finish(lane, job, "failed", code, f"{type(exc).__name__}: {exc}")
             return
         self.generation_seconds.observe(time.monotonic() - started)
         self._finish(lane, job, "completed")
@@ -637,7 +666,8 @@ class GroupLeader:
             self._write_outputs(job, frames, **soundtrack)
         except Exception as exc:  # noqa: BLE001 -- the group is not involved: fail this job only
             log.exception("job %s: writing the video failed", job.id)
-            self._finish(lane, job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
+            code = "output_store_unavailable" if isinstance(exc, StoreUnavailable) else "encode_failed"
+            self._finish(lane, job, "failed", code, f"{type(exc).__name__}: {exc}")
             return
         self.generation_seconds.observe(time.monotonic() - started)
         self._finish(lane, job, "completed")
@@ -651,21 +681,19 @@ class GroupLeader:
         expected = (job.request.num_frames, job.request.height, job.request.width, 3)
         if frames.shape != expected:
             raise RuntimeError(f"the model returned frames of shape {frames.shape}, expected {expected}")
-        outputs = []
-        mp4 = self.store.path(job.id, ".mp4")
-        write_mp4(frames, mp4.with_suffix(".mp4.tmp"), job.request.fps, audio=audio, sample_rate=sample_rate)
-        outputs.append((mp4.with_suffix(".mp4.tmp"), mp4))
-        thumb = self.store.path(job.id, ".jpg")
-        Image.fromarray(frames[len(frames) // 2]).save(thumb.with_suffix(".jpg.tmp"), format="JPEG", quality=90,
-                                                 subsampling=0)
-        outputs.append((thumb.with_suffix(".jpg.tmp"), thumb))
+        made = []  # (file, suffix), handed to the output store once all are whole
+        mp4 = self.store.path(job.id, ".mp4.tmp")
+        write_mp4(frames, mp4, job.request.fps, audio=audio, sample_rate=sample_rate)
+        made.append((mp4, ".mp4"))
+        thumb = self.store.path(job.id, ".jpg.tmp")
+        Image.fromarray(frames[len(frames) // 2]).save(thumb, format="JPEG", quality=90, subsampling=0)
+        made.append((thumb, ".jpg"))
         if self.config.keep_frames:
-            raw = self.store.path(job.id, ".npy")
-            with open(raw.with_suffix(".npy.tmp"), "wb") as f:
+            raw = self.store.path(job.id, ".npy.tmp")
+            with open(raw, "wb") as f:
                 np.save(f, frames)
-            outputs.append((raw.with_suffix(".npy.tmp"), raw))
-        for tmp, final in outputs:
-            os.replace(tmp, final)
+            made.append((raw, ".npy"))
+        self.store.publish(job.id, made, attempt=job.attempts)
 
     def _finish(self, lane: Lane, job: Job, status: str, code: str | None = None, message: str | None = None) -> None:
         if status != "completed":
@@ -673,4 +701,4 @@ class GroupLeader:
         with self._counts_lock:  # the lanes and the encoder threads all end jobs
             self.jobs_done[status] += 1
             lane.jobs_done[status] += 1
-        self.store.finish(job.id, status, code, message)
+        self.store.finish(job.id, status, code, message, attempt=job.attempts)

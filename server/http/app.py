@@ -13,6 +13,8 @@ Invariants:
   files
   (``server.http.playground.PageFiles``, in front of the guard and not routes). Bodies over the cap are refused with
   413, from their Content-Length before they are read, and while streaming otherwise.
+- A store that cannot be reached (``StoreUnavailable``: the job store's database, the output store) answers 503
+  ``store_unavailable`` naming it, with ``Retry-After``.
 - Every error is a 4xx/5xx JSON ``{"error": {"code", "message", "param"}}``; nothing fails with 200. A request
   that fails FastAPI's own validation is answered 400 as well, and the OpenAPI document says so
   (``server.http.openapi``).
@@ -35,10 +37,12 @@ from server.http.config import AppConfig
 from server.http.engine import Engine
 from server.http.openapi import install_openapi
 from server.http.schemas import ApiError
+from server.outputs.store import StoreUnavailable
 
 __all__ = ["AppConfig", "create_app"]
 
 _PUBLIC_PATHS = frozenset({"/health"})
+_STORE_RETRY_AFTER_S = 5
 
 
 def _error_response(status: int, code: str, message: str, param: str | None = None,
@@ -99,6 +103,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         param = str(err["loc"][-1]) if err.get("loc") else None
         app.state.rejected[400] = app.state.rejected.get(400, 0) + 1
         return _error_response(400, "invalid_value", f"{param}: {err['msg']}", param)
+
+    @app.exception_handler(StoreUnavailable)
+    async def store_unavailable(_request: Request, exc: StoreUnavailable) -> JSONResponse:
+        # Nothing was changed (a store's write either happened whole or not at all): the client may retry.
+        return _error_response(503, "store_unavailable", f"{exc}; retry later",
+                               headers={"Retry-After": str(_STORE_RETRY_AFTER_S)})
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:

@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -54,15 +55,15 @@ def completed_job(store: JobStore, job_id: str, *, field: str) -> Job:
 def job_frames(store: JobStore, job: Job, *, field: str, limits: MediaLimits) -> np.ndarray:
     """The frames of a completed job (its lossless frames when kept, else its MP4 decoded)."""
     job_id = job.id
-    raw = store.path(job_id, ".npy")
-    if raw.is_file():
-        return np.load(raw)
-    mp4 = store.path(job_id, ".mp4")
-    if not mp4.is_file():
+    raw = store.output_bytes(job, ".npy")
+    if raw is not None:
+        return np.load(io.BytesIO(raw), allow_pickle=False)
+    mp4 = store.output_bytes(job, ".mp4")
+    if mp4 is None:
         raise ApiError(404, "content_not_found", f"{field}: the video of {job_id} is missing on the server", field)
     try:
-        return decode_media(mp4.read_bytes(), field=field, limits=MediaLimits(
-            max_bytes=max(limits.max_bytes, mp4.stat().st_size), max_pixels=limits.max_pixels,
+        return decode_media(mp4, field=field, limits=MediaLimits(
+            max_bytes=max(limits.max_bytes, len(mp4)), max_pixels=limits.max_pixels,
             max_frames=limits.max_frames)).frames
     except MediaError as exc:
         raise _api_error(exc) from None

@@ -4,18 +4,22 @@ Prometheus counters.
 Invariants:
 - Only ``/health`` is public (``server.http.app``'s guard exempts it); it touches nothing.
 - ``/ready`` and ``/metrics`` read the engine's state (:class:`server.http.engine.Engine`); neither waits on the group.
+  ``/ready`` also asks each store one cheap question and names the one that does not answer. With a shared job
+  store, the queue's depth and oldest age are the fleet's (what an autoscaler scales on).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 
 from server.http.engine import Engine, EngineDep
 from server.http.schemas import ApiError, ErrorBody
+from server.outputs.store import StoreUnavailable
 
 __all__ = ["router"]
 
@@ -56,6 +60,9 @@ async def health() -> dict:
 async def ready(engine: EngineDep) -> JSONResponse:
     """The worker group is up and answered the last heartbeat collective (or is running a job)."""
     ok, reason = engine.ready()
+    problem = await anyio.to_thread.run_sync(_store_problem, engine)
+    if problem is not None:
+        ok, reason = False, problem
     body = {"status": "ready" if ok else "not_ready", "reason": reason, "world_size": engine.world_size,
             "heartbeat_rtt_ms": None if engine.last_ping_rtt_s is None else round(engine.last_ping_rtt_s * 1e3, 3),
             "replicas": engine.replica_status(), "memory": engine.memory}
@@ -63,6 +70,15 @@ async def ready(engine: EngineDep) -> JSONResponse:
         return JSONResponse(body)
     return JSONResponse({**ApiError(503, "not_ready", reason).body(), **body}, status_code=503,
                         headers={"Retry-After": "5"})
+
+
+def _store_problem(engine: Engine) -> str | None:
+    """What is wrong with the stores, naming the one (``None``: both answer)."""
+    try:
+        engine.store.probe()
+    except StoreUnavailable as exc:
+        return str(exc)
+    return None
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
@@ -79,6 +95,8 @@ def _metrics_text(engine: Engine, rejected: dict[int, int]) -> str:
         lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
 
     metric("cp_infer_queue_depth", "gauge", "Jobs waiting to run.", [f"cp_infer_queue_depth {store.queue_depth()}"])
+    metric("cp_infer_queue_oldest_age_seconds", "gauge", "How long the oldest queued job has waited (0: none).",
+           [f"cp_infer_queue_oldest_age_seconds {store.oldest_queued_age():.3f}"])
     metric("cp_infer_jobs", "gauge", "Jobs in the store by state.",
            [f'cp_infer_jobs{{state="{s}"}} {n}' for s, n in store.counts().items()])
     metric("cp_infer_jobs_finished_total", "counter", "Jobs this leader ended, by final state.",

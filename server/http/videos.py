@@ -43,6 +43,7 @@ from server.http.conditions import (
 )
 from server.http.config import AppConfig, ConfigDep
 from server.http.engine import EngineDep
+from server.http.ranges import ranged_response
 from server.http.schemas import (
     ApiError,
     JobStatus,
@@ -534,7 +535,7 @@ async def cancel_video(video_id: str, engine: EngineDep) -> dict:
     200: {"description": "The file of the variant", "content": {
         "video/mp4": _MP4, "image/jpeg": _MP4, "application/octet-stream": _MP4}},
     **error_responses(400, 404, 409)})
-async def download_video(video_id: str, engine: EngineDep, variant: str = "video") -> FileResponse:
+async def download_video(video_id: str, request: Request, engine: EngineDep, variant: str = "video") -> FileResponse:
     """The MP4 (``variant=video``), a JPEG of the middle frame (``thumbnail``), or, when the server keeps
     them, the raw uint8 frames as ``.npy`` (``frames``, lossless)."""
     job = _job_or_404(engine, video_id)
@@ -546,10 +547,15 @@ async def download_video(video_id: str, engine: EngineDep, variant: str = "video
         raise ApiError(409, "video_not_ready", f"video {video_id} is {job.status} (progress {job.progress}%); "
                        "content exists once its status is completed", "video_id")
     suffix, media_type = _CONTENT[variant]
-    path = engine.store.path(video_id, suffix)
-    if not path.is_file():
+    store = engine.store
+    path = store.output_path(job, suffix)
+    if path is not None:
+        return FileResponse(path, media_type=media_type, filename=f"{video_id}{suffix}")
+    size = await anyio.to_thread.run_sync(store.output_size, job, suffix)
+    if size is None:
         raise ApiError(404, "content_not_found", f"the {variant} of {video_id} is missing on the server")
-    return FileResponse(path, media_type=media_type, filename=f"{video_id}{suffix}")
+    return ranged_response(lambda start, end: store.read_output(job, suffix, start, end), size,
+                           request.headers.get("range"), media_type=media_type, filename=f"{video_id}{suffix}")
 
 
 @router.get("/{video_id}/events", response_class=StreamingResponse, responses={

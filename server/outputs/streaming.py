@@ -2,9 +2,10 @@
 
 Invariants:
 - One file is the truth. The leader thread encodes each decoded piece as :class:`SampleControl`'s ``on_frames``
-  delivers it and appends the fragmented MP4's bytes to the job's ``.mp4.tmp`` (renamed to ``.mp4`` when the job
-  completes); the HTTP response reads that same file through a descriptor of its own (:class:`VideoStream`). So
-  the client gets exactly the bytes ``GET .../content`` serves later, and a slow client costs disk, not memory.
+  delivers it and appends the fragmented MP4's bytes to the job's ``.mp4.tmp`` (handed to the output store as
+  ``.mp4`` when the job completes: ``JobStore.publish``); the HTTP response reads that same file through a descriptor
+  of its own (:class:`VideoStream`). So the client gets exactly the bytes ``GET .../content`` serves later, and a
+  slow client costs disk, not memory.
 - Rank 0 never holds the whole video: the sampler runs with ``collect=False`` and a piece is encoded before the
   next one is received. The middle frame (the thumbnail) and, with ``keep_frames``, the raw frames (``.npy``,
   header first, then each piece appended in order) are written as their piece passes.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import BinaryIO
@@ -75,7 +75,7 @@ class VideoStream:
 
 class StreamedOutputs:
     """A streamed job's files, written piece by piece on rank 0 (see the module docstring); each goes to a ``.tmp``
-    sibling that :meth:`commit` renames into place and :meth:`discard` removes."""
+    sibling that :meth:`commit` hands to the output store and :meth:`discard` removes."""
 
     def __init__(self, store, job_id: str, request: GenerationRequest, *, keep_frames: bool,
                  stream: VideoStream | None, frames: int | None = None):
@@ -83,11 +83,12 @@ class StreamedOutputs:
         from cp_infer.stream import FragmentedMP4Writer
 
         self.job_id = job_id
+        self._store = store
         self.error: str | None = None
         self.frames_written = 0
         self._shape = (request.num_frames if frames is None else frames, request.height, request.width, 3)
         self._stopped = self._done = False
-        self._files: list[tuple[Path, Path]] = []  # (tmp, final), renamed by commit
+        self._files: list[tuple[Path, Path]] = []  # (tmp, final), published by commit
         self._mp4 = self._raw = self._writer = None
         thumb = store.path(job_id, ".jpg")
         self._thumb = (thumb.with_suffix(".jpg.tmp"), thumb)
@@ -173,16 +174,17 @@ class StreamedOutputs:
         """Encode nothing more (the job will end cancelled: nobody wants the rest)."""
         self._stopped = True
 
-    def commit(self) -> None:
-        """Finish the MP4 and rename every file into place; raises if anything failed or frames are missing."""
+    def commit(self, *, attempt: int = 0) -> None:
+        """Finish the MP4 and hand every file to the output store as ``attempt``'s (``JobStore.publish``); raises
+        if anything failed or frames are missing."""
         if self.error is not None:
             raise RuntimeError(self.error)
         self._writer_now().close()
         if self.frames_written != self._shape[0]:
             raise RuntimeError(f"the decode delivered {self.frames_written} frames, expected {self._shape[0]}")
         self._close()
-        for tmp, final in self._files:
-            os.replace(tmp, final)
+        self._store.publish(self.job_id, [(tmp, "." + final.name.split(".", 1)[1]) for tmp, final in self._files],
+                            attempt=attempt)
         self._done = True
 
     def discard(self) -> None:

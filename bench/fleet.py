@@ -1,0 +1,141 @@
+"""What a fleet's stores cost per job: PostgreSQL + S3 against the embedded SQLite file + the local folder.
+
+    python bench/fleet.py --job-store postgresql://... --output-store s3://BUCKET/PREFIX [--jobs 40] [--rounds 3]
+
+(S3's credentials and endpoint from ``AWS_*``, ``AWS_ENDPOINT_URL``.) Each job goes through the store calls a group
+leader makes for it, with no model: submit, claim, ``--steps`` steps (each a cancel poll and a progress write), one
+window checkpoint (64 KiB), the MP4 (256 KiB) and thumbnail published, the end; then one read of the job and its
+content's size, as a client's poll. Rounds alternate the two setups. The first table: each setup's median seconds
+per job, and what the shared stores add per job (the issue's target: under 25 ms). The second: claim latency
+(p50, p99) with one and with two servers' stores claiming from one queue at once (two claimer threads each).
+
+Not measured here: jobs per minute of one real server against two (their groups' time dominates; see
+``tests/server/group/test_server_fleet.py`` for two real servers on one queue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from bench.harness import command_line, load_average, print_report, progress, table_head, table_row  # noqa: E402
+from cp_infer.request import GenerationRequest, resolve_request  # noqa: E402
+from models.ltx_video.options import ltx_video_options  # noqa: E402
+from server.group.jobs import JobStore  # noqa: E402
+
+_MP4, _JPG, _CKPT = 256 << 10, 16 << 10, 64 << 10
+
+
+def _job_cycle(store: JobStore, request: GenerationRequest, steps: int, rng: np.random.Generator) -> float:
+    started = time.perf_counter()
+    job = store.submit(request, model="bench")
+    claimed = store.claim_next(timeout=5)
+    assert claimed is not None and claimed.id == job.id, claimed
+    attempt = claimed.attempts
+    for i in range(steps):
+        store.cancel_requested(job.id, attempt=attempt)
+        store.set_progress(job.id, 90 * (i + 1) // steps, attempt=attempt)
+        if i == steps // 2:
+            store.save_checkpoint(job.id, 1, {"latents": rng.standard_normal(_CKPT // 4).astype(np.float32)},
+                                  attempt=attempt)
+    made = []
+    for suffix, size in ((".mp4", _MP4), (".jpg", _JPG)):
+        path = store.path(job.id, suffix + ".tmp")
+        path.write_bytes(rng.bytes(size))
+        made.append((path, suffix))
+    store.publish(job.id, made, attempt=attempt)
+    done = store.finish(job.id, "completed", attempt=attempt)
+    assert store.get(job.id).status == "completed"
+    took = time.perf_counter() - started
+    assert done is not None and store.output_size(done, ".mp4") == _MP4  # a check, not a leader's cost
+    return took
+
+
+def _claims(stores: list[JobStore], jobs: int, request: GenerationRequest) -> list[float]:
+    for i in range(jobs):
+        stores[i % len(stores)].submit(request, model="bench")
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def claimer(store: JobStore) -> None:
+        while True:
+            started = time.perf_counter()
+            job = store.claim_next(timeout=0)
+            if job is None:
+                return
+            took = time.perf_counter() - started
+            store.finish(job.id, "completed", attempt=job.attempts)
+            with lock:
+                latencies.append(took)
+
+    threads = [threading.Thread(target=claimer, args=(s,)) for s in stores for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(latencies) == jobs, (len(latencies), jobs)
+    return latencies
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--job-store", required=True, help="postgresql://... (a database this may fill)")
+    parser.add_argument("--output-store", required=True, help="s3://BUCKET/PREFIX")
+    parser.add_argument("--jobs", type=int, default=40, help="jobs per setup per round (default 40)")
+    parser.add_argument("--steps", type=int, default=20, help="denoising steps per job (default 20)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=None, help="also write the report here")
+    args = parser.parse_args(argv)
+    request = resolve_request(GenerationRequest(prompt="a red fox runs through fresh snow", num_frames=9, width=96,
+                                                height=64), ltx_video_options())
+    rng = np.random.default_rng(0)
+    setups = {"SQLite + local folder": (None, None), "PostgreSQL + S3": (args.job_store, args.output_store)}
+    per_job: dict[str, list[float]] = {name: [] for name in setups}
+    loads = []
+    with tempfile.TemporaryDirectory(prefix="cp-infer-bench-fleet-") as tmp:
+        for r in range(args.rounds):
+            for name in (list(setups) if r % 2 == 0 else list(setups)[::-1]):
+                job_store, output_store = setups[name]
+                store = JobStore(Path(tmp) / f"{r}-{len(per_job[name])}", max_queue=10_000, job_store=job_store,
+                                 output_store=output_store)
+                times = [_job_cycle(store, request, args.steps, rng) for _ in range(args.jobs)]
+                store.close()
+                per_job[name].append(statistics.median(times))
+                loads.append(load_average())
+                progress(f"round {r} {name}: {per_job[name][-1] * 1e3:.1f} ms per job")
+        claims = {}
+        for servers in (1, 2):
+            stores = [JobStore(Path(tmp) / f"claims-{servers}-{i}", max_queue=10_000, job_store=args.job_store,
+                               output_store=args.output_store, node=f"bench-{i}") for i in range(servers)]
+            claims[servers] = _claims(stores, args.jobs * 2, request)
+            for store in stores:
+                store.close()
+    base, shared = (statistics.median(per_job[name]) for name in setups)
+    lines = [f"`{command_line('bench/fleet.py', argv)}`", "",
+             f"load average during the rounds: {', '.join(loads)}", "",
+             *table_head(["setup", "ms per job (median of rounds)", "rounds"]),
+             *[table_row([name, f"{statistics.median(v) * 1e3:.1f}", " / ".join(f"{x * 1e3:.1f}" for x in v)])
+               for name, v in per_job.items()],
+             "", f"PostgreSQL + S3 adds {(shared - base) * 1e3:.1f} ms per job ({shared / base:.2f}x); target < 25 ms",
+             "", *table_head(["servers claiming", "claims", "claim p50 ms", "claim p99 ms"]),
+             *[table_row([n, len(v), f"{_p(v, 0.5) * 1e3:.2f}", f"{_p(v, 0.99) * 1e3:.2f}"])
+               for n, v in claims.items()]]
+    return print_report(lines, args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
