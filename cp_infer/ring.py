@@ -85,9 +85,17 @@ class BlockMerge:
         self._m = torch.full(like.shape[:-1], float("-inf"), dtype=torch.float32, device=like.device)
         self._l = torch.zeros_like(self._m)
         self._acc = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+        self._empty = True
 
     def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Merge one block's normalised output ``[B, H, S_Q, D]`` and its log-sum-exp ``[B, H, S_Q]``."""
+        if self._empty:  # the first block: weight 1 relative to itself (0 on rows it left without a key)
+            self._empty = False
+            live = ~torch.isneginf(lse)
+            self._m = lse.float()
+            self._l = live.float()
+            self._acc = torch.where(live[..., None], out.float(), 0.0)
+            return
         m = torch.maximum(self._m, lse)
         m_safe = torch.where(torch.isinf(m), 0.0, m)  # m = -inf: both weights below are exp(-inf) = 0
         old = torch.exp(self._m - m_safe)

@@ -14,6 +14,8 @@ hub snapshot and a single file's config folder go through the same path (``model
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +49,17 @@ class ModelInfo:
     @property
     def has_audio(self) -> bool:
         return family(self.family).has_audio
+
+    @property
+    def attention_heads(self) -> int:
+        """The heads every sharded attention of the transformer divides into: the greatest common divisor of its
+        config's head counts (``num_attention_heads``, and an audio stream's ``audio_num_attention_heads``), read from
+        ``transformer/config.json``; what ``--ring-degree auto`` keeps the Ulysses degree a divisor of."""
+        config = json.loads((Path(self.path) / "transformer" / "config.json").read_text())
+        counts = [int(config[k]) for k in ("num_attention_heads", "audio_num_attention_heads") if k in config]
+        if not counts:
+            raise ValueError(f"{self.path}/transformer/config.json names no num_attention_heads")
+        return math.gcd(*counts)
 
     def step_passes(self, request: GenerationRequest) -> set[int]:
         """How many transformer passes a step runs, over the denoising passes of ``request``'s plan (a resolved

@@ -182,6 +182,26 @@ def test_generate_layout_follows_the_request_unless_given(nothing_starts, flags,
     assert chosen.ring_degree == args.ring_degree
 
 
+@pytest.mark.parametrize(("model", "node", "expected"), [
+    ([], None, (2, 1)),  # tiny-ltx-video's 4 heads divide 2: Ulysses over both
+    ([], "1", (1, 2)),  # one rank a node: the ring crosses the nodes
+    (["--model", "tiny-wan"], None, (1, 2)),  # 5 heads: a ring of two, no padded head
+])
+def test_auto_ring_degree_from_the_heads_and_the_node(nothing_starts, monkeypatch, model, node, expected):
+    from server.cli.common import runtime_config_from_args
+
+    if node is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", node)
+    argv = ["generate", *PROMPT, *model, "--nproc", "2", "--ring-degree", "auto", "--out", "x.mp4"]
+    config = runtime_config_from_args(cli.build_parser(argv).parse_args(argv))
+    assert (config.ulysses_degree, config.ring_degree) == expected
+    argv = ["generate", *PROMPT, "--nproc", "2", "--ring-degree", "auto", "--ulysses-degree", "1", "--out", "x.mp4"]
+    with pytest.raises(ValueError, match="--ring-degree auto picks the Ulysses degree too"):
+        runtime_config_from_args(cli.build_parser(argv).parse_args(argv))
+
+
 @pytest.mark.parametrize(("lines", "handed"), [
     ([{"prompt": "a fox"}, {"prompt": "a cat", "seed": 3}], ["--guidance-degree", "2", "--ulysses-degree", "1"]),
     ([{"prompt": "a fox"}, {"prompt": "a cat", "guidance_scale": 1.0}], ["--guidance-degree", "1", "--ulysses-degree",
