@@ -190,11 +190,12 @@ def test_guidance_ranks_equal_one_rank(folder, one_rank):
     _assert_close_to(expected, results, world=2, seed=seed, exact=True)
 
 
-@pytest.mark.parametrize(("ulysses", "ring"), [(1, 2), (2, 2)], ids=["U1xR2", "U2xR2"])
+@pytest.mark.parametrize(("ulysses", "ring"), [(2, 2)], ids=["U2xR2"])
 def test_ring_ranks_equal_one_rank(folder, one_rank, ulysses, ring):
     """A ring axis: the sequence over ring x Ulysses ranks, key/value blocks passed round the ring; the first
     request (CFG, 25 tokens) only, to keep the test short. 5 heads pad to 6 on U=2; 25 tokens leave the last ring
-    block 12 real keys of 13 on (1, 2), 11 of 14 on (2, 2)."""
+    block 11 real keys of 14. (A ring of two alone, U=1 x R=2, is LTX-2's test, tests/models/ltx2/test_parallel.py:
+    the suite's budget takes one end-to-end ring per layout.)"""
     from ...harness import WorkerGroup
 
     seed, expected = one_rank
