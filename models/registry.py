@@ -104,7 +104,9 @@ def compile_transformer_blocks(transformer: torch.nn.Module) -> None:
 
     NOTE(compile-collectives): dynamo traces through the Ulysses processors, all-to-alls included: it rewrites
     ``dist.all_to_all_single`` into the functional collective, so a block is one graph with its two exchanges per
-    attention inside it (no graph break; gloo and NCCL alike).
+    attention inside it (no graph break; gloo and NCCL alike). With a ring (``--ring-degree``) the ring's steps run
+    eagerly between two graphs (``cp_infer.ring.ring_attention`` is ``torch.compiler.disable``d: point-to-point
+    sends do not trace), one graph break per self-attention.
     NOTE(compile-shapes): a block is compiled on its first call of each request shape: the shard plans' lengths are
     plain ints on the processors' context, which dynamo specialises on, so dynamic shapes would not spare the
     recompile of a new shape and would only make every graph slower. Static graphs (``dynamic=False``) then; the
