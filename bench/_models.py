@@ -88,8 +88,9 @@ class ModelSize:
     """Latent channels: must match the default model's VAE."""
 
     def __post_init__(self) -> None:
-        if self.layers < 1 or self.heads < 2 or self.heads % 2:
-            raise ValueError(f"layers={self.layers} must be >= 1 and heads={self.heads} even (Ulysses over 2 ranks)")
+        if self.layers < 1 or self.heads < 1:
+            raise ValueError(f"layers={self.layers} and heads={self.heads} must be >= 1 (odd heads: Ulysses over 2 "
+                             "ranks pads one)")
 
     def describe(self, params: int, family: str = LTX_VIDEO) -> str:
         cls = _family(family).transformers[0]

@@ -1,6 +1,6 @@
 """A model, not a measurement: which mesh layout to pick on 8 GPUs, per model and resolution.
 
-    python bench/layout_model.py [--gpus 8] [--out FILE.md]
+    python bench/layout_model.py [--gpus 8] [--ring] [--out FILE.md]
 
 Pure arithmetic from the costs a step is made of (no GPU was lent to this project's sessions; the constants below
 are an H200 node's published figures with stated efficiencies, and the shape of the model is the one
@@ -14,9 +14,16 @@ two all-to-alls per self-attention layer + one exchange of predictions per step)
 - Ulysses exchange: per self-attention layer, the fused query/key/value all-to-all and the output's, ``4 S D / U``
   bf16 values per rank of which ``(U - 1) / U`` leave it, at the all-to-all bandwidth, plus a latency per
   all-to-all; the cross-attention needs none (its keys are the text's, on every rank);
+- ring (``R`` Ulysses groups, ``--ring-degree``; with ``--ring`` only, which also adds Wan 2.1 1.3B's 12 heads):
+  the sequence over ``U x R`` ranks, so each rank's compute is
+  ``1/(U x R)`` of the pass's, the heads padded to a multiple of ``U`` only, the all-to-alls carry ``1/R`` of the
+  values; per self-attention layer ``R - 1`` point-to-point steps each pass a key/value block (``2 S D / (U R)``
+  bf16 values) to the next ring rank, overlapped with the attention of the block held, so a step costs the longer
+  of its transfer (+ a latency) and that block's attention. An upper bound on what the ring gains: perfect overlap,
+  the split attention at the same efficiency as the whole, the fp32 merge of blocks free;
 - guidance: a step's ``P`` passes shared over ``G`` ranks, ``ceil(P / G)`` on the busiest; one all-gather of the
   predictions (``P x S x 128`` fp32 latent values) per step when ``G > 1``;
-- replicas ``R = gpus / (G x U)`` run separate jobs: latency is the step time x steps, throughput ``R`` / latency.
+- replicas ``gpus / (G x R x U)`` run separate jobs: latency is the step time x steps, throughput ``R`` / latency.
 
 Every rank holds the whole transformer (bf16) and text encoder, which fit an H200's 141 GB for every model listed,
 so memory does not restrict the layouts here. The decode, text encode and start-up are per job and left out.
@@ -67,6 +74,8 @@ class ModelShape:
         return self.heads * self.head_dim
 
 
+# WanPipeline: CFG (2 passes), 50 steps, 512 umT5 tokens; 12 heads, which 8 ranks of Ulysses pad to 16 (--ring only).
+WAN_1_3B = ModelShape("Wan 2.1 1.3B", layers=30, heads=12, head_dim=128, passes=2, text_tokens=512, steps=50)
 MODELS = (
     # LTXPipeline: CFG (2 passes), 50 steps, 128 T5 tokens.
     ModelShape("LTX-Video 2B (0.9.x)", layers=28, heads=32, head_dim=64, passes=2, text_tokens=128, steps=50),
@@ -83,16 +92,22 @@ def tokens(width: int, height: int, frames: int) -> int:
     return ((frames - 1) // 8 + 1) * (height // 32) * (width // 32)
 
 
-def step_seconds(model: ModelShape, s: int, guidance: int, ulysses: int, hw: Hardware) -> float:
+def step_seconds(model: ModelShape, s: int, guidance: int, ulysses: int, hw: Hardware, ring: int = 1) -> float:
     d, layers, t = model.width, model.layers, model.text_tokens
+    ranks = ulysses * ring
     head_pad = math.ceil(model.heads / ulysses) * ulysses / model.heads
     linear = 24 * s * d * d + 4 * s * t * d
     attention = 4 * s * s * d * head_pad
-    compute = layers * (linear + attention) / ulysses / (hw.flops * hw.mfu)
+    speed = hw.flops * hw.mfu
+    compute = layers * (linear + attention) / ranks / speed
     exchange = 0.0
     if ulysses > 1:
-        values = 4 * s * d / ulysses * (ulysses - 1) / ulysses
+        values = 4 * s * d / ranks * (ulysses - 1) / ulysses
         exchange = layers * (2 * values / hw.a2a_bytes_per_s + 2 * hw.a2a_latency_s)
+    if ring > 1:  # R - 1 block transfers, each hidden behind one block's attention where it is shorter
+        transfer = 2 * (2 * s * d / ranks) / hw.a2a_bytes_per_s + hw.a2a_latency_s
+        block_attention = attention / ranks / ring / speed
+        exchange += layers * (ring - 1) * max(0.0, transfer - block_attention)
     per_pass = compute + exchange
     gather = 0.0
     if guidance > 1:
@@ -100,28 +115,31 @@ def step_seconds(model: ModelShape, s: int, guidance: int, ulysses: int, hw: Har
     return math.ceil(model.passes / guidance) * per_pass + gather
 
 
-def layouts(gpus: int) -> list[tuple[int, int, int]]:
-    """``(replicas, guidance, ulysses)`` over ``gpus``."""
-    return [(gpus // (g * u), g, u) for g in range(1, gpus + 1) for u in range(1, gpus + 1) if gpus % (g * u) == 0]
+def layouts(gpus: int, ring: bool = False) -> list[tuple[int, int, int, int]]:
+    """``(replicas, guidance, ulysses, ring)`` over ``gpus`` (ring degree 1 unless ``ring``)."""
+    rings = range(1, gpus + 1) if ring else (1,)
+    return [(gpus // (g * u * r), g, u, r) for g in range(1, gpus + 1) for u in range(1, gpus + 1)
+            for r in rings if gpus % (g * u * r) == 0]
 
 
-def table(gpus: int, hw: Hardware) -> list[str]:
+def table(gpus: int, hw: Hardware, ring: bool = False) -> list[str]:
     lines = [table_row(("model", "video", "tokens", "fastest job: layout", "its latency (s)", "vs U=8 alone",
                         "most jobs/hour: layout", "jobs/hour", "vs fastest layout's")),
              "|---|---|---:|---|---:|---:|---|---:|---:|"]
-    for model in MODELS:
+    for model in ((WAN_1_3B, *MODELS) if ring else MODELS):
         for width, height, frames in RESOLUTIONS:
             s = tokens(width, height, frames)
             scored = []
-            for r, g, u in layouts(gpus):
-                latency = model.steps * step_seconds(model, s, g, u, hw)
-                scored.append((latency, 3600 * r / latency, r, g, u))
+            for replicas, g, u, r in layouts(gpus, ring):
+                latency = model.steps * step_seconds(model, s, g, u, hw, ring=r)
+                scored.append((latency, 3600 * replicas / latency, replicas, g, u, r))
             fastest = min(scored)
             busiest = max(scored, key=lambda x: (x[1], -x[0]))
-            ulysses_only = next(x for x in scored if (x[2], x[3], x[4]) == (1, 1, gpus))
+            ulysses_only = next(x for x in scored if x[2:] == (1, 1, gpus, 1))
 
             def name(x) -> str:
-                return f"{x[2]} x G={x[3]} x U={x[4]}" if x[2] > 1 else f"G={x[3]} x U={x[4]}"
+                ring = f" x R={x[5]}" if x[5] > 1 else ""
+                return (f"{x[2]} x " if x[2] > 1 else "") + f"G={x[3]}{ring} x U={x[4]}"
 
             lines.append(table_row([model.name, f"{width}x{height}x{frames}", s, name(fastest), f"{fastest[0]:.1f}",
                                     f"{fastest[0] / ulysses_only[0]:.2f}x", name(busiest), f"{busiest[1]:.0f}",
@@ -132,6 +150,7 @@ def table(gpus: int, hw: Hardware) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--ring", action="store_true", help="also the layouts with a ring axis (and Wan 2.1 1.3B)")
     parser.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = parser.parse_args(argv)
     hw = Hardware()
@@ -139,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"command: `{command}`; a model of {args.gpus} x {hw.name}: {hw.flops / 1e12:.0f} TFLOP/s bf16 at "
              f"{hw.mfu:.0%} of peak, all-to-all {hw.a2a_bytes_per_s / 1e9:.0f} GB/s per GPU + "
              f"{hw.a2a_latency_s * 1e6:.0f} us each; the reference pipelines' default steps and guidance passes",
-             "", *table(args.gpus, hw)]
+             "", *table(args.gpus, hw, args.ring)]
     return print_report(lines, args.out)
 
 

@@ -1,14 +1,20 @@
-"""Ulysses attention: sequence-sharded in, head-sharded attention over the full sequence, sequence-sharded out.
+"""Ulysses attention: sequence-sharded in, head-sharded attention over the full sequence, sequence-sharded out; with
+a ring (``cp_infer.ring``), over the ring's blocks of the sequence.
 
 Invariants:
 - Queries are ``[B, S_LOCAL, H, D]`` shards of a sequence laid out by ``plan``; keys and values are shards of the
   same sequence (self-attention) or of another one laid out by ``kv_plan`` (cross-sequence attention, e.g. video
   queries over audio keys: its own length, its own padding). The result equals ``scaled_dot_product_attention``
   of this rank's queries over every unpadded key, whichever sequence the keys come from.
-- Exactly two collectives per call: one ``all_to_all_single`` carries q, k and v together (packed into one
-  buffer), one carries the output back.
+- Exactly two collectives per call over the Ulysses group: one ``all_to_all_single`` carries q, k and v together
+  (packed into one buffer), one carries the output back. With a ring of ``R`` Ulysses groups the sequence is
+  sharded over all ``U x R`` ranks (``plan.world``); the exchange gathers the group's ring block of queries, keys
+  and values (shards ``ring rank x U .. + U - 1``, contiguous) for its share of the heads, and between the two
+  all-to-alls ``R - 1`` point-to-point steps pass the key/value blocks round the ring (``cp_infer.ring``); the
+  heads are padded to a multiple of ``U`` only.
 - Padded keys never take part: padding sits at the end of each gathered sequence, so keys and values are cut to
-  ``kv_plan.orig_len`` before attention (no mask is needed, which keeps SDPA on its fast kernels).
+  ``kv_plan.orig_len`` before attention (no mask is needed, which keeps SDPA on its fast kernels); around a ring,
+  each step cuts the block it holds to the block's real keys.
 - Heads that do not divide the group size are padded with zero heads whose output is dropped.
 - Memory (inference): q, k and v may be handed over as producers, called one at a time and packed straight into
   the send buffer, so at most one of them is alive next to it. After the exchange the send buffer is dead and
@@ -30,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .collectives import all_to_all, group_size
+from .ring import RingGroup, ring_attention
 from .shard import ShardPlan
 
 __all__ = ["ExchangeWorkspace", "AttentionInput", "ulysses_attention", "local_attention", "padded_heads"]
@@ -132,6 +139,7 @@ def ulysses_attention(
     key_mask: torch.Tensor | None = None,
     scale: float | None = None,
     workspace: ExchangeWorkspace | None = None,
+    ring: RingGroup | None = None,
 ) -> torch.Tensor:
     """Attention of queries sharded by ``plan`` over keys/values sharded by ``kv_plan`` (default: ``plan``).
 
@@ -143,14 +151,23 @@ def ulysses_attention(
     ``key_mask``: optional bool ``[B, kv_plan.orig_len]`` over the other sequence's unpadded tokens, True = attend.
     Returns ``[B, plan.local_len, H, D]``; rows of padding queries hold finite values the caller discards.
     ``workspace``: keep the exchange buffers across calls (see :class:`ExchangeWorkspace`).
+    ``ring``: this rank's ring (``cp_infer.ring``): the sequence is sharded over ``ring.size`` Ulysses groups,
+    ``plan.world = group size x ring.size`` ranks (sequence shard ``ring.rank * U + Ulysses rank``), and after the
+    exchange the group's block of queries attends every group's block of keys/values around the ring. Inference
+    only.
     """
     n = group_size(group)
+    ring_size = 1 if ring is None else ring.size
     kv_plan = plan if kv_plan is None else kv_plan
     for name, p in (("plan", plan), ("kv_plan", kv_plan)):
-        if p.world != n:
-            raise ValueError(f"{name} is for {p.world} ranks but the group has {n}")
+        if p.world != n * ring_size:
+            raise ValueError(f"{name} is for {p.world} ranks but the group has {n}"
+                             + (f" x a ring of {ring_size}" if ring is not None else ""))
     # Callables may return tensors that require grad: assume so when autograd is on.
     recording = torch.is_grad_enabled() and any(callable(t) or t.requires_grad for t in (q, k, v))
+    if recording and ring is not None:
+        raise ValueError("ring attention runs inference only (its point-to-point receives are not "
+                         "differentiable); run under torch.no_grad()/inference_mode, or with ring_degree 1")
     q = _produce(q)
     if q.ndim != 4 or q.shape[1] != plan.local_len:
         raise ValueError(f"q must be [B, local_len={plan.local_len}, H, D]; got {list(q.shape)}")
@@ -159,6 +176,14 @@ def ulysses_attention(
     kv_shape = (batch, kv_local, heads, head_dim)
     kv_what = f"{'kv_plan.' if kv_plan is not plan else ''}local_len={kv_local}"
     mask = _sdpa_mask(key_mask, batch, kv_plan.orig_len)
+    if n == 1 and ring is not None:
+        # B, S_LOCAL, H, D -> B, H, S_LOCAL, D; k, v -> 2, B, H, S_KV_LOCAL, D (the ring's block, padding included)
+        kv = q.new_empty(2, batch, heads, kv_local, head_dim)
+        kv[0].copy_(_check_input("k", _produce(k), kv_shape, kv_what).transpose(1, 2))
+        kv[1].copy_(_check_input("v", _produce(v), kv_shape, kv_what).transpose(1, 2))
+        out = ring_attention(q.transpose(1, 2), kv, ring=ring, kv_len=kv_plan.orig_len, key_mask=key_mask,
+                             scale=scale)
+        return out.transpose(1, 2).contiguous()
     if n == 1:
         k = _check_input("k", _produce(k), kv_shape, kv_what)[:, : kv_plan.orig_len]
         v = _check_input("v", _produce(v), kv_shape, kv_what)[:, : kv_plan.orig_len]
@@ -224,12 +249,16 @@ def ulysses_attention(
         # N, S_KV_LOCAL, B, 2, H_LOCAL, D -> 2, B, H_LOCAL, N, S_KV_LOCAL, D = 2, B, H_LOCAL, S_KV_PAD, D
         kv_h = send[n * q_numel: n * q_numel + 2 * batch * h_local * n * kv_local * head_dim]
         kv_h = kv_h.view(2, batch, h_local, n, kv_local, head_dim).copy_(recv_kv.permute(3, 2, 4, 0, 1, 5))
-        kv_h = kv_h.flatten(3, 4)[:, :, :, :kv_len]
-        k_h, v_h = kv_h[0], kv_h[1]
+        kv_h = kv_h.flatten(3, 4)
+        k_h, v_h = kv_h[0, :, :, :kv_len], kv_h[1, :, :, :kv_len]
         if workspace is None:
             recv = None  # free the receive buffer before SDPA (a workspace keeps it: the output goes out of it)
     del recv_q, recv_kv
-    out = F.scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask, scale=scale)
+    if ring is not None:
+        # The group's block of keys/values, padding included, goes round the ring (cp_infer.ring masks it per step).
+        out = ring_attention(q_h, kv_h, ring=ring, kv_len=kv_len, key_mask=key_mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask, scale=scale)
     del q_h, k_h, v_h
 
     # B, H_LOCAL, S_PAD, D -> N, S_LOCAL, B, H_LOCAL, D (chunk j = rank j's tokens)

@@ -3,8 +3,10 @@
 Invariants:
 - Built once per process by :func:`init_parallel` and passed explicitly (keyword-only) to everything that
   communicates. There is no module-level mutable state.
-- The world is a mesh (``cp_infer.mesh``): replicas x guidance x Ulysses. The ``cp_*`` fields are the Ulysses axis
-  (the group a pass's sequences are sharded over: attention, gathers, the decode); the ``guidance_*`` fields the
+- The world is a mesh (``cp_infer.mesh``): replicas x guidance x ring x Ulysses. The ``cp_*`` fields are the
+  sequence group (ring x Ulysses: the group a pass's sequences are sharded over: gathers, the decode); attention
+  splits it into its Ulysses group (``ulysses_*``, the all-to-alls) and its ring (``ring_*``, the point-to-point
+  key/value blocks; with no ring the Ulysses group is the sequence group); the ``guidance_*`` fields the
   guidance axis (the ranks that share a step's guidance passes and exchange their predictions once per step).
   Status agreement and control messages span the rank's replica group (``cpu_group``, led by its first rank), which
   runs its own jobs; no collective spans two replicas after start-up but the front end's links (``links``). The
@@ -27,6 +29,7 @@ import torch.distributed as dist
 
 from .devices import cuda_ordinal
 from .mesh import MeshLayout
+from .ring import RingGroup
 
 __all__ = ["ParallelConfig", "ParallelState", "init_parallel", "destroy_parallel", "single_process_state"]
 
@@ -40,7 +43,9 @@ class ParallelConfig:
     guidance_degree: int | None = None
     """Ranks a step's guidance passes are spread over; ``None``: 1."""
     ulysses_degree: int | None = None
-    """Ranks each pass's sequences are sharded over; ``None``: the world divided by the guidance degree."""
+    """Ranks of a ring block's all-to-all; ``None``: the world divided by the guidance and ring degrees."""
+    ring_degree: int | None = None
+    """Ulysses groups each pass's sequences are sharded over, passing key/value blocks round a ring; ``None``: 1."""
     backend: str | None = None
     """``"nccl"`` or ``"gloo"``; ``None`` picks NCCL when CUDA is available, else gloo."""
     timeout_s: float = _DEFAULT_TIMEOUT_S
@@ -50,7 +55,7 @@ class ParallelConfig:
     ordinal is the rank's own GPU, checked (``cp_infer.devices.cuda_ordinal``)."""
 
     def __post_init__(self) -> None:
-        for name in ("guidance_degree", "ulysses_degree"):
+        for name in ("guidance_degree", "ulysses_degree", "ring_degree"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1 (or unset for the default)")
@@ -68,12 +73,13 @@ class ParallelState:
     rank: int
     local_rank: int
     cp_size: int
-    """Ulysses degree."""
+    """Sequence group size: ring degree x Ulysses degree."""
     cp_rank: int
+    """This rank's sequence shard: ``ring_rank x ulysses_size + Ulysses rank``."""
     cp_ranks: tuple[int, ...]
-    """Global ranks of this rank's Ulysses group, in group-rank order."""
+    """Global ranks of this rank's sequence group, in group-rank order."""
     cp_group: dist.ProcessGroup | None
-    """Ulysses device group for tensor collectives; ``None`` when ``cp_size == 1``."""
+    """Sequence device group for tensor collectives; ``None`` when ``cp_size == 1``."""
     cpu_group: dist.ProcessGroup | None
     """Gloo group over the replica group's ranks for control messages; ``None`` when it is one rank."""
     device: torch.device
@@ -93,6 +99,16 @@ class ParallelState:
     """With a guidance axis: a device group over the whole mesh, which the decode runs on (:meth:`decoding`)."""
     mesh_relay_groups: tuple[tuple[int, int, dist.ProcessGroup], ...] = ()
     """The decode's ring over the whole mesh (as ``relay_groups`` over the Ulysses group)."""
+    ulysses_size: int = 1
+    """Ulysses degree (``cp_size / ring_size``)."""
+    ulysses_group: dist.ProcessGroup | None = None
+    """The Ulysses device group (attention's all-to-alls) when there is a ring; with none it is ``cp_group``: read
+    :attr:`attention_group`."""
+    ring_size: int = 1
+    """Ring degree."""
+    ring_rank: int = 0
+    ring_group: dist.ProcessGroup | None = None
+    """The ring's device group (group rank = ring index); ``None`` when ``ring_size == 1``."""
     replica: int = 0
     """This rank's replica group."""
     replicas: int = 1
@@ -130,6 +146,18 @@ class ParallelState:
     def leads_replica(self) -> bool:
         """True on the first rank of a replica group, the one that broadcasts its commands."""
         return self.rank == self.replica_ranks[0]
+
+    @property
+    def attention_group(self) -> dist.ProcessGroup | None:
+        """The group of self-attention's all-to-alls (``cp_infer.ulysses_attention``'s ``group``)."""
+        return self.cp_group if self.ring_size == 1 else self.ulysses_group
+
+    @functools.cached_property
+    def ring(self) -> RingGroup | None:
+        """This rank's ring (``cp_infer.ulysses_attention``'s ``ring``); ``None`` without a ring axis."""
+        if self.ring_size == 1:
+            return None
+        return RingGroup(group=self.ring_group, rank=self.ring_rank, size=self.ring_size)
 
     @functools.cached_property
     def decoding(self) -> ParallelState:
@@ -193,8 +221,8 @@ def init_parallel(
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
     layout = MeshLayout.resolve(world_size, guidance_degree=config.guidance_degree,
-                                ulysses_degree=config.ulysses_degree)
-    cp_size = layout.ulysses
+                                ulysses_degree=config.ulysses_degree, ring_degree=config.ring_degree)
+    cp_size = layout.sequence
     device = _pick_device(config, local_rank)
     if world_size == 1 and not dist.is_initialized():
         return single_process_state(device)
@@ -227,7 +255,7 @@ def init_parallel(
     cp_group = None
     cp_ranks: tuple[int, ...] = (rank,)
     relay_groups = []
-    for ranks in layout.ulysses_groups():
+    for ranks in layout.sequence_groups():
         group = dist.new_group(list(ranks), backend=backend, timeout=timeout) if cp_size > 1 else None
         if rank in ranks:
             cp_group, cp_ranks = group, tuple(ranks)
@@ -235,6 +263,17 @@ def init_parallel(
             edge = dist.new_group([ranks[src], ranks[dst]], backend=backend, timeout=timeout)
             if rank in (ranks[src], ranks[dst]):
                 relay_groups.append((src, dst, edge))
+    ulysses_group = ring_group = None
+    ring_rank = 0
+    if layout.ring > 1:  # attention's two sub-axes of the sequence group
+        for ranks in layout.ulysses_groups():
+            group = dist.new_group(list(ranks), backend=backend, timeout=timeout) if layout.ulysses > 1 else None
+            if rank in ranks:
+                ulysses_group = group
+        for ranks in layout.ring_groups():
+            group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+            if rank in ranks:
+                ring_group, ring_rank = group, ranks.index(rank)
     guidance_group = None
     guidance_ranks: tuple[int, ...] = (rank,)
     for ranks in layout.guidance_groups():
@@ -263,6 +302,8 @@ def init_parallel(
         device=device, backend=backend, timeout_s=config.timeout_s, guidance_size=layout.guidance,
         guidance_rank=guidance_ranks.index(rank), guidance_ranks=guidance_ranks, guidance_group=guidance_group,
         relay_groups=tuple(relay_groups), mesh_group=mesh_group, mesh_relay_groups=tuple(mesh_relays),
+        ulysses_size=layout.ulysses, ulysses_group=ulysses_group, ring_size=layout.ring, ring_rank=ring_rank,
+        ring_group=ring_group,
         replica=replica, replicas=layout.replicas, replica_ranks=replica_ranks, world_group=world_group,
         links=tuple(links),
     )

@@ -87,7 +87,8 @@ def replica_mesh(state: ParallelState) -> DeviceMesh | None:
 
     NOTE(groups): every rank of the world creates every replica's group, in replica order, as ``init_parallel``
     creates its groups: call it on every rank, at the same point."""
-    layout = MeshLayout(world=state.world_size, guidance=state.guidance_size, ulysses=state.cp_size)
+    layout = MeshLayout(world=state.world_size, guidance=state.guidance_size, ulysses=state.ulysses_size,
+                        ring=state.ring_size)
     if layout.replica_size == 1:
         return None
     timeout = datetime.timedelta(seconds=state.timeout_s)

@@ -14,6 +14,8 @@ hub snapshot and a single file's config folder go through the same path (``model
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +49,17 @@ class ModelInfo:
     @property
     def has_audio(self) -> bool:
         return family(self.family).has_audio
+
+    @property
+    def attention_heads(self) -> int:
+        """The heads every sharded attention of the transformer divides into: the greatest common divisor of its
+        config's head counts (``num_attention_heads``, and an audio stream's ``audio_num_attention_heads``), read from
+        ``transformer/config.json``; what ``--ring-degree auto`` keeps the Ulysses degree a divisor of."""
+        config = json.loads((Path(self.path) / "transformer" / "config.json").read_text())
+        counts = [int(config[k]) for k in ("num_attention_heads", "audio_num_attention_heads") if k in config]
+        if not counts:
+            raise ValueError(f"{self.path}/transformer/config.json names no num_attention_heads")
+        return math.gcd(*counts)
 
     def step_passes(self, request: GenerationRequest) -> set[int]:
         """How many transformer passes a step runs, over the denoising passes of ``request``'s plan (a resolved
@@ -91,7 +104,9 @@ def compile_transformer_blocks(transformer: torch.nn.Module) -> None:
 
     NOTE(compile-collectives): dynamo traces through the Ulysses processors, all-to-alls included: it rewrites
     ``dist.all_to_all_single`` into the functional collective, so a block is one graph with its two exchanges per
-    attention inside it (no graph break; gloo and NCCL alike).
+    attention inside it (no graph break; gloo and NCCL alike). With a ring (``--ring-degree``) the ring's steps run
+    eagerly between two graphs (``cp_infer.ring.ring_attention`` is ``torch.compiler.disable``d: point-to-point
+    sends do not trace), one graph break per self-attention.
     NOTE(compile-shapes): a block is compiled on its first call of each request shape: the shard plans' lengths are
     plain ints on the processors' context, which dynamo specialises on, so dynamic shapes would not spare the
     recompile of a new shape and would only make every graph slower. Static graphs (``dynamic=False``) then; the

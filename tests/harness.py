@@ -65,11 +65,13 @@ def _worker(rank: int, world: int, port: int, inbox, outbox, threads: int, layou
 
 class WorkerGroup:
     def __init__(self, world: int, *, threads: int = 1, start_timeout: float = 120.0,
-                 guidance_degree: int | None = None, ulysses_degree: int | None = None):
-        """``guidance_degree``/``ulysses_degree``: the mesh layout (``ParallelConfig``; default: Ulysses only)."""
+                 guidance_degree: int | None = None, ulysses_degree: int | None = None,
+                 ring_degree: int | None = None):
+        """``guidance_degree``/``ulysses_degree``/``ring_degree``: the mesh layout (``ParallelConfig``; default:
+        Ulysses only)."""
         self.world = world
         self.closed = False
-        layout = dict(guidance_degree=guidance_degree, ulysses_degree=ulysses_degree)
+        layout = dict(guidance_degree=guidance_degree, ulysses_degree=ulysses_degree, ring_degree=ring_degree)
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world)]

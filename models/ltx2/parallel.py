@@ -92,7 +92,7 @@ class _UlyssesAVProcessor:
             q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
             kv_plan = None if self.kv_stream == self.q_stream else plans[self.kv_stream]
             out = ulysses_attention(q, k, v, plan=plans[self.q_stream], kv_plan=kv_plan,
-                                    group=self.ctx.state.cp_group,
+                                    group=self.ctx.state.attention_group, ring=self.ctx.state.ring,
                                     workspace=None if torch.compiler.is_compiling()  # NOTE(compile-workspace)
                                     else self.ctx.workspace((self.q_stream, self.kv_stream)))
             out = out.flatten(2, 3).to(query.dtype)

@@ -58,7 +58,8 @@ class _UlyssesSelfAttnProcessor:
         # Fresh ones page-fault once they exceed glibc's mmap threshold (32 MiB): measured at 4k tokens on 2 ranks,
         # no step-time difference within noise (interleaved A/B, fresh / kept = 1.00).
         out = ulysses_attention(lambda: rotated(attn.to_q, attn.norm_q), lambda: rotated(attn.to_k, attn.norm_k),
-                                lambda: heads(attn.to_v(hidden_states)), plan=plan, group=self.ctx.state.cp_group)
+                                lambda: heads(attn.to_v(hidden_states)), plan=plan,
+                                group=self.ctx.state.attention_group, ring=self.ctx.state.ring)
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3)))
 
 

@@ -94,7 +94,8 @@ class _UlyssesSelfAttnProcessor:
         # Producers: q, k and v are computed one at a time as the exchange packs them (models.ltx_video.adapter's
         # NOTE(memory) holds here too).
         out = ulysses_attention(lambda: rotated(attn.to_q, attn.norm_q), lambda: rotated(attn.to_k, attn.norm_k),
-                                lambda: heads(attn.to_v(hidden_states)), plan=plan, group=self.ctx.state.cp_group)
+                                lambda: heads(attn.to_v(hidden_states)), plan=plan,
+                                group=self.ctx.state.attention_group, ring=self.ctx.state.ring)
         # B, S_LOCAL, H, D -> B, S_LOCAL, H*D
         out = out.flatten(2, 3).type_as(hidden_states)
         return attn.to_out[1](attn.to_out[0](out))

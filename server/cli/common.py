@@ -106,8 +106,17 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "ranks and every step's pass count, e.g. 2 for CFG on an even count; `serve` 1)")
     group.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
                        help="ranks each pass's token sequence is sharded over (Ulysses: two all-to-alls per "
-                            "attention layer); G x U must divide the ranks, and `serve` runs ranks / (G x U) "
-                            "replica groups, each its own jobs (default: ranks / G)")
+                            "attention layer, each rank attending its share of the heads); G x R x U must divide the "
+                            "ranks, and `serve` runs ranks / (G x R x U) replica groups, each its own jobs (default: "
+                            "ranks / (G x R))")
+    group.add_argument("--ring-degree", type=_ring_degree, default=None, metavar="R|auto",
+                       help="Ulysses groups each pass's token sequence is sharded over, passing key/value blocks "
+                            "round a ring (R - 1 point-to-point steps per attention layer, each overlapped with a "
+                            "block's attention): the ranks may then exceed the heads with no padded head, and across "
+                            "nodes only the ring crosses the slow link (Ulysses groups are consecutive ranks, rings "
+                            "stride over them). --nproc 2 --ring-degree 2 is a ring of two, --nproc 4 --ring-degree 2 "
+                            "Ulysses 2 x ring 2; auto: over the ranks / G, Ulysses up to the ranks of a node "
+                            "(LOCAL_WORLD_SIZE) and a divisor of the model's heads, the ring for the rest (default 1)")
     group.add_argument("--compile", dest="compile_blocks", action="store_true",
                        help="torch.compile each transformer block (regional compilation; the Ulysses all-to-alls "
                             "compile inside the blocks): the first request of a shape pays the compile, later "
@@ -149,34 +158,72 @@ def _offload_arg(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _ring_degree(text: str) -> int | str:
+    if text == AUTO:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a ring degree: give a number of ranks or 'auto'") from None
+
+
+def resolve_auto_ring(args: argparse.Namespace) -> None:
+    """``--ring-degree auto`` made numbers: ``args.ulysses_degree`` and ``args.ring_degree`` from the model's heads
+    (its config files), the ranks over the guidance degree and the ranks of a node (``LOCAL_WORLD_SIZE``; before
+    torchrun, the ranks this launcher starts), by ``cp_infer.mesh.auto_ring``. Every rank resolves it alike."""
+    if args.ring_degree != AUTO:
+        return
+    from cp_infer.mesh import auto_ring
+    from models.registry import describe_model
+    from server.cli.launch import group_size
+
+    if args.ulysses_degree is not None:
+        raise ValueError(f"--ring-degree auto picks the Ulysses degree too; give --ring-degree R with "
+                         f"--ulysses-degree {args.ulysses_degree}, or leave --ulysses-degree out")
+    world = group_size(args.nproc)
+    guidance = args.guidance_degree or 1
+    if world % guidance:
+        raise ValueError(f"--guidance-degree {guidance} does not divide the {world} ranks; give a divisor of {world}")
+    heads = describe_model(args.model, config=args.model_config, upsampler=args.upsampler).attention_heads
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    args.ulysses_degree, args.ring_degree = auto_ring(world // guidance, heads, node)
+
+
 def check_layout(args: argparse.Namespace, *, replicas: bool = False) -> None:
-    """Refuse a mesh layout that does not make the group (``--guidance-degree`` x ``--ulysses-degree`` against the
-    ranks), before anything starts; the message lists the valid ones. ``replicas``: whether the command runs jobs on
-    replica groups (``serve``, ``batch``); elsewhere a layout that leaves more than one is refused too."""
+    """Refuse a mesh layout that does not make the group (``--guidance-degree`` x ``--ring-degree`` x
+    ``--ulysses-degree`` against the ranks), before anything starts; the message lists the valid ones. ``replicas``:
+    whether the command runs jobs on replica groups (``serve``, ``batch``); elsewhere a layout that leaves more than
+    one is refused too. ``--ring-degree auto`` is resolved here first (:func:`resolve_auto_ring`)."""
     from cp_infer.mesh import MeshLayout, valid_layouts
     from server.cli.launch import group_size
 
+    resolve_auto_ring(args)
     layout = MeshLayout.resolve(group_size(args.nproc), guidance_degree=args.guidance_degree,
-                                ulysses_degree=args.ulysses_degree)
+                                ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree)
     if layout.replicas > 1 and not replicas:
-        whole = ", ".join(f"--guidance-degree {g} --ulysses-degree {u}" for g, u in valid_layouts(layout.world)
-                          if g * u == layout.world)
-        raise ValueError(f"guidance_degree={layout.guidance} x ulysses_degree={layout.ulysses} on {layout.world} "
-                         f"ranks makes {layout.replicas} replica groups, and this command does not run jobs on "
-                         f"replicas (`cp-infer serve` and `batch` do); valid layouts here: {whole}")
+        ring = f"--ring-degree {layout.ring} " if layout.ring > 1 else ""
+        whole = ", ".join(f"--guidance-degree {g} {ring}--ulysses-degree {u}"
+                          for g, u in valid_layouts(layout.world // layout.ring)
+                          if g * u * layout.ring == layout.world)
+        ring = f" x ring_degree={layout.ring}" if layout.ring > 1 else ""
+        raise ValueError(f"guidance_degree={layout.guidance}{ring} x ulysses_degree={layout.ulysses} on "
+                         f"{layout.world} ranks makes {layout.replicas} replica groups, and this command does not run "
+                         f"jobs on replicas (`cp-infer serve` and `batch` do); valid layouts here: {whole}")
 
 
 def guidance_first(config, args: argparse.Namespace, info, requests: Sequence[GenerationRequest]):
     """``config`` with the guidance-first layout (``cp_infer.mesh.MeshLayout.guidance_first``) for the ``requests``
     the command will run (resolved, on model ``info``), when neither ``--guidance-degree`` nor ``--ulysses-degree``
-    was given; else ``config`` itself. Deterministic: every rank that has the requests picks the same layout."""
+    was given (a ``--ring-degree`` R keeps its ring: the guidance-first layout of the ranks / R Ulysses groups); else
+    ``config`` itself. Deterministic: every rank that has the requests picks the same layout."""
     from cp_infer.mesh import MeshLayout
     from server.cli.launch import group_size
 
     if args.guidance_degree is not None or args.ulysses_degree is not None:
         return config
     passes = set().union(*(info.step_passes(r) for r in requests))
-    layout = MeshLayout.guidance_first(group_size(args.nproc), passes)
+    ring = args.ring_degree or 1
+    layout = MeshLayout.guidance_first(group_size(args.nproc) // ring, passes)
     return replace(config, guidance_degree=layout.guidance, ulysses_degree=layout.ulysses)
 
 
@@ -188,7 +235,8 @@ def runtime_config_from_args(args: argparse.Namespace, *, replicas: bool = False
     return RuntimeConfig(model=args.model, model_config=args.model_config, upsampler=args.upsampler,
                          dtype=args.dtype, device=args.device,
                          decode_frames_per_rank=args.decode_frames_per_rank, guidance_degree=args.guidance_degree,
-                         ulysses_degree=args.ulysses_degree, compile_blocks=args.compile_blocks,
+                         ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree,
+                         compile_blocks=args.compile_blocks,
                          lora_dir=args.lora_dir, max_lora_bytes=args.max_lora_bytes,
                          max_lora_rank=args.max_lora_rank,
                          stage_2_loras=tuple(args.stage_2_loras or ()), weights=args.weights, offload=args.offload)

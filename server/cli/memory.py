@@ -35,8 +35,10 @@ def add_memory_parser(commands) -> None:
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks of the group (default 1)")
     parser.add_argument("--guidance-degree", type=int, default=None, metavar="G")
     parser.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
-                        help="with --guidance-degree: the replica group is G x U ranks, which the sharded weights are "
-                             "spread over (default: all N)")
+                        help="with --guidance-degree: the replica group is G x R x U ranks, which the sharded "
+                             "weights are spread over (default: all N)")
+    parser.add_argument("--ring-degree", type=int, default=None, metavar="R",
+                        help="Ulysses groups round a ring (default 1)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     add_placement_arguments(parser)
     parser.add_argument("--device-memory", type=float, default=None, metavar="GIB",
@@ -51,7 +53,8 @@ def run_memory(args: argparse.Namespace, _argv: list[str]) -> int:
 
     if args.device_memory is not None and not args.device_memory > 0:
         raise ValueError(f"--device-memory {args.device_memory}: give each GPU's free memory in GiB, e.g. 24")
-    layout = MeshLayout.resolve(args.nproc, guidance_degree=args.guidance_degree, ulysses_degree=args.ulysses_degree)
+    layout = MeshLayout.resolve(args.nproc, guidance_degree=args.guidance_degree, ulysses_degree=args.ulysses_degree,
+                                ring_degree=args.ring_degree)
     files = resolve_files(args.model, weights=False)
     components = model_components(files.folder, dtype=args.dtype)
     ranks = layout.replica_size
@@ -77,7 +80,8 @@ def plan_text(plan: MemoryPlan, *, model: str, dtype: str, layout, asked: str, r
     """The table ``cp-infer memory`` prints."""
     replicas = f", {layout.replicas} replica groups" if layout.replicas > 1 else ""
     weights = resolved if asked == resolved else f"{asked} -> {resolved}"
-    lines = [f"{model}: {dtype}, {layout.world} rank(s) (guidance {layout.guidance} x Ulysses {layout.ulysses}"
+    ring = f" x ring {layout.ring}" if layout.ring > 1 else ""
+    lines = [f"{model}: {dtype}, {layout.world} rank(s) (guidance {layout.guidance}{ring} x Ulysses {layout.ulysses}"
              f"{replicas}), weights {weights}, offload {','.join(plan.offload) or 'none'}",
              "",
              f"{'component':<17}{'params':>10}{'whole':>12}{'device':>12}{'CPU':>12}{'running':>12}  per rank: where"]

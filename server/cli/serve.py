@@ -121,6 +121,7 @@ def _configs(args: argparse.Namespace):
                             timeout_s=args.collective_timeout, limits=limits,
                             decode_frames_per_rank=args.decode_frames_per_rank,
                             guidance_degree=args.guidance_degree, ulysses_degree=args.ulysses_degree,
+                            ring_degree=args.ring_degree,
                             compile_blocks=args.compile_blocks, lora_dir=args.lora_dir,
                             max_lora_bytes=args.max_lora_bytes, max_lora_rank=args.max_lora_rank,
                             stage_2_loras=tuple(args.stage_2_loras or ()),

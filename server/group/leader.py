@@ -207,6 +207,7 @@ class GroupLeader:
         self._lora_catalog = None
         self._loaded_options: ModelOptions | None = None
         self.world_size: int | None = None
+        self.layout: dict[str, int] | None = None
         self.pids: list[int] = []
         self.loaded = False
         self.fatal: str | None = None
@@ -339,12 +340,14 @@ class GroupLeader:
         return True, "idle"
 
     def replica_status(self) -> list[dict[str, Any]]:
-        """Each replica group: its ranks, whether it answers, the job it runs, its heartbeat and jobs ended."""
+        """Each replica group: its ranks and their layout (degrees of guidance x ring x Ulysses), whether it answers,
+        the job it runs, its heartbeat and jobs ended."""
         out = []
         for lane in self.lanes:
             ok, reason = self._lane_state(lane)
             rtt = lane.last_ping_rtt_s
-            out.append({"replica": lane.replica, "ranks": list(lane.ranks), "ready": ok, "reason": reason,
+            out.append({"replica": lane.replica, "ranks": list(lane.ranks), "layout": self.layout, "ready": ok,
+                        "reason": reason,
                         "job": lane.current_job, "heartbeat_rtt_ms": None if rtt is None else round(rtt * 1e3, 3),
                         "jobs_finished": dict(lane.jobs_done)})
         return out
@@ -380,6 +383,7 @@ class GroupLeader:
             state = runtime.state
             self.pids = group_pids(state)
             self.world_size = state.world_size
+            self.layout = {"guidance": state.guidance_size, "ring": state.ring_size, "ulysses": state.ulysses_size}
             self.memory = [m.as_dict() for m in runtime.memory]
             self._loaded_options = runtime.model.options
             self.geometry = runtime.model.geometry

@@ -89,7 +89,9 @@ class RuntimeConfig:
     guidance_degree: int | None = None
     """Ranks a step's guidance passes are spread over (``cp_infer.mesh``); ``None``: 1."""
     ulysses_degree: int | None = None
-    """Ranks each pass's sequences are sharded over; ``None``: the world divided by the guidance degree."""
+    """Ranks of a ring block's all-to-all; ``None``: the world divided by the guidance and ring degrees."""
+    ring_degree: int | None = None
+    """Ulysses groups each pass's sequences are sharded over, passing key/value blocks round a ring; ``None``: 1."""
     compile_blocks: bool = False
     """``torch.compile`` each transformer block (``models.registry.compile_transformer_blocks``): the first request
     of each shape pays the compile, later ones run the compiled block."""
@@ -125,7 +127,8 @@ class RuntimeConfig:
                              "folder that holds it")
         parse_weights(self.weights)
         parse_offload(list(self.offload))  # raises naming the valid components
-        ParallelConfig(guidance_degree=self.guidance_degree, ulysses_degree=self.ulysses_degree)  # raises if < 1
+        ParallelConfig(guidance_degree=self.guidance_degree, ulysses_degree=self.ulysses_degree,
+                       ring_degree=self.ring_degree)  # raises if < 1
         resolve_frames_per_rank(self.decode_frames_per_rank, height=1, width=1)  # raises on a bad setting
 
 
@@ -192,7 +195,8 @@ class GroupDriver:
 def start_runtime(config: RuntimeConfig) -> Runtime:
     """Join the torchrun group (or run alone), load the model, warm the collectives up."""
     state = init_parallel(ParallelConfig(device=config.device, timeout_s=config.timeout_s,
-                                         guidance_degree=config.guidance_degree, ulysses_degree=config.ulysses_degree))
+                                         guidance_degree=config.guidance_degree, ulysses_degree=config.ulysses_degree,
+                                         ring_degree=config.ring_degree))
     phases.mark("rendezvous and groups")
     if state.world_size > 1:
         process.set_rank_title(state.rank, state.world_size, state.replica)
@@ -210,9 +214,10 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
     warmup(state)
     phases.mark("warm-up")
     if state.is_leader:
-        log.info("loaded %s on %d rank(s) (guidance %d x Ulysses %d), device %s, dtype %s",
+        ring = f" x ring {state.ring_size}" if state.ring_size > 1 else ""
+        log.info("loaded %s on %d rank(s) (guidance %d%s x Ulysses %d), device %s, dtype %s",
                  files.checkpoint or files.folder, state.world_size,
-                 state.guidance_size, state.cp_size, state.device, dtype)
+                 state.guidance_size, ring, state.ulysses_size, state.device, dtype)
         log.info("weights %s, offload %s; %s", model.placement.weights, ",".join(model.placement.offload) or "none",
                  "; ".join(f"rank {m.rank}: {m.text()}" for m in memory))
     return Runtime(config=config, state=state, model=model, memory=memory)

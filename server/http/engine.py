@@ -94,7 +94,8 @@ class Engine(Protocol):
         """Ranks in the group; ``None`` until it has formed."""
 
     def replica_status(self) -> list[dict]:
-        """Each replica group (``server.group.leader.GroupLeader.replica_status``): ``replica``, ``ranks``, ``ready``,
+        """Each replica group (``server.group.leader.GroupLeader.replica_status``): ``replica``, ``ranks``, ``layout``
+        (``{"guidance": G, "ring": R, "ulysses": U}``), ``ready``,
         ``reason``, ``job`` (running, or ``None``), ``heartbeat_rtt_ms``, ``jobs_finished`` by state; empty until the
         group has formed."""
 

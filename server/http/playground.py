@@ -72,8 +72,9 @@ router = APIRouter(prefix="/playground", tags=["playground"])
 @router.get("/options")
 async def playground_options(engine: EngineDep) -> dict:
     """The served model's options (name, type, default, inclusive range under this deployment's limits, help), the
-    adapters a request may name (``loras``: their names, how many at once, the scale's range) and what the page needs
-    to show a length: the frame geometry (``null`` until the model is loaded).
+    adapters a request may name (``loras``: their names, how many at once, the scale's range), what the page needs
+    to show a length: the frame geometry (``null`` until the model is loaded), and the group's ``layout``
+    (replicas, and each replica's guidance x ring x Ulysses degrees; ``null`` until the group has formed).
 
     Each default is what a request that leaves the option out gets here (lowered to this deployment's limits), so
     the page's form starts inside its own ranges and sends only what the user changed. An option of a feature
@@ -95,8 +96,11 @@ async def playground_options(engine: EngineDep) -> dict:
                         "maximum": hi, "multiple_of": option.multiple_of, "nullable": option.nullable,
                         "help": option.help, "accepts": option.describe(shown) + (f" ({note})" if note else "")})
     geometry = engine.geometry
+    replicas = engine.replica_status()
+    layout = replicas[0].get("layout") if replicas else None
     return {
         "model": engine.served_model,
+        "layout": None if layout is None else {"replicas": len(replicas), **layout},
         "options": options,
         "max_prompt_chars": limits.max_prompt_chars,
         "loras": {"adapters": [a["name"] for a in engine.adapters()], "max": MAX_LORAS, "scale": list(LORA_SCALE)},

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from cp_infer import ParallelConfig
-from cp_infer.mesh import MeshLayout, pass_shares, valid_layouts
+from cp_infer.mesh import MeshLayout, auto_ring, pass_shares, valid_layouts
 
 
 def test_valid_layouts_divide_the_world_one_replica_first():
@@ -109,3 +109,38 @@ def test_pass_shares():
         assert [p for s in shares for p in s] == list(range(passes))  # contiguous, in order, each pass once
         sizes = [len(s) for s in shares]
         assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize(("world", "guidance", "ring"), [(2, 1, 2), (4, 1, 2), (8, 2, 2), (6, 1, 3), (12, 2, 3)])
+def test_ring_axis_strides_over_consecutive_ulysses_groups(world, guidance, ring):
+    layout = MeshLayout.resolve(world, guidance_degree=guidance, ring_degree=ring)
+    ulysses = world // (guidance * ring)
+    assert (layout.ulysses, layout.ring, layout.sequence, layout.replicas) == (ulysses, ring, ulysses * ring, 1)
+    sequences = layout.sequence_groups()
+    assert sequences == [tuple(range(g * layout.sequence, (g + 1) * layout.sequence)) for g in range(guidance)]
+    for group in layout.ulysses_groups():  # consecutive ranks
+        assert list(group) == list(range(group[0], group[0] + ulysses))
+    for group in layout.ring_groups():  # a stride of U, inside one sequence group, in sequence-shard order
+        assert list(group) == list(range(group[0], group[0] + ring * ulysses, ulysses))
+        assert [layout.coords(r)[2] for r in group] == [r * ulysses + group[0] % ulysses for r in range(ring)]
+    every = sorted(r for g in layout.ring_groups() for r in g)
+    assert every == list(range(world)) == sorted(r for g in layout.ulysses_groups() for r in g)
+    assert len(layout.guidance_groups()) == layout.sequence
+
+
+def test_ring_layouts_that_do_not_divide_the_world_name_the_fix():
+    with pytest.raises(ValueError, match=r"--ring-degree must divide the 4 ranks: one of \[2, 4\]"):
+        MeshLayout.resolve(4, ring_degree=3)
+    with pytest.raises(ValueError) as info:
+        MeshLayout.resolve(6, ring_degree=2, ulysses_degree=2)
+    assert "--guidance-degree 1 --ring-degree 2 --ulysses-degree 3" in str(info.value)
+    with pytest.raises(ValueError, match="ring_degree=0"):
+        ParallelConfig(ring_degree=0)
+
+
+@pytest.mark.parametrize(("ranks", "heads", "node", "expected"), [
+    (2, 12, 2, (2, 1)), (2, 3, 2, (1, 2)), (8, 12, 8, (4, 2)), (16, 40, 8, (8, 2)), (8, 40, 4, (4, 2)),
+    (4, 5, 4, (1, 4)), (1, 7, 1, (1, 1)),
+])
+def test_auto_ring_keeps_ulysses_in_a_node_and_on_a_divisor_of_the_heads(ranks, heads, node, expected):
+    assert auto_ring(ranks, heads, node) == expected

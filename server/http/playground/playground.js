@@ -88,7 +88,9 @@ async function loadOptions() {
   const info = await r.json();
   state.model = info;
   state.options = info.options;
-  $("model").textContent = `model: ${info.model}`;
+  const layout = info.layout;
+  $("model").textContent = `model: ${info.model}` + (layout ? ` · ${layout.replicas > 1 ? `${layout.replicas} ` +
+    "replicas of " : ""}guidance ${layout.guidance} x ring ${layout.ring} x Ulysses ${layout.ulysses}` : "");
   $("options-model").textContent = info.model;
   $("change-key").hidden = !sessionStorage.getItem(KEY_ITEM);
   $("length-fields").replaceChildren();

@@ -147,3 +147,27 @@ def test_n_ranks_equal_one_rank(folders, one_rank, world):
             assert got_audio["sample_rate"] == exp_audio["sample_rate"]
             np.testing.assert_allclose(got_audio["waveform"], exp_audio["waveform"], rtol=0, atol=1e-4,
                                        err_msg=f"world={world} rope={rope} seed={seed}")
+
+
+def _sample_first(state, folder, seed):
+    """The first request only (video 12 tokens, audio 9: neither divides 2), streamed decode as ``_sample_all``."""
+    model = _load(state, folder, 1)
+    return [_sample_av(model, _requests(seed)[0], state)]
+
+
+def test_ring_of_two_equals_one_rank(folders, one_rank):
+    """R=2 x U=1: both self-attentions (video, audio) and both cross-modal attentions (each stream's queries over
+    the other's keys, ``kv_plan``) pass their key/value blocks round the ring; the last audio block holds 4 real
+    keys of 5."""
+    seed, expected = one_rank
+    group = WorkerGroup(2, ring_degree=2)
+    try:
+        results = {rope: group.run(_sample_first, folders[rope], seed, timeout=600) for rope in ROPES}
+    finally:
+        group.close()
+    for rope in ROPES:
+        (exp, exp_audio), ((got, got_audio),) = expected[rope][0], results[rope][0]
+        diff = np.abs(got.astype(np.int16) - exp.astype(np.int16))
+        assert diff.max() <= 1 and diff.mean() < 0.02, f"rope={rope} seed={seed}: max {diff.max()} mean {diff.mean()}"
+        np.testing.assert_allclose(got_audio["waveform"], exp_audio["waveform"], rtol=0, atol=1e-4,
+                                   err_msg=f"R=2 rope={rope} seed={seed}")

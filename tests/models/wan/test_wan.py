@@ -48,15 +48,16 @@ def _requests(seed: int) -> list[GenerationRequest]:
             for i, ((f, h, w), g) in enumerate(zip(SHAPES, guidance, strict=True))]
 
 
-def _sample_all(state, folder: str, seed: int, frames_per_rank=1):
-    """``(frames, latents)`` per request; ``frames_per_rank``: latent frames per streamed decode round."""
+def _sample_all(state, folder: str, seed: int, frames_per_rank=1, first: int | None = None):
+    """``(frames, latents)`` per request (the ``first`` ones only, if given); ``frames_per_rank``: latent frames per
+    streamed decode round."""
     from models.wan.adapter import WanModel
     from models.wan.loading import load_wan
 
     model = WanModel(load_wan(folder), state=state)
     model.decode_frames_per_rank = frames_per_rank
     out = []
-    for request in _requests(seed):
+    for request in _requests(seed)[:first]:
         latents = {}
         frames = sample(model, request, state=state, control=SampleControl(on_latents=latents.update))
         out.append((frames, latents.get("latents")))
@@ -184,6 +185,23 @@ def test_guidance_ranks_equal_one_rank(folder, one_rank):
     group = SharedGroup(2, 2)
     results = group.run(_sample_all, folder, seed, timeout=600)
     _assert_close_to(expected, results, world=2, seed=seed, exact=True)
+
+
+@pytest.mark.parametrize(("ulysses", "ring"), [(2, 2)], ids=["U2xR2"])
+def test_ring_ranks_equal_one_rank(folder, one_rank, ulysses, ring):
+    """A ring axis: the sequence over ring x Ulysses ranks, key/value blocks passed round the ring; the first
+    request (CFG, 25 tokens) only, to keep the test short. 5 heads pad to 6 on U=2; 25 tokens leave the last ring
+    block 11 real keys of 14. (A ring of two alone, U=1 x R=2, is LTX-2's test, tests/models/ltx2/test_parallel.py:
+    the suite's budget takes one end-to-end ring per layout.)"""
+    from ...harness import WorkerGroup
+
+    seed, expected = one_rank
+    group = WorkerGroup(ulysses * ring, ulysses_degree=ulysses, ring_degree=ring)
+    try:
+        results = group.run(_sample_all, folder, seed, 1, 1, timeout=600)
+    finally:
+        group.close()
+    _assert_close_to(expected[:1], results, world=f"U{ulysses}xR{ring}", seed=seed)
 
 
 def test_flow_shift_is_the_schedulers(folder):

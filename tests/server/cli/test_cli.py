@@ -166,6 +166,7 @@ def test_generate_default_layout_spreads_cfg_and_matches_one_rank(commands, out)
     (["--guidance-scale", "1"], (1, 2)),  # one pass a step: Ulysses over both
     (["--guidance-degree", "1"], (1, None)),  # given: kept as given
     (["--ulysses-degree", "2"], (None, 2)),
+    (["--ring-degree", "2"], (1, 1)),  # a ring of both ranks: no rank left for guidance
 ])
 def test_generate_layout_follows_the_request_unless_given(nothing_starts, flags, expected):
     from server.cli.common import guidance_first, model_info, request_from_args, runtime_config_from_args
@@ -178,6 +179,27 @@ def test_generate_layout_follows_the_request_unless_given(nothing_starts, flags,
                               info.options)
     chosen = guidance_first(config, args, info, [request])
     assert (chosen.guidance_degree, chosen.ulysses_degree) == expected
+    assert chosen.ring_degree == args.ring_degree
+
+
+@pytest.mark.parametrize(("model", "node", "expected"), [
+    ([], None, (2, 1)),  # tiny-ltx-video's 4 heads divide 2: Ulysses over both
+    ([], "1", (1, 2)),  # one rank a node: the ring crosses the nodes
+    (["--model", "tiny-wan"], None, (1, 2)),  # 5 heads: a ring of two, no padded head
+])
+def test_auto_ring_degree_from_the_heads_and_the_node(nothing_starts, monkeypatch, model, node, expected):
+    from server.cli.common import runtime_config_from_args
+
+    if node is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", node)
+    argv = ["generate", *PROMPT, *model, "--nproc", "2", "--ring-degree", "auto", "--out", "x.mp4"]
+    config = runtime_config_from_args(cli.build_parser(argv).parse_args(argv))
+    assert (config.ulysses_degree, config.ring_degree) == expected
+    argv = ["generate", *PROMPT, "--nproc", "2", "--ring-degree", "auto", "--ulysses-degree", "1", "--out", "x.mp4"]
+    with pytest.raises(ValueError, match="--ring-degree auto picks the Ulysses degree too"):
+        runtime_config_from_args(cli.build_parser(argv).parse_args(argv))
 
 
 @pytest.mark.parametrize(("lines", "handed"), [
@@ -207,6 +229,20 @@ def test_generate_layout_that_is_not_the_group_exits_2_before_starting(nothing_s
     assert code == 2 and not out.exists()
     assert "does not" in err and "--guidance-degree 1 --ulysses-degree 2, --guidance-degree 2 --ulysses-degree 1" \
         in err and "Traceback" not in err, err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("flags", "fix"), [
+    (["--ring-degree", "3"], "--ring-degree must divide the 2 ranks: one of [2]"),
+    (["--ring-degree", "2", "--ulysses-degree", "2"], "--guidance-degree 1 --ring-degree 2 --ulysses-degree 1"),
+], ids=["R3", "R2xU2"])
+def test_generate_ring_layout_that_is_not_the_group_exits_2_naming_the_fix(nothing_starts, tmp_path, capsys, flags,
+                                                                           fix):
+    out = tmp_path / "x.mp4"
+    code = cli.main(["generate", "--prompt", "a fox", *flags, "--nproc", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists()
+    assert "does not divide" in err and fix in err and "Traceback" not in err, err
 
 
 @pytest.mark.timeout(120)

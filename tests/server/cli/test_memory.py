@@ -110,3 +110,13 @@ def test_the_flags_reach_the_runtime_config():
         RuntimeConfig(offload=("unet",))
     # adapters load into sharded weights too (tests/models/test_lora_sharded.py)
     assert RuntimeConfig(weights="sharded", lora_dir=str(REPO / "bench")).weights == "sharded"
+
+
+def test_memory_knows_the_ring_axis(capsys):
+    """A ring of 2 Ulysses groups of 2: the replica group is all 4 ranks, and the sharded weights are quarters; a
+    ring that does not divide the ranks is exit 2 naming the ring degrees that do."""
+    rows = _memory(capsys, "--nproc", "4", "--ring-degree", "2", "--weights", "sharded")
+    assert "4 rank(s) (guidance 1 x ring 2 x Ulysses 2)" in rows[""][0], rows[""][0]
+    assert rows["transformer"][-2:] == ["1/4", "shard"], rows["transformer"]
+    assert cli.main(["memory", "--nproc", "4", "--ring-degree", "3"]) == 2
+    assert "--ring-degree must divide the 4 ranks: one of [2, 4]" in capsys.readouterr().err

@@ -58,6 +58,7 @@ def test_ready_and_metrics_report_each_replica(replicas_server):
     assert body["world_size"] == 2
     assert [(r["replica"], r["ranks"], r["ready"]) for r in body["replicas"]] == [(0, [0], True), (1, [1], True)]
     assert all(r["heartbeat_rtt_ms"] is not None for r in body["replicas"])
+    assert all(r["layout"] == {"guidance": 1, "ring": 1, "ulysses": 1} for r in body["replicas"])
     assert s.metric("cp_infer_replicas") == 2
     for replica in (0, 1):
         assert s.metric(f'cp_infer_replica_ready{{replica="{replica}"}}') == 1

@@ -45,7 +45,8 @@ class StubEngine:
         return True, "idle"
 
     def replica_status(self):
-        return [{"replica": 0, "ranks": [0, 1], "ready": True, "reason": "idle", "job": None,
+        return [{"replica": 0, "ranks": [0, 1], "layout": {"guidance": 1, "ring": 2, "ulysses": 1}, "ready": True,
+                 "reason": "idle", "job": None,
                  "heartbeat_rtt_ms": 1.0, "jobs_finished": dict(self.jobs_done)}]
 
     def retry_after_s(self) -> int:
@@ -142,6 +143,14 @@ def test_without_a_key_nothing_asks_for_one(tmp_path):
     with TestClient(app) as client:
         for _, method, path in _requests(app):
             assert client.request(method, path).status_code != 401, (method, path)
+
+
+def test_ready_and_the_playground_show_the_layout(tmp_path):
+    with TestClient(create_app(AppConfig(), _stub(tmp_path))) as client:
+        ready = client.get("/ready").json()
+        assert ready["replicas"][0]["layout"] == {"guidance": 1, "ring": 2, "ulysses": 1}
+        options = client.get("/playground/options").json()
+        assert options["layout"] == {"replicas": 1, "guidance": 1, "ring": 2, "ulysses": 1}
 
 
 def test_no_cors_unless_configured(tmp_path):
