@@ -33,15 +33,17 @@ _KEEP_RANKS = 8
 _pool: OrderedDict[tuple, WorkerGroup] = OrderedDict()
 
 
-def shared_group(world: int, guidance: int | None = None, ulysses: int | None = None) -> WorkerGroup:
-    """The session's group of ``world`` ranks in this mesh layout (``guidance``/``ulysses`` as ``WorkerGroup``'s
-    ``guidance_degree``/``ulysses_degree``), started on first use or when the last one was closed."""
-    key = (world, guidance, ulysses)
+def shared_group(world: int, guidance: int | None = None, ulysses: int | None = None,
+                 ring: int | None = None) -> WorkerGroup:
+    """The session's group of ``world`` ranks in this mesh layout (``guidance``/``ulysses``/``ring`` as
+    ``WorkerGroup``'s ``guidance_degree``/``ulysses_degree``/``ring_degree``), started on first use or when the last
+    one was closed."""
+    key = (world, guidance, ulysses, ring)
     group = _pool.pop(key, None)
     if group is None or not group.usable:
         if group is not None:
             group.close()
-        group = WorkerGroup(world, guidance_degree=guidance, ulysses_degree=ulysses)
+        group = WorkerGroup(world, guidance_degree=guidance, ulysses_degree=ulysses, ring_degree=ring)
     _pool[key] = group
     while sum(g.world for g in _pool.values()) > max(_KEEP_RANKS, world):
         _pool.popitem(last=False)[1].close()
@@ -52,8 +54,9 @@ class SharedGroup:
     """A handle on the shared group of one layout: each call asks :func:`shared_group` again, so a group closed
     since (by a failure, or to make room) is started anew instead of failing every later test of the module."""
 
-    def __init__(self, world: int, guidance: int | None = None, ulysses: int | None = None):
-        self.world, self._key = world, (world, guidance, ulysses)
+    def __init__(self, world: int, guidance: int | None = None, ulysses: int | None = None,
+                 ring: int | None = None):
+        self.world, self._key = world, (world, guidance, ulysses, ring)
 
     def run(self, fn, *args, timeout: float = 300.0) -> list:
         return shared_group(*self._key).run(fn, *args, timeout=timeout)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from cp_infer import MeshLayout, ShardPlan, ulysses_attention
 from cp_infer.ring import BlockMerge, RingGroup, attention_lse
 
-from ..harness import WorkerGroup
+from ..worker_groups import SharedGroup
 from ._ulysses_common import HEAD_DIM, reference_sdpa
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -89,9 +89,7 @@ LAYOUTS = [(2, 2), (1, 2), (1, 3), (1, 4)]  # (Ulysses, ring)
 def ring_group():
     """One 4-rank group, Ulysses 2 x ring 2 as ``init_parallel`` builds it; the other layouts are made from its
     ranks in the test (a group per layout would pay a start-up each)."""
-    g = WorkerGroup(4, ulysses_degree=2, ring_degree=2)
-    yield g
-    g.close()
+    return SharedGroup(4, ulysses=2, ring=2)
 
 
 def _layout_groups(state, ulysses, ring):

@@ -160,11 +160,8 @@ def test_ring_of_two_equals_one_rank(folders, one_rank):
     the other's keys, ``kv_plan``) pass their key/value blocks round the ring; the last audio block holds 4 real
     keys of 5."""
     seed, expected = one_rank
-    group = WorkerGroup(2, ring_degree=2)
-    try:
-        results = {rope: group.run(_sample_first, folders[rope], seed, timeout=600) for rope in ROPES}
-    finally:
-        group.close()
+    group = SharedGroup(2, ring=2)
+    results = {rope: group.run(_sample_first, folders[rope], seed, timeout=600) for rope in ROPES}
     for rope in ROPES:
         (exp, exp_audio), ((got, got_audio),) = expected[rope][0], results[rope][0]
         diff = np.abs(got.astype(np.int16) - exp.astype(np.int16))

@@ -193,14 +193,10 @@ def test_ring_ranks_equal_one_rank(folder, one_rank, ulysses, ring):
     request (CFG, 25 tokens) only, to keep the test short. 5 heads pad to 6 on U=2; 25 tokens leave the last ring
     block 11 real keys of 14. (A ring of two alone, U=1 x R=2, is LTX-2's test, tests/models/ltx2/test_parallel.py:
     the suite's budget takes one end-to-end ring per layout.)"""
-    from ...harness import WorkerGroup
+    from ...worker_groups import SharedGroup
 
     seed, expected = one_rank
-    group = WorkerGroup(ulysses * ring, ulysses_degree=ulysses, ring_degree=ring)
-    try:
-        results = group.run(_sample_all, folder, seed, 1, 1, timeout=600)
-    finally:
-        group.close()
+    results = SharedGroup(ulysses * ring, None, ulysses, ring).run(_sample_all, folder, seed, 1, 1, timeout=600)
     _assert_close_to(expected[:1], results, world=f"U{ulysses}xR{ring}", seed=seed)
 
 
