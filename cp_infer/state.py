@@ -152,9 +152,13 @@ class ParallelState:
         """The group of self-attention's all-to-alls (``cp_infer.ulysses_attention``'s ``group``)."""
         return self.cp_group if self.ring_size == 1 else self.ulysses_group
 
-    @functools.cached_property
+    @property
     def ring(self) -> RingGroup | None:
-        """This rank's ring (``cp_infer.ulysses_attention``'s ``ring``); ``None`` without a ring axis."""
+        """This rank's ring (``cp_infer.ulysses_attention``'s ``ring``); ``None`` without a ring axis.
+
+        A plain property, not a cached one: the attention processors read it inside compiled blocks, where
+        ``functools.cached_property``'s lock on first use is a graph break (a fresh server's first request would
+        compile broken graphs). A ``RingGroup`` is three fields; making one costs nothing."""
         if self.ring_size == 1:
             return None
         return RingGroup(group=self.ring_group, rank=self.ring_rank, size=self.ring_size)
