@@ -1,0 +1,345 @@
+"""Helios on the context-parallel engine: a video made chunk by chunk, each chunk denoised with a multi-scale
+history of the chunks before it.
+
+The model maths is diffusers' (``HeliosTransformer3DModel``, ``AutoencoderKLWan``, the folder's ``HeliosScheduler``,
+and ``HeliosPipeline``'s own prompt encoding, latents and post-processing). Parallelism is applied from outside
+(``models.helios.parallel``: the chunk's and the history's tokens sharded together as one self-attention sequence).
+Here:
+- a request's plan is one ``chunk`` pass per chunk (:func:`plan_request`); every pass draws its noise from the one
+  generator of the request, in the pipeline's order, on every rank alike, and runs the pipeline's schedule
+  (``set_timesteps(steps, sigmas=linspace(0.999, 0, steps + 1)[:-1], mu=calculate_shift(chunk tokens))``);
+- after each chunk (``finish_pass``) its latents join the history (the long, mid and short history are the last
+  ``sum(history_sizes)`` latent frames, and with ``keep_first_frame`` the video's first latent frame is put before
+  the short one), as ``HeliosPipeline``'s loop does; the history kept on the device is those frames alone, so its
+  memory does not grow with the video, and the chunks made so far wait on the CPU for the decode;
+- the tokens of a step's chunk are packed one per patch (``models.common`` layout of ``pack_patches``), sharded by
+  the engine; at one rank the transformer's own forward runs on the chunk's grid (the pipeline's call, bit for bit);
+- a step's passes (``cond``, then ``uncond`` with CFG, each a batch of one) are shared over the guidance ranks and
+  exchanged (``cp_infer.collectives.gather_passes``);
+- the decode is the pipeline's: each chunk decoded alone by ``vae.decode`` (its causal cache starts afresh at every
+  chunk), the frames post-processed and cut to ``4k + 1``, on the decoding group's first rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import HeliosPipeline, HeliosTransformer3DModel
+from diffusers.loaders import HeliosLoraLoaderMixin
+from diffusers.pipelines.helios.pipeline_helios import calculate_shift
+
+from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, gather_passes, gather_sequence, pass_shares
+from cp_infer.decode import TemporalSplit, video_index
+from cp_infer.plan import DenoisePass, Plan
+from cp_infer.request import GenerationRequest
+from cp_infer.sampler import Decoder, Prepared
+from cp_infer.weights import join_call
+from models.common.lora import LoadedLoras, LoraSpec, apply_loras
+
+from .options import HELIOS_TEMPORAL_COMPRESSION, Chunks, chunks_of, helios_options
+from .parallel import HeliosShardContext, parallelize_helios_transformer, sharded_forward
+
+__all__ = ["LORA", "HeliosModel", "pack_patches", "plan_request", "step_passes", "unpack_patches"]
+
+LORA = LoraSpec(loader=HeliosLoraLoaderMixin, parts={"transformer": HeliosTransformer3DModel})
+"""How Helios adapters load: into ``transformer``, as ``HeliosPipeline.load_lora_weights`` loads them."""
+
+
+def pack_patches(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """``[B, C, F, H, W] -> [B, S, C*pt*ph*pw]``: a token per patch, in the transformer's token order."""
+    b, c, f, h, w = x.shape
+    pt, ph, pw = patch
+    # B, C, F', pt, H', ph, W', pw -> B, F', H', W', C, pt, ph, pw
+    x = x.view(b, c, f // pt, pt, h // ph, ph, w // pw, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+    return x.reshape(b, (f // pt) * (h // ph) * (w // pw), c * pt * ph * pw)
+
+
+def unpack_patches(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tuple[int, int, int]) -> torch.Tensor:
+    """``[B, S, C*pt*ph*pw] -> [B, C, F, H, W]`` for a token grid of ``F' x H' x W'`` patches (inverse of
+    :func:`pack_patches`)."""
+    gf, gh, gw = grid
+    pt, ph, pw = patch
+    # B, F', H', W', C, pt, ph, pw -> B, C, F', pt, H', ph, W', pw
+    x = tokens.view(tokens.shape[0], gf, gh, gw, -1, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
+    return x.reshape(tokens.shape[0], -1, gf * pt, gh * ph, gw * pw)
+
+
+def plan_request(request: GenerationRequest) -> Plan:
+    """One ``chunk`` pass per chunk, each a request of one chunk's frames with every step of the schedule."""
+    chunks = chunks_of(request)
+    one = replace(request, num_frames=chunks.chunk_frames)
+    return Plan(tuple(DenoisePass(one, steps=request.num_inference_steps, kind="chunk", window=k)
+                      for k in range(chunks.count)))
+
+
+def step_passes(request: GenerationRequest) -> int:
+    """The transformer passes of a step: CFG's conditional and unconditional (``guidance_scale > 1``, the
+    pipeline's ``do_classifier_free_guidance``), or the conditional alone."""
+    return 2 if request.guidance_scale > 1.0 else 1
+
+
+@dataclass
+class _History:
+    """The video made so far, as ``HeliosPipeline``'s loop holds it between chunks."""
+
+    sizes: tuple[int, int, int]
+    """``history_sizes`` sorted from big to small."""
+    latents: torch.Tensor
+    """The last ``sum(history_sizes)`` latent frames ``[1, C, T, H, W]`` (float32, zeros before the first chunk)."""
+    first: torch.Tensor | None = None
+    """With ``keep_first_frame``: the video's first latent frame (``None`` before the first chunk is made)."""
+    made: list[torch.Tensor] = field(default_factory=list)
+    """Every chunk's latents made so far ``[1, C, n, H, W]``, on the CPU."""
+
+
+@dataclass
+class _RequestState:
+    """What ``HeliosModel.prepare`` builds for one chunk, read by its ``predict``, ``step``, ``finish_pass`` and
+    ``decoder``; a chunk's state hands the request's generator, scheduler, embeddings and history to the next."""
+
+    request: GenerationRequest
+    shape: LatentShape
+    scheduler: Any
+    embeds: list[torch.Tensor]
+    """The step's passes' prompt embeddings in pass order: ``[cond]`` or ``[cond, uncond]``, each ``[1, L, D]``."""
+    generator: torch.Generator
+    """The request's one generator (CPU, seeded), drawn from in the pipeline's order."""
+    history: _History
+    chunk: int
+    """Which chunk this pass makes (from 0)."""
+    inputs: dict[str, torch.Tensor]
+    """The transformer's history arguments for this chunk (indices and latents, in the transformer's dtype)."""
+
+
+class HeliosModel:
+    """A Helios pipeline's components, parallelised, behind the sampler's ``DenoiseModel`` interface."""
+
+    family = "helios"
+
+    def __init__(self, components, *, state: ParallelState):
+        self.state = state
+        self.components = components
+        # NOTE(pipeline): the pipeline object is used only for diffusers' own prompt encoding, latents and
+        # post-processing, so that a 1-rank run is the reference implementation step for step.
+        self.pipe = HeliosPipeline(tokenizer=components.tokenizer, text_encoder=components.text_encoder,
+                                   vae=components.vae, scheduler=components.scheduler,
+                                   transformer=components.transformer)
+        _check_scheduler(components.scheduler)
+        self.patch = tuple(components.transformer.config.patch_size)
+        self.geometry = VideoGeometry(temporal_compression=self.pipe.vae_scale_factor_temporal,
+                                      spatial_compression=self.pipe.vae_scale_factor_spatial,
+                                      patch_size=self.patch[1], patch_size_t=self.patch[0])
+        self._ctx = HeliosShardContext(state=state)
+        parallelize_helios_transformer(components.transformer, self._ctx)
+        self.options = helios_options()
+
+    lora_spec = LORA
+    loras: LoadedLoras | None = None
+    """The adapters requests may apply (``models.registry.open_model`` with a ``lora_dir``); ``None``: none."""
+
+    placement = None
+    """Where the components are (``models.common.placement.Placement``, set by ``models.registry.open_model``)."""
+
+    decode_frames_per_rank: int | str | None = None
+    """Kept for the registry's setting; the decode is chunk by chunk on one rank."""
+
+    def lora_parts(self) -> dict[str, torch.nn.Module]:
+        return {"transformer": self.transformer}
+
+    @property
+    def transformer(self):
+        return self.components.transformer
+
+    @property
+    def layers(self) -> int:
+        return len(self.transformer.blocks)
+
+    @property
+    def scheduler(self):
+        return self.components.scheduler
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    def plan(self, request: GenerationRequest) -> Plan:
+        if request.image is not None or request.conditions:
+            raise ValueError("image: this Helios model makes video from text only here; remove the image")
+        return plan_request(request)
+
+    def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "chunk",
+                previous: dict[str, torch.Tensor] | None = None, previous_state: Any = None) -> Prepared:
+        """``HeliosPipeline``'s preparation of one chunk: the first encodes the prompts and starts the history; every
+        chunk draws its noise from the request's generator and sets the schedule."""
+        assert kind == "chunk", kind
+        device, pipe = self.device, self.pipe
+        if previous_state is None:
+            x = self._start(request, shape)
+        else:
+            x = replace(previous_state, request=request, shape=shape, chunk=previous_state.chunk + 1)
+        channels = self.transformer.config.in_channels
+        # NOTE(noise): drawn on the CPU from the request's one generator, so that every rank, and every device
+        # type, draws the pipeline's latents.
+        latents = pipe.prepare_latents(1, channels, request.height, request.width, request.num_frames, torch.float32,
+                                       torch.device("cpu"), x.generator).to(device)
+        x.inputs = self._history_inputs(x)
+        steps = request.num_inference_steps
+        sigmas = np.linspace(0.999, 0.0, steps + 1)[:-1]
+        config = x.scheduler.config
+        tokens = latents.shape[2] * latents.shape[3] * latents.shape[4] // int(np.prod(self.patch))
+        mu = calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        x.scheduler.set_timesteps(steps, device=device, sigmas=sigmas, mu=mu)
+        return Prepared(latents={"video": pack_patches(latents, self.patch)}, timesteps=list(x.scheduler.timesteps),
+                        state=x)
+
+    def _start(self, request: GenerationRequest, shape: LatentShape) -> _RequestState:
+        """The first chunk's: the adapters, the prompts, the generator, the empty history."""
+        apply_loras(self.loras, request.loras)
+        device, pipe = self.device, self.pipe
+        cfg_on = request.guidance_scale > 1.0
+        prompt_embeds, negative_embeds = pipe.encode_prompt(
+            prompt=request.prompt, negative_prompt=request.negative_prompt, do_classifier_free_guidance=cfg_on,
+            max_sequence_length=request.options["max_sequence_length"], device=device)
+        dtype = self.transformer.dtype
+        embeds = [prompt_embeds.to(dtype)] + ([negative_embeds.to(dtype)] if cfg_on else [])
+        # The pipeline's order, big to small (keep_first_frame=False is refused: models.helios.options).
+        sizes = sorted(request.options["history_sizes"], reverse=True)
+        frames = sum(sizes)
+        channels = self.transformer.config.in_channels
+        latents = torch.zeros(1, channels, frames, request.height // self.pipe.vae_scale_factor_spatial,
+                              request.width // self.pipe.vae_scale_factor_spatial, device=device, dtype=torch.float32)
+        return _RequestState(request=request, shape=shape, scheduler=type(self.scheduler).from_config(
+            self.scheduler.config), embeds=embeds, generator=torch.Generator("cpu").manual_seed(request.seed),
+            history=_History(sizes=tuple(sizes), latents=latents), chunk=0, inputs={})
+
+    def _history_inputs(self, x: _RequestState) -> dict[str, torch.Tensor]:
+        """The transformer's history arguments for the chunk at hand, as ``HeliosPipeline`` builds them."""
+        history, dtype = x.history, self.transformer.dtype
+        chunk = x.request.options["num_latent_frames_per_chunk"]
+        sizes = list(history.sizes)
+        long, mid, short_1x = history.latents.split(sizes, dim=2)
+        # keep_first_frame: the video's first latent frame (zeros before it is made) before the short history.
+        prefix = history.first if history.first is not None else torch.zeros_like(short_1x[:, :, :1])
+        short = torch.cat([prefix, short_1x], dim=2)
+        indices = torch.arange(0, sum([1, *sizes, chunk]))
+        i_prefix, i_long, i_mid, i_1x, i_chunk = indices.split([1, *sizes, chunk], dim=0)
+        i_short = torch.cat([i_prefix, i_1x], dim=0)
+        return dict(indices_hidden_states=i_chunk.unsqueeze(0), indices_latents_history_short=i_short.unsqueeze(0),
+                    indices_latents_history_mid=i_mid.unsqueeze(0), indices_latents_history_long=i_long.unsqueeze(0),
+                    latents_history_short=short.to(dtype), latents_history_mid=mid.to(dtype),
+                    latents_history_long=long.to(dtype))
+
+    def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
+                plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
+        x: _RequestState = prepared.state
+        latents, plan = latents_local["video"], plans["video"]
+        rank, dtype = self.state.cp_rank, x.embeds[0].dtype
+        grid = (x.shape.frames, x.shape.height, x.shape.width)
+        # The transformer takes the chunk's grid: at N ranks every rank gathers the chunk's latents (C*patch values a
+        # token) and the sharded forward cuts the whole sequence, history included, to its shard.
+        whole = gather_sequence(latents, plan=plan, group=self.state.cp_group)
+        hidden = unpack_patches(whole, grid, self.patch).to(dtype)
+        timestep = t.expand(1)
+        passes = len(x.embeds)
+        share = pass_shares(passes, self.state.guidance_size)[self.state.guidance_rank]
+        outputs = []
+        for p in share:
+            kwargs = dict(hidden_states=hidden, timestep=timestep, encoder_hidden_states=x.embeds[p], **x.inputs)
+            if plan.world == 1:
+                out = self.transformer(**kwargs, attention_kwargs=None, return_dict=False)[0]
+            else:
+                out = sharded_forward(self.transformer, self._ctx, **kwargs)
+            outputs.append(plan.shard(pack_patches(out, self.patch), rank))
+        if not outputs:  # more guidance ranks than passes: this one runs none, but joins the exchange
+            join_call(self.transformer)
+            noise_pred = latents.new_empty((0, *latents.shape[1:]), dtype=dtype)
+        else:
+            noise_pred = torch.cat(outputs)
+        noise_pred = gather_passes({"video": noise_pred}, passes=passes, state=self.state)["video"]
+        if passes == 2:
+            cond, uncond = noise_pred[0:1], noise_pred[1:2]
+            noise_pred = uncond + x.request.guidance_scale * (cond - uncond)
+        return {"video": noise_pred}
+
+    def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
+             latents_local: dict[str, torch.Tensor], prepared: Prepared,
+             plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
+        x: _RequestState = prepared.state
+        stepped = x.scheduler.step(noise_pred_local["video"], t, latents_local["video"], generator=x.generator,
+                                   return_dict=False)[0]
+        return {"video": stepped}
+
+    def finish_pass(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> int | None:
+        """The chunk's latents joined to the history, as the pipeline's loop joins them. The video is decoded at the
+        end (``None``: no latent frames to decode before)."""
+        x: _RequestState = prepared.state
+        chunk = unpack_patches(latents["video"], (x.shape.frames, x.shape.height, x.shape.width), self.patch)
+        history = x.history
+        if history.first is None:
+            history.first = chunk[:, :, 0:1]
+        frames = history.latents.shape[2]
+        history.latents = torch.cat([history.latents, chunk], dim=2)[:, :, -frames:]
+        history.made.append(chunk.cpu())
+        return None
+
+    def checkpoint(self, state) -> dict[str, np.ndarray] | None:
+        """No checkpoint to go on from (a job is made again from its first chunk)."""
+        return None
+
+    def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
+        """``output_type="latent"``: the pipeline returns every chunk's latents ``[B, C, F, H, W]``."""
+        return {"latents": torch.cat(prepared.state.history.made, dim=2).float().numpy()}
+
+    def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
+        """The pipeline's decode: each chunk alone, de-normalised, through ``vae.decode`` and the post-processing,
+        the frames cut to ``4k + 1``; on the decoding group's first rank."""
+        x: _RequestState = prepared.state
+        request, vae, made = x.request, self.components.vae, x.history.made
+        chunk_frames = request.num_frames
+        total = Chunks(len(made), x.shape.frames).video_frames
+        t = HELIOS_TEMPORAL_COMPRESSION
+        split = TemporalSplit(latent_frames=(total - 1) // t + 1, world=1, temporal_compression=t)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(self.device, vae.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
+            self.device, vae.dtype)
+
+        def decode_chunk(k: int) -> np.ndarray:
+            current = made[k].to(self.device, dtype=vae.dtype) / inverse_std + mean
+            return _uint8(self.pipe, vae.decode(current, return_dict=False)[0])
+
+        def decode_range(a: int, b: int) -> np.ndarray:
+            v0, v1 = video_index(a, t), video_index(b, t) if b < split.latent_frames else total
+            first, last = v0 // chunk_frames, (v1 - 1) // chunk_frames
+            frames = np.concatenate([decode_chunk(k) for k in range(first, last + 1)])
+            return frames[v0 - first * chunk_frames:v1 - first * chunk_frames]
+
+        return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range)
+
+    def decode_whole(self, latents: torch.Tensor) -> np.ndarray:
+        """The pipeline's decode of one chunk's latents ``[1, C, F, H, W]``, on this rank alone."""
+        vae = self.components.vae
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(self.device, vae.dtype)
+        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(self.device, vae.dtype)
+        return _uint8(self.pipe, vae.decode(latents.to(self.device, vae.dtype) / std + mean, return_dict=False)[0])
+
+
+def _uint8(pipe, video: torch.Tensor) -> np.ndarray:
+    """The pipeline's post-processing of a decoded piece ``[1, 3, F, H, W]`` to uint8 frames ``[F, H, W, 3]``."""
+    frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
+    return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+
+
+def _check_scheduler(scheduler) -> None:
+    """Refuse a schedule the chunk loop does not run (each rank steps its shard alone)."""
+    config = scheduler.config
+    if config.get("thresholding", False):
+        raise ValueError("a thresholding scheduler clips each step by a quantile of the whole sample, which a shard "
+                         "does not hold; set thresholding=false in scheduler/scheduler_config.json")
+    if config.get("stages", 1) != 1 or config.get("scheduler_type", "unipc") not in ("unipc", "euler"):
+        raise ValueError(f"scheduler/scheduler_config.json has stages={config.get('stages')}, scheduler_type="
+                         f"{config.get('scheduler_type')!r}: HeliosPipeline's one-stage schedule (stages=1, unipc or "
+                         "euler) is served here; the pyramid and distilled (dmd) schedules are not")
