@@ -1,0 +1,140 @@
+"""Helios text-to-video sampled with the Ulysses engine, chunk by chunk: 1 rank equals diffusers' own
+HeliosPipeline, N ranks and guidance ranks equal 1 rank.
+
+tiny-helios has 5 heads (they divide neither 2 nor 3 ranks: padded heads). A chunk's self-attention sequence is its
+history's tokens and its own, sharded together: at 32x32 (4x4 latents, 2x2 patches) a chunk of 3 latent frames is
+12 tokens, the short history (the first latent frame and 1 more) 8, the mid history (2 frames, patches of 2x4x4) 1,
+the long history (16 frames, 4x8x8) 4: 25 tokens, which divide neither 2 nor 3; with history_sizes (8, 2, 1) the
+long history is 2 tokens: 23.
+
+Tolerances: at 1 rank our loop runs diffusers' own modules on the same tensors in the same order (the transformer's
+forward on the chunk's grid, the scheduler stepping the same values in another layout, each chunk decoded alone by
+``vae.decode``), so frames and latents are bit-identical to ``HeliosPipeline``. With N Ulysses ranks the maths is the
+same but matmuls over fewer rows and SDPA over the exchanged layout may sum in another order: fp32 differences of
+~1e-6, carried through the chunks' histories, that can flip a rounding to uint8, so frames agree within 1 level and
+on average within 0.01, latents within 1e-4. Guidance ranks run each pass as the pipeline does (a batch of one) and
+exchange the outputs unchanged: bit-identical.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from cp_infer.request import GenerationRequest
+from cp_infer.sampler import SampleControl, sample
+
+from ...harness import one_thread
+from ...worker_groups import groups_by_layout
+
+groups = groups_by_layout()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    from models.helios.default import ensure_default_helios_model
+
+    return str(ensure_default_helios_model(tmp_path_factory.mktemp("helios")))
+
+
+def _requests(seed: int) -> list[GenerationRequest]:
+    # Two chunks with CFG (25 tokens a chunk); one chunk without (one pass a step), a shorter long history (23).
+    return [
+        GenerationRequest(prompt="a red fox runs through fresh snow", negative_prompt="blurry, low quality",
+                          num_frames=17, height=32, width=32, num_inference_steps=2, guidance_scale=4.0, seed=seed,
+                          options={"num_latent_frames_per_chunk": 3}),
+        GenerationRequest(prompt="waves on a beach at dusk", num_frames=9, height=32, width=32,
+                          num_inference_steps=2, guidance_scale=1.0, seed=seed + 1,
+                          options={"num_latent_frames_per_chunk": 3, "history_sizes": [2, 8, 1]}),
+    ]
+
+
+def _sample_all(state, folder: str, seed: int):
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    model = HeliosModel(load_helios(folder), state=state)
+    out = []
+    for request in _requests(seed):
+        latents = {}
+        frames = sample(model, request, state=state, control=SampleControl(on_latents=latents.update))
+        out.append((frames, latents.get("latents")))
+    return out
+
+
+def _reference(folder: str, r: GenerationRequest, output_type: str) -> np.ndarray:
+    from diffusers import HeliosPipeline
+
+    from models.helios.loading import load_helios
+
+    c = load_helios(folder)
+    pipe = HeliosPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, scheduler=c.scheduler,
+                          transformer=c.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(prompt=r.prompt, negative_prompt=r.negative_prompt or None, num_frames=r.num_frames,
+               height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
+               guidance_scale=r.guidance_scale, generator=torch.Generator("cpu").manual_seed(r.seed),
+               output_type=output_type, **r.options).frames
+    if output_type == "latent":
+        return out.float().numpy()
+    return (np.clip(out[0], 0, 1) * 255).round().astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def one_rank(folder):
+    from cp_infer import single_process_state
+
+    seed = random.randrange(2**31)
+    return seed, one_thread(_sample_all, single_process_state(), folder, seed)
+
+
+def test_one_rank_equals_helios_pipeline(folder, one_rank):
+    seed, ours = one_rank
+    for r, (frames, latents) in zip(_requests(seed), ours, strict=True):
+        assert frames.shape == (r.num_frames, r.height, r.width, 3)
+        assert frames.std() > 5, "degenerate video: the comparison would prove nothing"
+        # The reference on one thread too, as ours: the thread count alone changes how a matmul's sum is split.
+        np.testing.assert_array_equal(latents, one_thread(_reference, folder, r, "latent"), err_msg=f"seed={seed}")
+        np.testing.assert_array_equal(frames, one_thread(_reference, folder, r, "np"), err_msg=f"seed={seed}")
+
+
+def _assert_close_to(expected, results, *, world, seed, exact=False):
+    assert all(r is None for rank in results[1:] for r, _ in rank), "only the delivering rank returns frames"
+    for (exp, exp_latents), (got, got_latents) in zip(expected, results[0], strict=True):
+        assert got.shape == exp.shape
+        diff = np.abs(got.astype(np.int16) - exp.astype(np.int16))
+        if exact:
+            assert diff.max() == 0, f"world={world} seed={seed} shape={exp.shape}: max {diff.max()}"
+            np.testing.assert_array_equal(got_latents, exp_latents)
+            continue
+        assert diff.max() <= 1 and diff.mean() < 0.01, \
+            f"world={world} seed={seed} shape={exp.shape}: max {diff.max()} mean {diff.mean()}"
+        torch.testing.assert_close(torch.from_numpy(got_latents), torch.from_numpy(exp_latents), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_n_ranks_equal_one_rank(folder, one_rank, groups, world):
+    seed, expected = one_rank
+    results = groups(world).run(_sample_all, folder, seed, timeout=600)
+    _assert_close_to(expected, results, world=world, seed=seed)
+
+
+def test_guidance_ranks_equal_one_rank(folder, one_rank, groups):
+    """G=2: CFG's conditional pass on one rank, the unconditional on the other (the second request has no CFG: one
+    pass, the second rank idle but in the exchange)."""
+    seed, expected = one_rank
+    results = groups(2, 2).run(_sample_all, folder, seed, timeout=600)
+    _assert_close_to(expected, results, world=2, seed=seed, exact=True)
+
+
+def test_embedded_default_builds_bit_for_bit():
+    from models.helios.default import build_helios_pipeline
+
+    a, b = build_helios_pipeline(), build_helios_pipeline()
+    for name in ("transformer", "vae", "text_encoder"):
+        sa, sb = getattr(a, name).state_dict(), getattr(b, name).state_dict()
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), name
