@@ -17,7 +17,10 @@ Here:
 - a step's passes (``cond``, then ``uncond`` with CFG, each a batch of one) are shared over the guidance ranks and
   exchanged (``cp_infer.collectives.gather_passes``);
 - the decode is the pipeline's: each chunk decoded alone by ``vae.decode`` (its causal cache starts afresh at every
-  chunk), the frames post-processed and cut to ``4k + 1``, on the decoding group's first rank.
+  chunk), the frames post-processed and cut to ``4k + 1``, on the decoding group's first rank, streamed chunk by
+  chunk as they are made;
+- after each chunk the job can be checkpointed (every chunk's latents, the history, the generator's state) and
+  resumed from there, bit-equal to the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from cp_infer.sampler import Decoder, Prepared
 from cp_infer.weights import join_call
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
 
-from .options import HELIOS_TEMPORAL_COMPRESSION, Chunks, chunks_of, helios_options
+from .options import HELIOS_TEMPORAL_COMPRESSION, chunks_of, helios_options
 from .parallel import HeliosShardContext, parallelize_helios_transformer, sharded_forward
 
 __all__ = ["LORA", "HeliosModel", "pack_patches", "plan_request", "step_passes", "unpack_patches"]
@@ -68,11 +71,18 @@ def unpack_patches(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tupl
 
 
 def plan_request(request: GenerationRequest) -> Plan:
-    """One ``chunk`` pass per chunk, each a request of one chunk's frames with every step of the schedule."""
-    chunks = chunks_of(request)
-    one = replace(request, num_frames=chunks.chunk_frames)
-    return Plan(tuple(DenoisePass(one, steps=request.num_inference_steps, kind="chunk", window=k)
-                      for k in range(chunks.count)))
+    """One ``chunk`` pass per chunk (its ``window``), each with every step of the schedule."""
+    return Plan(tuple(DenoisePass(request, steps=request.num_inference_steps, kind="chunk", window=k)
+                      for k in range(chunks_of(request).count)))
+
+
+def final_frames(request: GenerationRequest, chunks_made: int) -> int:
+    """The decode's latent frames (``TemporalSplit``'s, of the whole video's ``4k + 1`` frames) whose video frames
+    are all made once ``chunks_made`` chunks are: the frames ``[0, final)`` of the split map to video frames the
+    chunks made so far decode to."""
+    chunks, t = chunks_of(request), HELIOS_TEMPORAL_COMPRESSION
+    made = min(request.num_frames, chunks_made * chunks.chunk_frames)
+    return (made - 1) // t + 1
 
 
 def step_passes(request: GenerationRequest) -> int:
@@ -102,6 +112,7 @@ class _RequestState:
 
     request: GenerationRequest
     shape: LatentShape
+    """One chunk's token grid (latent frames, rows, columns of patches)."""
     scheduler: Any
     embeds: list[torch.Tensor]
     """The step's passes' prompt embeddings in pass order: ``[cond]`` or ``[cond, uncond]``, each ``[1, L, D]``."""
@@ -144,7 +155,7 @@ class HeliosModel:
     """Where the components are (``models.common.placement.Placement``, set by ``models.registry.open_model``)."""
 
     decode_frames_per_rank: int | str | None = None
-    """Kept for the registry's setting; the decode is chunk by chunk on one rank."""
+    """Unused: the decode is the pipeline's, chunk by chunk on one rank (the registry sets it on every model)."""
 
     def lora_parts(self) -> dict[str, torch.nn.Module]:
         return {"transformer": self.transformer}
@@ -176,14 +187,16 @@ class HeliosModel:
         chunk draws its noise from the request's generator and sets the schedule."""
         assert kind == "chunk", kind
         device, pipe = self.device, self.pipe
+        chunks = chunks_of(request)
+        shape = self.geometry.latent_shape(chunks.chunk_frames, request.height, request.width)
         if previous_state is None:
             x = self._start(request, shape)
         else:
-            x = replace(previous_state, request=request, shape=shape, chunk=previous_state.chunk + 1)
+            x = replace(previous_state, chunk=previous_state.chunk + 1)
         channels = self.transformer.config.in_channels
         # NOTE(noise): drawn on the CPU from the request's one generator, so that every rank, and every device
         # type, draws the pipeline's latents.
-        latents = pipe.prepare_latents(1, channels, request.height, request.width, request.num_frames, torch.float32,
+        latents = pipe.prepare_latents(1, channels, request.height, request.width, chunks.chunk_frames, torch.float32,
                                        torch.device("cpu"), x.generator).to(device)
         x.inputs = self._history_inputs(x)
         steps = request.num_inference_steps
@@ -274,8 +287,8 @@ class HeliosModel:
         return {"video": stepped}
 
     def finish_pass(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> int | None:
-        """The chunk's latents joined to the history, as the pipeline's loop joins them. The video is decoded at the
-        end (``None``: no latent frames to decode before)."""
+        """The chunk's latents joined to the history, as the pipeline's loop joins them; the decode's latent frames
+        now final (:func:`final_frames`): the chunk is decoded and streamed before the next is made."""
         x: _RequestState = prepared.state
         chunk = unpack_patches(latents["video"], (x.shape.frames, x.shape.height, x.shape.width), self.patch)
         history = x.history
@@ -284,11 +297,41 @@ class HeliosModel:
         frames = history.latents.shape[2]
         history.latents = torch.cat([history.latents, chunk], dim=2)[:, :, -frames:]
         history.made.append(chunk.cpu())
-        return None
+        return final_frames(x.request, len(history.made))
 
-    def checkpoint(self, state) -> dict[str, np.ndarray] | None:
-        """No checkpoint to go on from (a job is made again from its first chunk)."""
-        return None
+    def checkpoint(self, state: _RequestState) -> dict[str, np.ndarray]:
+        """The video made so far: every chunk's latents (the decode goes on from the first frame), the history, the
+        generator's state (the next chunk's noise is the next draw)."""
+        history = state.history
+        return {"made": torch.cat(history.made, dim=2).float().numpy(), "history": history.latents.cpu().numpy(),
+                "first": history.first.cpu().numpy(), "generator": state.generator.get_state().numpy(),
+                "chunk": np.array(state.chunk, dtype=np.int64)}
+
+    def restore(self, request: GenerationRequest, arrays: dict[str, np.ndarray]) -> tuple[_RequestState, int]:
+        """The state a checkpoint was taken in (the prompts encoded again), and the decode's latent frames final in
+        it."""
+        chunks = chunks_of(request)
+        shape = self.geometry.latent_shape(chunks.chunk_frames, request.height, request.width)
+        x = self._start(request, shape)
+        try:
+            chunk = int(arrays["chunk"])
+            made = torch.from_numpy(np.array(arrays["made"], dtype=np.float32))
+            history = torch.from_numpy(np.array(arrays["history"], dtype=np.float32))
+            first = torch.from_numpy(np.array(arrays["first"], dtype=np.float32))
+            generator = torch.from_numpy(np.array(arrays["generator"], dtype=np.uint8))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a checkpoint of a Helios video: {exc}") from None
+        n = chunks.latent_frames
+        if not 0 <= chunk < chunks.count - 1 or made.ndim != 5 or made.shape[2] != (chunk + 1) * n \
+                or history.shape != x.history.latents.shape or first.shape != (*history.shape[:2], 1,
+                                                                                *history.shape[3:]):
+            raise ValueError("the checkpoint is not one of this request's chunks")
+        x.generator.set_state(generator)
+        x.chunk = chunk
+        x.history.latents = history.to(self.device)
+        x.history.first = first.to(self.device)
+        x.history.made = list(made.split(n, dim=2))
+        return x, final_frames(request, chunk + 1)
 
     def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
         """``output_type="latent"``: the pipeline returns every chunk's latents ``[B, C, F, H, W]``."""
@@ -296,35 +339,39 @@ class HeliosModel:
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """The pipeline's decode: each chunk alone, de-normalised, through ``vae.decode`` and the post-processing,
-        the frames cut to ``4k + 1``; on the decoding group's first rank."""
+        the frames cut to ``4k + 1``; on the decoding group's first rank, streamed as the chunks are made
+        (``feed``: the state of the chunk just made)."""
         x: _RequestState = prepared.state
-        request, vae, made = x.request, self.components.vae, x.history.made
-        chunk_frames = request.num_frames
-        total = Chunks(len(made), x.shape.frames).video_frames
-        t = HELIOS_TEMPORAL_COMPRESSION
-        split = TemporalSplit(latent_frames=(total - 1) // t + 1, world=1, temporal_compression=t)
+        request, vae = x.request, self.components.vae
+        chunk_frames, total, t = chunks_of(request).chunk_frames, request.num_frames, HELIOS_TEMPORAL_COMPRESSION
+        # Pieces of one latent frame (4 video frames; a chunk is decoded once, whatever pieces it is cut into), so
+        # that a chunk's frames go out once it is made, all but the last < 4 when its end is not a piece's.
+        split = TemporalSplit(latent_frames=(total - 1) // t + 1, world=1, temporal_compression=t,
+                              frames_per_rank=1)
         mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(self.device, vae.dtype)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
             self.device, vae.dtype)
+        made = {"history": x.history}
+        decoded: dict[int, np.ndarray] = {}  # the last chunk decoded (a piece may end inside it)
 
         def decode_chunk(k: int) -> np.ndarray:
-            current = made[k].to(self.device, dtype=vae.dtype) / inverse_std + mean
-            return _uint8(self.pipe, vae.decode(current, return_dict=False)[0])
+            if k not in decoded:
+                decoded.clear()
+                current = made["history"].made[k].to(self.device, dtype=vae.dtype) / inverse_std + mean
+                decoded[k] = _uint8(self.pipe, vae.decode(current, return_dict=False)[0])
+            return decoded[k]
 
         def decode_range(a: int, b: int) -> np.ndarray:
-            v0, v1 = video_index(a, t), video_index(b, t) if b < split.latent_frames else total
+            v0, v1 = video_index(a, t), (video_index(b, t) if b < split.latent_frames else total)
             first, last = v0 // chunk_frames, (v1 - 1) // chunk_frames
             frames = np.concatenate([decode_chunk(k) for k in range(first, last + 1)])
             return frames[v0 - first * chunk_frames:v1 - first * chunk_frames]
 
-        return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range)
+        def feed(state: _RequestState, final: int) -> None:
+            made["history"] = state.history
 
-    def decode_whole(self, latents: torch.Tensor) -> np.ndarray:
-        """The pipeline's decode of one chunk's latents ``[1, C, F, H, W]``, on this rank alone."""
-        vae = self.components.vae
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(self.device, vae.dtype)
-        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(self.device, vae.dtype)
-        return _uint8(self.pipe, vae.decode(latents.to(self.device, vae.dtype) / std + mean, return_dict=False)[0])
+        return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
+                       reads=lambda a, b: b, feed=feed)
 
 
 def _uint8(pipe, video: torch.Tensor) -> np.ndarray:

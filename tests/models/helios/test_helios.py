@@ -138,3 +138,33 @@ def test_embedded_default_builds_bit_for_bit():
         sa, sb = getattr(a, name).state_dict(), getattr(b, name).state_dict()
         assert sa.keys() == sb.keys()
         assert all(torch.equal(sa[k], sb[k]) for k in sa), name
+
+
+def test_chunks_stream_and_a_resumed_job_equals_the_whole_run(folder, one_rank):
+    """Each chunk's frames are delivered once it is made, before the next; after it the job is a checkpoint, and going
+    on from it (the chunks made decoded again, the next drawn from the generator's saved state) makes the video and
+    latents of the uninterrupted run, bit for bit. A checkpoint of another request is refused."""
+    from cp_infer import single_process_state
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    seed, ours = one_rank
+    request = _requests(seed)[0]  # two chunks of 9 frames: 17 frames
+    state = single_process_state()
+    model = HeliosModel(load_helios(folder), state=state)
+    saved, events = {}, []
+    control = SampleControl(on_checkpoint=saved.__setitem__, on_pass=lambda i, plan: events.append(("pass", i)),
+                            on_frames=lambda frames, first, total: events.append(("frames", first, len(frames))))
+    one_thread(sample, model, request, state=state, control=control)
+    assert sorted(saved) == [1]
+    delivered = [e for e in events[:events.index(("pass", 1))] if e[0] == "frames"]
+    # The first chunk's 9 frames (pieces of 4 after the first frame: 1 + 4 + 4), before the second is made.
+    assert sum(n for _, _, n in delivered) == 9, events
+    latents = {}
+    frames = one_thread(sample, model, request, state=state,
+                        control=SampleControl(resume=(1, saved[1]), on_latents=latents.update))
+    np.testing.assert_array_equal(frames, ours[0][0], err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(latents["latents"], ours[0][1], err_msg=f"seed={seed}")
+    other = GenerationRequest(**{**request.__dict__, "height": 48})
+    with pytest.raises(Exception, match="checkpoint"):
+        one_thread(sample, model, other, state=state, control=SampleControl(resume=(1, saved[1])))
