@@ -33,6 +33,8 @@ import torch
 from diffusers import HeliosPipeline, HeliosTransformer3DModel
 from diffusers.loaders import HeliosLoraLoaderMixin
 from diffusers.pipelines.helios.pipeline_helios import calculate_shift
+from diffusers.utils.torch_utils import randn_tensor
+from PIL import Image
 
 from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, gather_passes, gather_sequence, pass_shares
 from cp_infer.decode import TemporalSplit, video_index
@@ -103,6 +105,9 @@ class _History:
     """With ``keep_first_frame``: the video's first latent frame (``None`` before the first chunk is made)."""
     made: list[torch.Tensor] = field(default_factory=list)
     """Every chunk's latents made so far ``[1, C, n, H, W]``, on the CPU."""
+    still: torch.Tensor | None = None
+    """Image-to-video: the last latent frame of the image as a still chunk (noised), the history's last frame before
+    the first chunk and the first of the latents the pipeline returns (on the CPU); ``None``: text-to-video."""
 
 
 @dataclass
@@ -177,8 +182,9 @@ class HeliosModel:
         return self.state.device
 
     def plan(self, request: GenerationRequest) -> Plan:
-        if request.image is not None or request.conditions:
-            raise ValueError("image: this Helios model makes video from text only here; remove the image")
+        if request.conditions:
+            raise ValueError("conditions: Helios models take an image as the first frame (image), not conditions at "
+                             "frames; give the first frame as image")
         return plan_request(request)
 
     def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "chunk",
@@ -225,9 +231,42 @@ class HeliosModel:
         channels = self.transformer.config.in_channels
         latents = torch.zeros(1, channels, frames, request.height // self.pipe.vae_scale_factor_spatial,
                               request.width // self.pipe.vae_scale_factor_spatial, device=device, dtype=torch.float32)
-        return _RequestState(request=request, shape=shape, scheduler=type(self.scheduler).from_config(
+        x = _RequestState(request=request, shape=shape, scheduler=type(self.scheduler).from_config(
             self.scheduler.config), embeds=embeds, generator=torch.Generator("cpu").manual_seed(request.seed),
             history=_History(sizes=tuple(sizes), latents=latents), chunk=0, inputs={})
+        if request.image is not None:
+            self._start_image(x)
+        return x
+
+    def _start_image(self, x: _RequestState) -> None:
+        """``HeliosPipeline``'s image-to-video preparation: the image's latents (the first latent frame of every
+        chunk's short history) and the last latent frame of the image held still for a chunk's frames (the history's
+        last), each noised by a sigma drawn from the request's generator, in the pipeline's order."""
+        request, pipe, device, vae = x.request, self.pipe, self.device, self.components.vae
+        options = request.options
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(device, vae.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
+            device, vae.dtype)
+        image = Image.fromarray(request.image.frames[0], mode="RGB")
+        pixels = pipe.video_processor.preprocess(image, height=request.height, width=request.width)
+        generator = x.generator
+        image_latents, still = pipe.prepare_image_latents(
+            pixels, latents_mean=mean, latents_std=inverse_std,
+            num_latent_frames_per_chunk=options["num_latent_frames_per_chunk"], dtype=torch.float32, device=device,
+            generator=generator)
+        if options["add_noise_to_image_latents"]:
+            # NOTE(noise): the sigmas drawn on the CPU generator (the pipeline's draws there), then moved.
+            for kind, latents in (("image", image_latents), ("video", still)):
+                lo, hi = options[f"{kind}_noise_sigma_min"], options[f"{kind}_noise_sigma_max"]
+                sigma = (torch.rand(1, generator=generator) * (hi - lo) + lo).to(device)
+                noised = sigma * randn_tensor(latents.shape, generator=generator, device=device) + (1 - sigma) * latents
+                if kind == "image":
+                    image_latents = noised
+                else:
+                    still = noised
+        history = x.history
+        history.latents = torch.cat([history.latents[:, :, :-1], still], dim=2)
+        history.first, history.still = image_latents, still.cpu()
 
     def _history_inputs(self, x: _RequestState) -> dict[str, torch.Tensor]:
         """The transformer's history arguments for the chunk at hand, as ``HeliosPipeline`` builds them."""
@@ -305,11 +344,12 @@ class HeliosModel:
         history = state.history
         return {"made": torch.cat(history.made, dim=2).float().numpy(), "history": history.latents.cpu().numpy(),
                 "first": history.first.cpu().numpy(), "generator": state.generator.get_state().numpy(),
-                "chunk": np.array(state.chunk, dtype=np.int64)}
+                "chunk": np.array(state.chunk, dtype=np.int64),
+                **({} if history.still is None else {"still": history.still.numpy()})}
 
     def restore(self, request: GenerationRequest, arrays: dict[str, np.ndarray]) -> tuple[_RequestState, int]:
-        """The state a checkpoint was taken in (the prompts encoded again), and the decode's latent frames final in
-        it."""
+        """The state a checkpoint was taken in (the prompts, and an image, encoded again; the generator's state then
+        the checkpoint's), and the decode's latent frames final in it."""
         chunks = chunks_of(request)
         shape = self.geometry.latent_shape(chunks.chunk_frames, request.height, request.width)
         x = self._start(request, shape)
@@ -331,11 +371,18 @@ class HeliosModel:
         x.history.latents = history.to(self.device)
         x.history.first = first.to(self.device)
         x.history.made = list(made.split(n, dim=2))
+        if (request.image is not None) != ("still" in arrays):
+            raise ValueError("the checkpoint is not one of this request's chunks (image-to-video or not)")
+        if "still" in arrays:
+            x.history.still = torch.from_numpy(np.array(arrays["still"], dtype=np.float32))
         return x, final_frames(request, chunk + 1)
 
     def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
-        """``output_type="latent"``: the pipeline returns every chunk's latents ``[B, C, F, H, W]``."""
-        return {"latents": torch.cat(prepared.state.history.made, dim=2).float().numpy()}
+        """``output_type="latent"``: the pipeline returns every chunk's latents ``[B, C, F, H, W]`` (after the
+        image's still latent frame, with an image)."""
+        history = prepared.state.history
+        still = [] if history.still is None else [history.still]
+        return {"latents": torch.cat([*still, *history.made], dim=2).float().numpy()}
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """The pipeline's decode: each chunk alone, de-normalised, through ``vae.decode`` and the post-processing,

@@ -75,6 +75,10 @@ def _check(values: Mapping[str, Any]) -> None:
         # HeliosPipeline (diffusers 0.42) then splits its history into one latent frame more than it holds.
         raise ValueError("keep_first_frame=false: diffusers' HeliosPipeline fails with it (its short history is one "
                          "latent frame longer than the history it cuts it from); use true")
+    for kind in ("image", "video"):
+        lo, hi = values[f"{kind}_noise_sigma_min"], values[f"{kind}_noise_sigma_max"]
+        if lo > hi:
+            raise ValueError(f"{kind}_noise_sigma_min={lo} is above {kind}_noise_sigma_max={hi}; swap them")
     chunks = chunks_of(values)
     if values["num_frames"] != chunks.video_frames:
         below = Chunks(max(1, chunks.count - 1), chunks.latent_frames).video_frames
@@ -102,7 +106,7 @@ def _chunk_frames(values: Mapping[str, Any]) -> int:
 
 
 def helios_options() -> ModelOptions:
-    """``HeliosPipeline``'s options (text-to-video)."""
+    """``HeliosPipeline``'s options (text- and image-to-video)."""
     standard = {o.name: o for o in standard_options(
         height=384, width=640, num_frames=129, frame_rate=24, num_inference_steps=50, guidance_scale=5.0,
         size_step="a multiple of 16", frame_step=HELIOS_TEMPORAL_COMPRESSION, side_step=16)}
@@ -121,6 +125,17 @@ def helios_options() -> ModelOptions:
                "attends to (sorted from big to small, as the pipeline sorts them)", lo=1, hi=256, max_items=3,
                check=_check_history),
         Option("keep_first_frame", bool, True, "keep the video's first latent frame in every chunk's short history"),
+        Option("add_noise_to_image_latents", bool, True, "with an image: noise its latents (and the still video's "
+               "last latent frame in the history) by a sigma drawn between the min and max below"),
+        Option("image_noise_sigma_min", float, 0.111, "with an image: the smallest sigma its latents are noised by",
+               lo=0, hi=1),
+        Option("image_noise_sigma_max", float, 0.135, "with an image: the largest sigma its latents are noised by",
+               lo=0, hi=1),
+        Option("video_noise_sigma_min", float, 0.111, "with an image: the smallest sigma the still video's latent "
+               "frame in the history is noised by", lo=0, hi=1),
+        Option("video_noise_sigma_max", float, 0.135, "with an image: the largest sigma the still video's latent "
+               "frame in the history is noised by", lo=0, hi=1),
     )
-    return ModelOptions("Helios", options, takes_media=False, check=_check, window_media=(),
+    # An image is the first frame: the first latent frame every chunk's short history starts with.
+    return ModelOptions("Helios", options, takes_media=True, check=_check, window_media=("image",),
                         window_frames=_chunk_frames, window_tile_causal=True)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from cp_infer.request import GenerationRequest
+from cp_infer.request import Condition, GenerationRequest
 from cp_infer.sampler import SampleControl, sample
 
 from ...harness import one_thread
@@ -40,8 +40,16 @@ def folder(tmp_path_factory) -> str:
     return str(ensure_default_helios_model(tmp_path_factory.mktemp("helios")))
 
 
+def _picture(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:40, 0:56]
+    pixels = np.stack([(x * 5) % 256, (y * 7) % 256, (x + 2 * y) % 256], axis=-1) + rng.integers(-30, 30, (40, 56, 3))
+    return np.clip(pixels, 0, 255).astype(np.uint8)[None]
+
+
 def _requests(seed: int) -> list[GenerationRequest]:
-    # Two chunks with CFG (25 tokens a chunk); one chunk without (one pass a step), a shorter long history (23).
+    # Two chunks with CFG (25 tokens a chunk); one chunk without (one pass a step), a shorter long history (23); two
+    # chunks from an image (its latents and still frame encoded and noised from the request's generator).
     return [
         GenerationRequest(prompt="a red fox runs through fresh snow", negative_prompt="blurry, low quality",
                           num_frames=17, height=32, width=32, num_inference_steps=2, guidance_scale=4.0, seed=seed,
@@ -49,6 +57,10 @@ def _requests(seed: int) -> list[GenerationRequest]:
         GenerationRequest(prompt="waves on a beach at dusk", num_frames=9, height=32, width=32,
                           num_inference_steps=2, guidance_scale=1.0, seed=seed + 1,
                           options={"num_latent_frames_per_chunk": 3, "history_sizes": [2, 8, 1]}),
+        GenerationRequest(prompt="the fox turns its head", num_frames=17, height=32, width=32,
+                          num_inference_steps=2, guidance_scale=3.0, seed=seed + 2,
+                          image=Condition(frames=_picture(seed)),
+                          options={"num_latent_frames_per_chunk": 3, "image_noise_sigma_max": 0.3}),
     ]
 
 
@@ -74,7 +86,10 @@ def _reference(folder: str, r: GenerationRequest, output_type: str) -> np.ndarra
     pipe = HeliosPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, scheduler=c.scheduler,
                           transformer=c.transformer)
     pipe.set_progress_bar_config(disable=True)
-    out = pipe(prompt=r.prompt, negative_prompt=r.negative_prompt or None, num_frames=r.num_frames,
+    from PIL import Image
+
+    image = None if r.image is None else Image.fromarray(r.image.frames[0], mode="RGB")
+    out = pipe(prompt=r.prompt, negative_prompt=r.negative_prompt or None, num_frames=r.num_frames, image=image,
                height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
                guidance_scale=r.guidance_scale, generator=torch.Generator("cpu").manual_seed(r.seed),
                output_type=output_type, **r.options).frames
@@ -140,7 +155,8 @@ def test_embedded_default_builds_bit_for_bit():
         assert all(torch.equal(sa[k], sb[k]) for k in sa), name
 
 
-def test_chunks_stream_and_a_resumed_job_equals_the_whole_run(folder, one_rank):
+@pytest.mark.parametrize("index", [0, 2], ids=["text", "image"])
+def test_chunks_stream_and_a_resumed_job_equals_the_whole_run(folder, one_rank, index):
     """Each chunk's frames are delivered once it is made, before the next; after it the job is a checkpoint, and going
     on from it (the chunks made decoded again, the next drawn from the generator's saved state) makes the video and
     latents of the uninterrupted run, bit for bit. A checkpoint of another request is refused."""
@@ -149,7 +165,7 @@ def test_chunks_stream_and_a_resumed_job_equals_the_whole_run(folder, one_rank):
     from models.helios.loading import load_helios
 
     seed, ours = one_rank
-    request = _requests(seed)[0]  # two chunks of 9 frames: 17 frames
+    request = _requests(seed)[index]  # two chunks of 9 frames: 17 frames
     state = single_process_state()
     model = HeliosModel(load_helios(folder), state=state)
     saved, events = {}, []
@@ -163,8 +179,8 @@ def test_chunks_stream_and_a_resumed_job_equals_the_whole_run(folder, one_rank):
     latents = {}
     frames = one_thread(sample, model, request, state=state,
                         control=SampleControl(resume=(1, saved[1]), on_latents=latents.update))
-    np.testing.assert_array_equal(frames, ours[0][0], err_msg=f"seed={seed}")
-    np.testing.assert_array_equal(latents["latents"], ours[0][1], err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(frames, ours[index][0], err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(latents["latents"], ours[index][1], err_msg=f"seed={seed}")
     other = GenerationRequest(**{**request.__dict__, "height": 48})
     with pytest.raises(Exception, match="checkpoint"):
         one_thread(sample, model, other, state=state, control=SampleControl(resume=(1, saved[1])))
