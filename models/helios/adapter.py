@@ -44,7 +44,7 @@ from cp_infer.sampler import Decoder, Prepared
 from cp_infer.weights import join_call
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
 
-from .options import HELIOS_TEMPORAL_COMPRESSION, chunks_of, helios_options
+from .options import HELIOS_TEMPORAL_COMPRESSION, chunk_prompts, chunks_of, helios_options
 from .parallel import HeliosShardContext, parallelize_helios_transformer, sharded_forward
 
 __all__ = ["LORA", "HeliosModel", "pack_patches", "plan_request", "step_passes", "unpack_patches"]
@@ -73,9 +73,10 @@ def unpack_patches(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tupl
 
 
 def plan_request(request: GenerationRequest) -> Plan:
-    """One ``chunk`` pass per chunk (its ``window``), each with every step of the schedule."""
-    return Plan(tuple(DenoisePass(request, steps=request.num_inference_steps, kind="chunk", window=k)
-                      for k in range(chunks_of(request).count)))
+    """One ``chunk`` pass per chunk (its ``window``), each with its prompt (``prompt_segments``) and every step of
+    the schedule."""
+    return Plan(tuple(DenoisePass(replace(request, prompt=prompt), steps=request.num_inference_steps, kind="chunk",
+                                  window=k) for k, prompt in enumerate(chunk_prompts(request))))
 
 
 def final_frames(request: GenerationRequest, chunks_made: int) -> int:
@@ -199,6 +200,8 @@ class HeliosModel:
             x = self._start(request, shape)
         else:
             x = replace(previous_state, chunk=previous_state.chunk + 1)
+            if request.prompt != x.request.prompt:  # the next range of prompt_segments
+                x.request, x.embeds = request, self._embeds(request)
         channels = self.transformer.config.in_channels
         # NOTE(noise): drawn on the CPU from the request's one generator, so that every rank, and every device
         # type, draws the pipeline's latents.
@@ -218,13 +221,8 @@ class HeliosModel:
     def _start(self, request: GenerationRequest, shape: LatentShape) -> _RequestState:
         """The first chunk's: the adapters, the prompts, the generator, the empty history."""
         apply_loras(self.loras, request.loras)
-        device, pipe = self.device, self.pipe
-        cfg_on = request.guidance_scale > 1.0
-        prompt_embeds, negative_embeds = pipe.encode_prompt(
-            prompt=request.prompt, negative_prompt=request.negative_prompt, do_classifier_free_guidance=cfg_on,
-            max_sequence_length=request.options["max_sequence_length"], device=device)
-        dtype = self.transformer.dtype
-        embeds = [prompt_embeds.to(dtype)] + ([negative_embeds.to(dtype)] if cfg_on else [])
+        device = self.device
+        embeds = self._embeds(request)
         # The pipeline's order, big to small (keep_first_frame=False is refused: models.helios.options).
         sizes = sorted(request.options["history_sizes"], reverse=True)
         frames = sum(sizes)
@@ -237,6 +235,15 @@ class HeliosModel:
         if request.image is not None:
             self._start_image(x)
         return x
+
+    def _embeds(self, request: GenerationRequest) -> list[torch.Tensor]:
+        """The step's passes' prompt embeddings, as ``HeliosPipeline.encode_prompt`` makes them."""
+        cfg_on = request.guidance_scale > 1.0
+        prompt_embeds, negative_embeds = self.pipe.encode_prompt(
+            prompt=request.prompt, negative_prompt=request.negative_prompt, do_classifier_free_guidance=cfg_on,
+            max_sequence_length=request.options["max_sequence_length"], device=self.device)
+        dtype = self.transformer.dtype
+        return [prompt_embeds.to(dtype)] + ([negative_embeds.to(dtype)] if cfg_on else [])
 
     def _start_image(self, x: _RequestState) -> None:
         """``HeliosPipeline``'s image-to-video preparation: the image's latents (the first latent frame of every

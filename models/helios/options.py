@@ -20,8 +20,10 @@ from typing import Any
 from cp_infer.options import ModelOptions, Option
 from cp_infer.request import GenerationRequest
 from models.common.standard_options import standard_options
+from models.common.windows import prompt_segments_option, window_prompts
 
-__all__ = ["HELIOS_TEMPORAL_COMPRESSION", "HELIOS_TEXT_TOKENS", "Chunks", "chunks_of", "helios_options"]
+__all__ = ["HELIOS_TEMPORAL_COMPRESSION", "HELIOS_TEXT_TOKENS", "Chunks", "chunk_prompts", "chunks_of",
+           "helios_options"]
 
 HELIOS_TEMPORAL_COMPRESSION = 4
 """Video frames per latent frame of Helios's VAE (``AutoencoderKLWan``; the first latent frame of a chunk holds one)."""
@@ -64,6 +66,16 @@ def chunks_of(values: GenerationRequest | Mapping[str, Any]) -> Chunks:
     return Chunks.for_frames(values["num_frames"], values["num_latent_frames_per_chunk"])
 
 
+def chunk_prompts(request: GenerationRequest) -> list[str]:
+    """The prompt of each chunk: with ``prompt_segments`` (the windows' option, its windows the chunks), each chunk
+    its segment's text, gaps taking the one before (``models.common.windows.window_prompts``); else the prompt, whole,
+    as ``HeliosPipeline`` takes it."""
+    count = chunks_of(request).count
+    if not request.options.get("prompt_segments"):
+        return [request.prompt] * count
+    return window_prompts(request, range(count))  # only its length is read: the chunks are the windows
+
+
 def _check_history(sizes: tuple[int, ...]) -> None:
     if len(sizes) != 3:
         raise ValueError(f"history_sizes={list(sizes)} must be 3 sizes in latent frames (long, mid, short), e.g. "
@@ -86,6 +98,9 @@ def _check(values: Mapping[str, Any]) -> None:
         raise ValueError(f"num_frames={values['num_frames']}: Helios makes whole chunks of {chunks.chunk_frames} "
                          f"frames (num_latent_frames_per_chunk={chunks.latent_frames}), cut to 4k+1 frames; try "
                          f"{' or '.join(map(str, near))}")
+    if values.get("prompt_segments") and chunks.count == 1:
+        raise ValueError("prompt_segments: the video is one chunk (num_frames <= the frames of a chunk); give one "
+                         "prompt, or ask for more frames")
     if chunks.count > _MAX_CHUNKS:
         raise ValueError(f"num_frames={values['num_frames']} is {chunks.count} chunks; at most {_MAX_CHUNKS}")
 
@@ -125,6 +140,10 @@ def helios_options() -> ModelOptions:
                "attends to (sorted from big to small, as the pipeline sorts them)", lo=1, hi=256, max_items=3,
                check=_check_history),
         Option("keep_first_frame", bool, True, "keep the video's first latent frame in every chunk's short history"),
+        # The windows' option, its windows the chunks (start_window, end_window: chunk indices).
+        dataclasses.replace(prompt_segments_option(), help="a prompt per range of chunks: [{\"start_window\": 0, "
+                            "\"end_window\": 1, \"text\": \"...\"}, ...] (windows are chunks; gaps take the prompt "
+                            "before; unset: the prompt for every chunk)"),
         Option("add_noise_to_image_latents", bool, True, "with an image: noise its latents (and the still video's "
                "last latent frame in the history) by a sigma drawn between the min and max below"),
         Option("image_noise_sigma_min", float, 0.111, "with an image: the smallest sigma its latents are noised by",

@@ -184,3 +184,30 @@ def test_chunks_stream_and_a_resumed_job_equals_the_whole_run(folder, one_rank, 
     other = GenerationRequest(**{**request.__dict__, "height": 48})
     with pytest.raises(Exception, match="checkpoint"):
         one_thread(sample, model, other, state=state, control=SampleControl(resume=(1, saved[1])))
+
+
+def test_prompt_segments_give_each_range_of_chunks_its_prompt(folder, one_rank):
+    """With prompt_segments (the windows' option, its windows the chunks), chunk 0 is made from its segment's text
+    and chunk 1 from the next's: the first chunk's latents are those of the whole-video prompt when its segment is that
+    prompt, and the second's differ from them; segments that all say the prompt make the one-prompt video."""
+    from cp_infer import single_process_state
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    seed, ours = one_rank
+    request = _requests(seed)[0]  # two chunks of 3 latent frames
+    state = single_process_state()
+    model = HeliosModel(load_helios(folder), state=state)
+
+    def latents_of(segments):
+        options = {**request.options, "prompt_segments": segments}
+        got = {}
+        one_thread(sample, model, GenerationRequest(**{**request.__dict__, "options": options}), state=state,
+                   control=SampleControl(on_latents=got.update))
+        return got["latents"]
+
+    same = latents_of([{"start_window": 0, "end_window": 1, "text": request.prompt}])
+    np.testing.assert_array_equal(same, ours[0][1], err_msg=f"seed={seed}")
+    split = latents_of([{"start_window": 0, "text": request.prompt}, {"start_window": 1, "text": "a city at night"}])
+    np.testing.assert_array_equal(split[:, :, :3], ours[0][1][:, :, :3], err_msg=f"seed={seed}")
+    assert np.abs(split[:, :, 3:] - ours[0][1][:, :, 3:]).max() > 1e-3, "the second chunk's prompt changed nothing"

@@ -11,8 +11,9 @@ from diffusers import HeliosPipeline
 from models.helios.options import Chunks, helios_options
 
 # Declared options HeliosPipeline does not take: frame_rate is the output's (Helios is not conditioned on it; the
-# pipeline's example exports at 24 fps).
-_NOT_ARGUMENTS = {"frame_rate"}
+# pipeline's example exports at 24 fps); prompt_segments is the windows' option (LTXI2VLongMultiPromptPipeline's name),
+# its windows the chunks (HeliosPipeline takes one prompt).
+_NOT_ARGUMENTS = {"frame_rate", "prompt_segments"}
 _RESOLVED = {
     # negative_prompt=None: HeliosPipeline's encode_prompt turns it into "".
     "negative_prompt": "",
@@ -56,3 +57,11 @@ def test_what_the_pipeline_cannot_run_is_refused_naming_the_fix():
         from cp_infer import VideoGeometry
 
         VideoGeometry(temporal_compression=4, spatial_compression=8, patch_size=2).check_side(40, field="height")
+
+
+def test_prompt_segments_need_more_than_one_chunk():
+    options = helios_options()
+    segments = [{"start_window": 0, "text": "a"}, {"start_window": 1, "text": "b"}]
+    assert options.resolve({"num_frames": 65, "prompt_segments": segments})["prompt_segments"]
+    with pytest.raises(ValueError, match="prompt_segments: the video is one chunk"):
+        options.resolve({"num_frames": 33, "prompt_segments": segments})
