@@ -4,8 +4,9 @@ HeliosPipeline, N ranks and guidance ranks equal 1 rank.
 tiny-helios has 5 heads (they divide neither 2 nor 3 ranks: padded heads). A chunk's self-attention sequence is its
 history's tokens and its own, sharded together: at 32x32 (4x4 latents, 2x2 patches) a chunk of 3 latent frames is
 12 tokens, the short history (the first latent frame and 1 more) 8, the mid history (2 frames, patches of 2x4x4) 1,
-the long history (16 frames, 4x8x8) 4: 25 tokens, which divide neither 2 nor 3; with history_sizes (8, 2, 1) the
-long history is 2 tokens: 23.
+the long history (16 frames, 4x8x8) 4: 25 tokens, which divide neither 2 nor 3. At 48x48 with history_sizes
+(8, 2, 1) (given as [2, 8, 1]: the pipeline sorts them) the chunk is 27 tokens (the engine's own shard of the chunk
+uneven at 2 ranks), the short history 18, the mid 4, the long 2: 51.
 
 Tolerances: at 1 rank our loop runs diffusers' own modules on the same tensors in the same order (the transformer's
 forward on the chunk's grid, the scheduler stepping the same values in another layout, each chunk decoded alone by
@@ -48,13 +49,13 @@ def _picture(seed: int) -> np.ndarray:
 
 
 def _requests(seed: int) -> list[GenerationRequest]:
-    # Two chunks with CFG (25 tokens a chunk); one chunk without (one pass a step), a shorter long history (23); two
+    # Two chunks with CFG (25 tokens a chunk); one chunk without (one pass a step), a shorter long history (51); two
     # chunks from an image (its latents and still frame encoded and noised from the request's generator).
     return [
         GenerationRequest(prompt="a red fox runs through fresh snow", negative_prompt="blurry, low quality",
                           num_frames=17, height=32, width=32, num_inference_steps=2, guidance_scale=4.0, seed=seed,
                           options={"num_latent_frames_per_chunk": 3}),
-        GenerationRequest(prompt="waves on a beach at dusk", num_frames=9, height=32, width=32,
+        GenerationRequest(prompt="waves on a beach at dusk", num_frames=9, height=48, width=48,
                           num_inference_steps=2, guidance_scale=1.0, seed=seed + 1,
                           options={"num_latent_frames_per_chunk": 3, "history_sizes": [2, 8, 1]}),
         GenerationRequest(prompt="the fox turns its head", num_frames=17, height=32, width=32,
