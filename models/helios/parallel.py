@@ -5,9 +5,9 @@ concatenation order): the history tokens are part of every self-attention, so th
 one sequence of ``S = S_HIST + S_CHUNK`` tokens over one ``ShardPlan`` (:class:`HeliosShardContext`). At N ranks:
 
 - :func:`sharded_forward` runs the forward's own embedding code (patch embeddings of the chunk and of the three
-  histories, their rotary tables, the per-token timestep embeddings: zero-timestep ones for the history) on the whole
-  sequence, on every rank alike (a few convolutions, small against the blocks), and cuts each per-token tensor to the
-  rank's shard;
+  histories, their rotary tables) on the whole sequence, on every rank alike (a few convolutions, small against the
+  blocks), and cuts them to the rank's shard; the per-token timestep embeddings (timestep 0's for the history) are
+  made for the shard's tokens alone, the same rows the forward expands over the whole sequence;
 - the blocks run diffusers' code on the shard unchanged: norms, modulation and the feed-forward are per token; the
   block's cross-attention takes the tokens after the history, which on a shard are the rank's chunk tokens, because the
   block is handed ``original_context_length = S_LOCAL - (the rank's history tokens)``;
@@ -144,28 +144,32 @@ def sharded_forward(model, ctx: HeliosShardContext, *, hidden_states: torch.Tens
     hidden_states = torch.cat([long, mid, short, hidden_states], dim=1)
     rotary_emb = torch.cat([rope_long, rope_mid, rope_short, rotary_emb], dim=1)
     history = hidden_states.shape[1] - chunk_tokens
-    if model.zero_history_timestep:
-        timestep_t0 = torch.zeros((1), dtype=timestep.dtype, device=timestep.device)
-        temb_t0, timestep_proj_t0, _ = model.condition_embedder(timestep_t0, encoder_hidden_states,
-                                                                is_return_encoder_hidden_states=False)
-        temb_t0 = temb_t0.unsqueeze(1).expand(batch_size, history, -1)
-        timestep_proj_t0 = (timestep_proj_t0.unflatten(-1, (6, -1)).view(1, 6, 1, -1)
-                            .expand(batch_size, -1, history, -1))
-    temb, timestep_proj, encoder_hidden_states = model.condition_embedder(timestep, encoder_hidden_states)
-    timestep_proj = timestep_proj.unflatten(-1, (6, -1))
-    repeat = chunk_tokens if model.zero_history_timestep else hidden_states.shape[1]
-    temb = temb.view(batch_size, 1, -1).expand(batch_size, repeat, -1)
-    timestep_proj = timestep_proj.view(batch_size, 6, 1, -1).expand(batch_size, 6, repeat, -1)
-    if model.zero_history_timestep:
-        temb = torch.cat([temb_t0, temb], dim=1)
-        timestep_proj = torch.cat([timestep_proj_t0, timestep_proj], dim=2)
-    timestep_proj = timestep_proj.permute(0, 2, 1, 3)  # B, 6, S, D -> B, S, 6, D
-
     # The shard: B, S, ... -> B, S_LOCAL, ... (zero padding at the end of the last ranks').
     plan = ShardPlan(orig_len=hidden_states.shape[1], world=state.cp_size)
     rank = state.cp_rank
-    hidden_states, rotary_emb, temb, timestep_proj = (
-        plan.shard(x, rank).contiguous() for x in (hidden_states, rotary_emb, temb, timestep_proj))
+    hidden_states, rotary_emb = (plan.shard(x, rank).contiguous() for x in (hidden_states, rotary_emb))
+    # The per-token timestep embeddings, made for the shard's tokens alone (the forward expands them over the whole
+    # sequence): a history token's are timestep 0's (zero_history_timestep), a chunk token's the step's; the same rows.
+    start, stop = plan.token_range(rank)
+    own = (max(0, min(stop, history) - start), stop - max(start, history) if stop > history else 0)
+    if not model.zero_history_timestep:
+        own = (0, stop - start)
+    pad = plan.local_len - (stop - start)
+    rows_temb, rows_proj = [], []
+    if own[0]:
+        timestep_t0 = torch.zeros((1), dtype=timestep.dtype, device=timestep.device)
+        temb_t0, timestep_proj_t0, _ = model.condition_embedder(timestep_t0, encoder_hidden_states,
+                                                                is_return_encoder_hidden_states=False)
+        rows_temb.append(temb_t0.unsqueeze(1).expand(batch_size, own[0], -1))
+        # 1, 6*D -> B, H_LOCAL, 6, D
+        rows_proj.append(timestep_proj_t0.unflatten(-1, (6, -1)).view(1, 1, 6, -1).expand(batch_size, own[0], -1, -1))
+    temb, timestep_proj, encoder_hidden_states = model.condition_embedder(timestep, encoder_hidden_states)
+    rows_temb.append(temb.view(batch_size, 1, -1).expand(batch_size, own[1], -1))
+    # B, 6*D -> B, C_LOCAL, 6, D
+    rows_proj.append(timestep_proj.unflatten(-1, (6, -1)).view(batch_size, 1, 6, -1).expand(batch_size, own[1], -1, -1))
+    rows_temb.append(temb.new_zeros(batch_size, pad, temb.shape[-1]))
+    rows_proj.append(timestep_proj.new_zeros(batch_size, pad, 6, timestep_proj.shape[-1] // 6))
+    temb, timestep_proj = torch.cat(rows_temb, dim=1), torch.cat(rows_proj, dim=1)
     encoder_hidden_states = encoder_hidden_states.contiguous()
     ctx.plan, ctx.history = plan, history
     try:
