@@ -43,3 +43,21 @@ def test_a_broken_folder_is_refused_naming_the_subfolder(folder, tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ModelLoadError, match="transformer"):
         load_helios(broken)
+
+
+def test_a_schedule_the_chunk_loop_does_not_run_is_refused_naming_it(folder, tmp_path):
+    """HeliosPyramidPipeline's three-stage schedule (and the distilled checkpoint's dmd one) are not served: the
+    adapter refuses the folder naming the scheduler config's values."""
+    import json
+
+    from cp_infer import single_process_state
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    pyramid = tmp_path / "pyramid"
+    shutil.copytree(folder, pyramid)
+    config_file = pyramid / "scheduler" / "scheduler_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "stages": 3}))
+    with pytest.raises(ValueError, match="stages=3.*the pyramid and distilled"):
+        HeliosModel(load_helios(pyramid), state=single_process_state())
