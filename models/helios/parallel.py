@@ -88,7 +88,8 @@ class _UlyssesSelfAttnProcessor:
             return key
 
         out = ulysses_attention(lambda: rotated(attn.to_q, attn.norm_q), keys,
-                                lambda: heads(attn.to_v(hidden_states)), plan=ctx.plan, group=ctx.state.cp_group)
+                                lambda: heads(attn.to_v(hidden_states)), plan=ctx.plan,
+                                group=ctx.state.attention_group, ring=ctx.state.ring)
         out = out.flatten(2, 3).type_as(hidden_states)  # B, S_LOCAL, H, D -> B, S_LOCAL, H*D
         return attn.to_out[1](attn.to_out[0](out))
 

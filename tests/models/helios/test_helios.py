@@ -29,7 +29,7 @@ from cp_infer.request import Condition, GenerationRequest
 from cp_infer.sampler import SampleControl, sample
 
 from ...harness import one_thread
-from ...worker_groups import groups_by_layout
+from ...worker_groups import SharedGroup, groups_by_layout
 
 groups = groups_by_layout()
 
@@ -65,13 +65,14 @@ def _requests(seed: int) -> list[GenerationRequest]:
     ]
 
 
-def _sample_all(state, folder: str, seed: int):
+def _sample_all(state, folder: str, seed: int, first: int | None = None):
+    """``first``: only that many of the requests."""
     from models.helios.adapter import HeliosModel
     from models.helios.loading import load_helios
 
     model = HeliosModel(load_helios(folder), state=state)
     out = []
-    for request in _requests(seed):
+    for request in _requests(seed)[:first]:
         latents = {}
         frames = sample(model, request, state=state, control=SampleControl(on_latents=latents.update))
         out.append((frames, latents.get("latents")))
@@ -136,6 +137,14 @@ def test_n_ranks_equal_one_rank(folder, one_rank, groups, world):
     seed, expected = one_rank
     results = groups(world).run(_sample_all, folder, seed, timeout=600)
     _assert_close_to(expected, results, world=world, seed=seed)
+
+
+def test_a_ring_of_two_equals_one_rank(folder, one_rank):
+    """R=2 (``--ring-degree 2``): the chunk and its history pass their key/value blocks round the ring, the history's
+    keys amplified in every block; the first request (2 chunks, CFG) only, to keep the test short."""
+    seed, expected = one_rank
+    results = SharedGroup(2, ring=2).run(_sample_all, folder, seed, 1, timeout=600)
+    _assert_close_to(expected[:1], results, world="R2", seed=seed)
 
 
 def test_guidance_ranks_equal_one_rank(folder, one_rank, groups):
