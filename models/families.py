@@ -32,6 +32,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "ltx-video": ("models.ltx_video.family", "FAMILY"),
     "ltx2": ("models.ltx2.family", "FAMILY"),
     "wan": ("models.wan.family", "FAMILY"),
+    "helios": ("models.helios.family", "FAMILY"),
 }
 """Family name -> (module, attribute) of its :class:`Family` object. The order is the order of help texts and docs."""
 

@@ -21,6 +21,7 @@ from server.cli import command as cli
 
 REPO = Path(__file__).resolve().parents[3]
 LTX2 = REPO / "bench" / "configs" / "ltx2"
+HELIOS = REPO / "bench" / "configs" / "helios"
 _ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
 
 
@@ -81,6 +82,16 @@ def test_ltx2_at_its_released_size(capsys):
     assert "weights auto -> replicated" in big[""][0]
     peak = re.search(r"([\d.]+) GiB at the peak", text)
     assert peak and float(peak.group(1)) < 24 * 0.8
+
+
+def test_helios_at_its_released_size(capsys):
+    """The committed configs-only Helios folder: the 14.3B transformer and UMT5-XXL's 5.7B encoder, the VAE float32
+    (HeliosPipeline's example keeps it there, so it stays whole on every rank); on 8 x 24 GiB ``auto`` shards."""
+    assert not [p for p in HELIOS.rglob("*") if p.suffix in (".safetensors", ".bin")], "configs only"
+    rows = _memory(capsys, "--model", str(HELIOS), "--nproc", "8", "--dtype", "bf16", "--device-memory", "24")
+    assert rows["transformer"][1] == "14.31B" and rows["text_encoder"][1] == "5.68B"
+    assert rows["vae"][-1] == "replicated" and " ".join(rows["vae"][2:4]) == "484.06 MiB"
+    assert "weights auto -> sharded" in rows[""][0] and "on 24 GiB per GPU: fits" in rows[""][0]
 
 
 @pytest.mark.parametrize("command", ["generate", "batch", "serve", "memory"])

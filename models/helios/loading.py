@@ -1,0 +1,105 @@
+"""Load a diffusers-format Helios folder (``HeliosPipeline``: ``BestWishYsh/Helios-Base``, ``-Mid``, ``-Distilled``)
+into its components, and describe one from its configs alone.
+
+Invariants:
+- The same loading path and errors as the other families (``models.common.loading``: local files only, a
+  ``ModelLoadError`` naming the subfolder and what is wrong with it; eval mode, ``device``, ``dtype``), except that
+  the VAE stays float32, as ``HeliosPipeline``'s example loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKLWan, HeliosScheduler, HeliosTransformer3DModel
+from transformers import T5Tokenizer, UMT5EncoderModel
+
+from cp_infer import VideoGeometry
+from models.common.folder_problems import ModelLoadError, component_problem, error_line
+from models.common.loading import ModelFiles, _load_components, _model_files, _require_dir
+
+__all__ = ["HeliosComponents", "describe_helios", "load_helios"]
+
+_SUBFOLDERS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
+_SCHEDULERS = {"HeliosScheduler": HeliosScheduler}
+_TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
+
+
+@dataclass(frozen=True)
+class HeliosComponents:
+    """The components of one loaded Helios folder (``HeliosPipeline``'s)."""
+
+    transformer: HeliosTransformer3DModel
+    """The denoiser, eval mode, in `dtype` on `device`."""
+    vae: AutoencoderKLWan
+    """Wan's causal video VAE (8x spatial, 4x temporal), eval mode, float32, `device`."""
+    scheduler: HeliosScheduler
+    """Stateful; a request runs a fresh one of its config."""
+    text_encoder: UMT5EncoderModel
+    tokenizer: T5Tokenizer
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+
+
+class _Transformer:
+    """``HeliosTransformer3DModel.from_pretrained`` with ``low_cpu_mem_usage=True``: the class keeps modules in
+    float32 (``_keep_in_fp32_modules``), for which diffusers refuses ``low_cpu_mem_usage=False``."""
+
+    @staticmethod
+    def from_pretrained(*args: Any, **kwargs: Any) -> HeliosTransformer3DModel:
+        return HeliosTransformer3DModel.from_pretrained(*args, **{**kwargs, "low_cpu_mem_usage": True})
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path} is not readable JSON ({error_line(exc)})") from exc
+    return value if isinstance(value, dict) else {}
+
+
+def describe_helios(path: str | os.PathLike) -> tuple[VideoGeometry, int]:
+    """``(geometry, layers)`` of a Helios folder, from its configs alone (no weights)."""
+    root = _require_dir(path)
+    transformer = _read_json(root / "transformer" / "config.json")
+    vae = _read_json(root / "vae" / "config.json")
+    if not transformer or not vae:
+        problem = component_problem(root, "transformer", config="config.json") or component_problem(
+            root, "vae", config="config.json")
+        raise ModelLoadError(f"could not read the transformer/ and vae/ configs of {str(root)!r}: "
+                             f"{problem or 'a config.json is missing or empty'}")
+    patch_t, patch_h, patch_w = transformer.get("patch_size", (1, 2, 2))
+    if patch_h != patch_w:
+        raise ModelLoadError(f"{str(root)!r}: a transformer patch of {patch_h}x{patch_w} pixels is not square; the "
+                             "engine's sizes take square patches")
+    # HeliosPipeline.check_inputs takes sizes that are multiples of 16 (8x VAE, 2x2 patches).
+    geometry = VideoGeometry(temporal_compression=int(vae.get("scale_factor_temporal", 4)),
+                             spatial_compression=int(vae.get("scale_factor_spatial", 8)),
+                             patch_size=int(patch_h), patch_size_t=int(patch_t))
+    return geometry, int(transformer.get("num_layers", 0))
+
+
+def load_helios(path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None,
+                offloaded: Collection[str] = ()) -> HeliosComponents:
+    """Load a Helios diffusers folder (e.g. BestWishYsh/Helios-Base, or ``ensure_default_helios_model()``). The VAE
+    is float32 whatever ``dtype`` is, as ``HeliosPipeline``'s example loads it. ``offloaded``: the components left on
+    the CPU (``--offload``)."""
+    files = _model_files(path)
+    if files.checkpoint is not None:
+        raise ModelLoadError("single-file checkpoints are read for LTX-Video and LTX-2; load a Helios model from its "
+                             "diffusers folder")
+    return _load_components(
+        files, HeliosComponents, family="helios", what="Helios", subfolders=_SUBFOLDERS,
+        models=(("transformer", _Transformer), ("vae", AutoencoderKLWan)), text_encoder=UMT5EncoderModel,
+        tokenizer=T5Tokenizer, tokenizer_files=_TOKENIZER_FILES, dtype=dtype, device=device, loaders=loaders,
+        schedulers=_SCHEDULERS, float32=("vae",), offloaded=offloaded)

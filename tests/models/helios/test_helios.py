@@ -1,0 +1,223 @@
+"""Helios text-to-video sampled with the Ulysses engine, chunk by chunk: 1 rank equals diffusers' own
+HeliosPipeline, N ranks and guidance ranks equal 1 rank.
+
+tiny-helios has 5 heads (they divide neither 2 nor 3 ranks: padded heads). A chunk's self-attention sequence is its
+history's tokens and its own, sharded together: at 32x32 (4x4 latents, 2x2 patches) a chunk of 3 latent frames is
+12 tokens, the short history (the first latent frame and 1 more) 8, the mid history (2 frames, patches of 2x4x4) 1,
+the long history (16 frames, 4x8x8) 4: 25 tokens, which divide neither 2 nor 3. At 48x48 with history_sizes
+(8, 2, 1) (given as [2, 8, 1]: the pipeline sorts them) the chunk is 27 tokens (the engine's own shard of the chunk
+uneven at 2 ranks), the short history 18, the mid 4, the long 2: 51.
+
+Tolerances: at 1 rank our loop runs diffusers' own modules on the same tensors in the same order (the transformer's
+forward on the chunk's grid, the scheduler stepping the same values in another layout, each chunk decoded alone by
+``vae.decode``), so frames and latents are bit-identical to ``HeliosPipeline``. With N Ulysses ranks the maths is the
+same but matmuls over fewer rows and SDPA over the exchanged layout may sum in another order: fp32 differences of
+~1e-6, carried through the chunks' histories, that can flip a rounding to uint8, so frames agree within 1 level and
+on average within 0.01, latents within 1e-4. Guidance ranks run each pass as the pipeline does (a batch of one) and
+exchange the outputs unchanged: bit-identical.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from cp_infer.request import Condition, GenerationRequest
+from cp_infer.sampler import SampleControl, sample
+
+from ...harness import one_thread
+from ...worker_groups import SharedGroup, groups_by_layout
+
+groups = groups_by_layout()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    from models.helios.default import ensure_default_helios_model
+
+    return str(ensure_default_helios_model(tmp_path_factory.mktemp("helios")))
+
+
+def _picture(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:40, 0:56]
+    pixels = np.stack([(x * 5) % 256, (y * 7) % 256, (x + 2 * y) % 256], axis=-1) + rng.integers(-30, 30, (40, 56, 3))
+    return np.clip(pixels, 0, 255).astype(np.uint8)[None]
+
+
+def _requests(seed: int) -> list[GenerationRequest]:
+    # Two chunks with CFG (25 tokens a chunk); one chunk without (one pass a step), a shorter long history (51); two
+    # chunks from an image (its latents and still frame encoded and noised from the request's generator).
+    return [
+        GenerationRequest(prompt="a red fox runs through fresh snow", negative_prompt="blurry, low quality",
+                          num_frames=17, height=32, width=32, num_inference_steps=2, guidance_scale=4.0, seed=seed,
+                          options={"num_latent_frames_per_chunk": 3}),
+        GenerationRequest(prompt="waves on a beach at dusk", num_frames=9, height=48, width=48,
+                          num_inference_steps=2, guidance_scale=1.0, seed=seed + 1,
+                          options={"num_latent_frames_per_chunk": 3, "history_sizes": [2, 8, 1]}),
+        GenerationRequest(prompt="the fox turns its head", num_frames=17, height=32, width=32,
+                          num_inference_steps=2, guidance_scale=3.0, seed=seed + 2,
+                          image=Condition(frames=_picture(seed)),
+                          options={"num_latent_frames_per_chunk": 3, "image_noise_sigma_max": 0.3}),
+    ]
+
+
+def _sample_all(state, folder: str, seed: int, first: int | None = None):
+    """``first``: only that many of the requests."""
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    model = HeliosModel(load_helios(folder), state=state)
+    out = []
+    for request in _requests(seed)[:first]:
+        latents = {}
+        frames = sample(model, request, state=state, control=SampleControl(on_latents=latents.update))
+        out.append((frames, latents.get("latents")))
+    return out
+
+
+def _reference(folder: str, r: GenerationRequest, output_type: str) -> np.ndarray:
+    from diffusers import HeliosPipeline
+
+    from models.helios.loading import load_helios
+
+    c = load_helios(folder)
+    pipe = HeliosPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, scheduler=c.scheduler,
+                          transformer=c.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    from PIL import Image
+
+    image = None if r.image is None else Image.fromarray(r.image.frames[0], mode="RGB")
+    out = pipe(prompt=r.prompt, negative_prompt=r.negative_prompt or None, num_frames=r.num_frames, image=image,
+               height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
+               guidance_scale=r.guidance_scale, generator=torch.Generator("cpu").manual_seed(r.seed),
+               output_type=output_type, **r.options).frames
+    if output_type == "latent":
+        return out.float().numpy()
+    return (np.clip(out[0], 0, 1) * 255).round().astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def one_rank(folder):
+    from cp_infer import single_process_state
+
+    seed = random.randrange(2**31)
+    return seed, one_thread(_sample_all, single_process_state(), folder, seed)
+
+
+def test_one_rank_equals_helios_pipeline(folder, one_rank):
+    seed, ours = one_rank
+    for r, (frames, latents) in zip(_requests(seed), ours, strict=True):
+        assert frames.shape == (r.num_frames, r.height, r.width, 3)
+        assert frames.std() > 5, "degenerate video: the comparison would prove nothing"
+        # The reference on one thread too, as ours: the thread count alone changes how a matmul's sum is split.
+        np.testing.assert_array_equal(latents, one_thread(_reference, folder, r, "latent"), err_msg=f"seed={seed}")
+        np.testing.assert_array_equal(frames, one_thread(_reference, folder, r, "np"), err_msg=f"seed={seed}")
+
+
+def _assert_close_to(expected, results, *, world, seed, exact=False):
+    assert all(r is None for rank in results[1:] for r, _ in rank), "only the delivering rank returns frames"
+    for (exp, exp_latents), (got, got_latents) in zip(expected, results[0], strict=True):
+        assert got.shape == exp.shape
+        diff = np.abs(got.astype(np.int16) - exp.astype(np.int16))
+        if exact:
+            assert diff.max() == 0, f"world={world} seed={seed} shape={exp.shape}: max {diff.max()}"
+            np.testing.assert_array_equal(got_latents, exp_latents)
+            continue
+        assert diff.max() <= 1 and diff.mean() < 0.01, \
+            f"world={world} seed={seed} shape={exp.shape}: max {diff.max()} mean {diff.mean()}"
+        torch.testing.assert_close(torch.from_numpy(got_latents), torch.from_numpy(exp_latents), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_n_ranks_equal_one_rank(folder, one_rank, groups, world):
+    seed, expected = one_rank
+    results = groups(world).run(_sample_all, folder, seed, timeout=600)
+    _assert_close_to(expected, results, world=world, seed=seed)
+
+
+def test_a_ring_of_two_equals_one_rank(folder, one_rank):
+    """R=2 (``--ring-degree 2``): the chunk and its history pass their key/value blocks round the ring, the history's
+    keys amplified in every block; the first request (2 chunks, CFG) only, to keep the test short."""
+    seed, expected = one_rank
+    results = SharedGroup(2, ring=2).run(_sample_all, folder, seed, 1, timeout=600)
+    _assert_close_to(expected[:1], results, world="R2", seed=seed)
+
+
+def test_guidance_ranks_equal_one_rank(folder, one_rank, groups):
+    """G=2: CFG's conditional pass on one rank, the unconditional on the other (the second request has no CFG: one
+    pass, the second rank idle but in the exchange)."""
+    seed, expected = one_rank
+    results = groups(2, 2).run(_sample_all, folder, seed, timeout=600)
+    _assert_close_to(expected, results, world=2, seed=seed, exact=True)
+
+
+def test_embedded_default_builds_bit_for_bit():
+    from models.helios.default import build_helios_pipeline
+
+    a, b = build_helios_pipeline(), build_helios_pipeline()
+    for name in ("transformer", "vae", "text_encoder"):
+        sa, sb = getattr(a, name).state_dict(), getattr(b, name).state_dict()
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), name
+
+
+@pytest.mark.parametrize("index", [0, 2], ids=["text", "image"])
+def test_chunks_stream_and_a_resumed_job_equals_the_whole_run(folder, one_rank, index):
+    """Each chunk's frames are delivered once it is made, before the next; after it the job is a checkpoint, and going
+    on from it (the chunks made decoded again, the next drawn from the generator's saved state) makes the video and
+    latents of the uninterrupted run, bit for bit. A checkpoint of another request is refused."""
+    from cp_infer import single_process_state
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    seed, ours = one_rank
+    request = _requests(seed)[index]  # two chunks of 9 frames: 17 frames
+    state = single_process_state()
+    model = HeliosModel(load_helios(folder), state=state)
+    saved, events = {}, []
+    control = SampleControl(on_checkpoint=saved.__setitem__, on_pass=lambda i, plan: events.append(("pass", i)),
+                            on_frames=lambda frames, first, total: events.append(("frames", first, len(frames))))
+    one_thread(sample, model, request, state=state, control=control)
+    assert sorted(saved) == [1]
+    delivered = [e for e in events[:events.index(("pass", 1))] if e[0] == "frames"]
+    # The first chunk's 9 frames (pieces of 4 after the first frame: 1 + 4 + 4), before the second is made.
+    assert sum(n for _, _, n in delivered) == 9, events
+    latents = {}
+    frames = one_thread(sample, model, request, state=state,
+                        control=SampleControl(resume=(1, saved[1]), on_latents=latents.update))
+    np.testing.assert_array_equal(frames, ours[index][0], err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(latents["latents"], ours[index][1], err_msg=f"seed={seed}")
+    other = GenerationRequest(**{**request.__dict__, "height": 48})
+    with pytest.raises(Exception, match="checkpoint"):
+        one_thread(sample, model, other, state=state, control=SampleControl(resume=(1, saved[1])))
+
+
+def test_prompt_segments_give_each_range_of_chunks_its_prompt(folder, one_rank):
+    """With prompt_segments (the windows' option, its windows the chunks), chunk 0 is made from its segment's text
+    and chunk 1 from the next's: the first chunk's latents are those of the whole-video prompt when its segment is that
+    prompt, and the second's differ from them; segments that all say the prompt make the one-prompt video."""
+    from cp_infer import single_process_state
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    seed, ours = one_rank
+    request = _requests(seed)[0]  # two chunks of 3 latent frames
+    state = single_process_state()
+    model = HeliosModel(load_helios(folder), state=state)
+
+    def latents_of(segments):
+        options = {**request.options, "prompt_segments": segments}
+        got = {}
+        one_thread(sample, model, GenerationRequest(**{**request.__dict__, "options": options}), state=state,
+                   control=SampleControl(on_latents=got.update))
+        return got["latents"]
+
+    same = latents_of([{"start_window": 0, "end_window": 1, "text": request.prompt}])
+    np.testing.assert_array_equal(same, ours[0][1], err_msg=f"seed={seed}")
+    split = latents_of([{"start_window": 0, "text": request.prompt}, {"start_window": 1, "text": "a city at night"}])
+    np.testing.assert_array_equal(split[:, :, :3], ours[0][1][:, :, :3], err_msg=f"seed={seed}")
+    assert np.abs(split[:, :, 3:] - ours[0][1][:, :, 3:]).max() > 1e-3, "the second chunk's prompt changed nothing"

@@ -1,0 +1,63 @@
+"""Loading a Helios folder: the components in their dtypes (the VAE float32), its description from configs alone,
+and a broken folder refused naming the subfolder and what is wrong. No process group."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from models.common.folder_problems import ModelLoadError
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from models.helios.default import ensure_default_helios_model
+
+    return ensure_default_helios_model(tmp_path_factory.mktemp("helios"))
+
+
+def test_loads_and_describes_the_embedded_default(folder):
+    from models.common.loading import detect_family
+    from models.helios.loading import describe_helios, load_helios
+
+    assert detect_family(folder) == "helios"
+    components = load_helios(folder, dtype=torch.bfloat16)
+    assert components.transformer.dtype == torch.bfloat16 and components.vae.dtype == torch.float32
+    assert type(components.scheduler).__name__ == "HeliosScheduler"
+    geometry, layers = describe_helios(folder)
+    assert (geometry.temporal_compression, geometry.spatial_compression, geometry.patch_size, layers) == (4, 8, 2, 2)
+
+
+def test_a_broken_folder_is_refused_naming_the_subfolder(folder, tmp_path):
+    from models.helios.loading import load_helios
+
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    shutil.rmtree(broken / "vae")
+    with pytest.raises(ModelLoadError, match=r"missing the subfolder\(s\) vae/"):
+        load_helios(broken)
+    shutil.copytree(folder / "vae", broken / "vae")
+    weights = next((broken / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match="transformer"):
+        load_helios(broken)
+
+
+def test_a_schedule_the_chunk_loop_does_not_run_is_refused_naming_it(folder, tmp_path):
+    """HeliosPyramidPipeline's three-stage schedule (and the distilled checkpoint's dmd one) are not served: the
+    adapter refuses the folder naming the scheduler config's values."""
+    import json
+
+    from cp_infer import single_process_state
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    pyramid = tmp_path / "pyramid"
+    shutil.copytree(folder, pyramid)
+    config_file = pyramid / "scheduler" / "scheduler_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "stages": 3}))
+    with pytest.raises(ValueError, match="stages=3.*the pyramid and distilled"):
+        HeliosModel(load_helios(pyramid), state=single_process_state())

@@ -1,0 +1,67 @@
+"""Helios's declared options are HeliosPipeline's names and defaults, and a request's frames are the pipeline's
+whole chunks. No process group."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from diffusers import HeliosPipeline
+
+from models.helios.options import Chunks, helios_options
+
+# Declared options HeliosPipeline does not take: frame_rate is the output's (Helios is not conditioned on it; the
+# pipeline's example exports at 24 fps); prompt_segments is the windows' option (LTXI2VLongMultiPromptPipeline's name),
+# its windows the chunks (HeliosPipeline takes one prompt).
+_NOT_ARGUMENTS = {"frame_rate", "prompt_segments"}
+_RESOLVED = {
+    # negative_prompt=None: HeliosPipeline's encode_prompt turns it into "".
+    "negative_prompt": "",
+    # num_frames=132 makes 4 chunks of 33 frames, which the pipeline returns cut to 129 (4k+1): a request asks for
+    # the frames it gets.
+    "num_frames": 129,
+    # A list argument: the declaration holds a tuple (immutable requests).
+    "history_sizes": (16, 2, 1),
+}
+
+
+def test_names_and_defaults_are_the_reference_pipelines():
+    parameters = inspect.signature(HeliosPipeline.__call__).parameters
+    for option in helios_options():
+        if option.name in _NOT_ARGUMENTS:
+            continue
+        assert option.name in parameters, f"{option.name} is not an argument of HeliosPipeline"
+        expected = _RESOLVED.get(option.name, parameters[option.name].default)
+        assert option.default == expected and (option.default is None) == (expected is None), option.name
+    assert Chunks.for_frames(parameters["num_frames"].default, 9).video_frames == 129
+    assert helios_options()["frame_rate"].default == 24
+
+
+def test_frames_are_whole_chunks():
+    """num_frames must be the frames HeliosPipeline returns for its chunks; another is refused naming the nearest."""
+    options = helios_options()
+    assert [Chunks(k, 9).video_frames for k in (1, 2, 3, 4, 5)] == [33, 65, 97, 129, 165]
+    assert options.resolve({"num_frames": 65})["num_frames"] == 65
+    assert options.resolve({"num_frames": 17, "num_latent_frames_per_chunk": 3})["num_frames"] == 17
+    with pytest.raises(ValueError, match="num_frames=66.*try 33 or 65"):
+        options.resolve({"num_frames": 66})
+
+
+def test_what_the_pipeline_cannot_run_is_refused_naming_the_fix():
+    options = helios_options()
+    with pytest.raises(ValueError, match="keep_first_frame=false.*use true"):
+        options.resolve({"keep_first_frame": False})
+    with pytest.raises(ValueError, match="history_sizes"):
+        options.resolve({"history_sizes": [16, 2]})
+    with pytest.raises(ValueError, match="height=40 is not a positive multiple of 16"):
+        from cp_infer import VideoGeometry
+
+        VideoGeometry(temporal_compression=4, spatial_compression=8, patch_size=2).check_side(40, field="height")
+
+
+def test_prompt_segments_need_more_than_one_chunk():
+    options = helios_options()
+    segments = [{"start_window": 0, "text": "a"}, {"start_window": 1, "text": "b"}]
+    assert options.resolve({"num_frames": 65, "prompt_segments": segments})["prompt_segments"]
+    with pytest.raises(ValueError, match="prompt_segments: the video is one chunk"):
+        options.resolve({"num_frames": 33, "prompt_segments": segments})
