@@ -17,6 +17,7 @@ import json
 import math
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -36,6 +37,16 @@ from server.http.app import AppConfig, create_app
 from .http.test_server_app import StubEngine
 
 
+def _helios_frames(hi: int) -> list[int]:
+    """``HeliosPipeline``'s frame counts within ``hi``: whole chunks of 33 frames (its default 9 latent frames a
+    chunk), cut to ``4k + 1``."""
+    out, count = [], 1
+    while (frames := (count * 33 - 1) // 4 * 4 + 1) <= hi:
+        out.append(frames)
+        count += 1
+    return out
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -43,6 +54,14 @@ class Variant:
     options: ModelOptions
     geometry: VideoGeometry
     upsampler: bool = False
+    frames: Callable[[int], list[int]] | None = None
+    """The frame counts the model takes within a limit, where they are not every ``t*k + 1``."""
+
+    def frame_counts(self, hi: int) -> list[int]:
+        if self.frames is not None:
+            return self.frames(hi)
+        t = self.geometry.temporal_compression
+        return list(range(1, hi + 1, t))
 
 
 _WAN = VideoGeometry(temporal_compression=4, spatial_compression=8, patch_size=2)
@@ -61,6 +80,7 @@ VARIANTS = [
     Variant("wan-ti2v", "wan", wan_options(WanLayout(expand_timesteps=True)),
             VideoGeometry(temporal_compression=4, spatial_compression=16, patch_size=2)),
     Variant("wan-i2v", "wan", wan_options(WanLayout(image=True)), _WAN),
+    Variant("helios", "helios", model_options("helios", layers=40), _WAN, frames=_helios_frames),
 ]
 _IDS = [v.name for v in VARIANTS]
 
@@ -76,7 +96,8 @@ _SMALL_SIDE, _SHORT = 512, 65
 def limits_and_values(draw, variant: Variant) -> tuple[GenerationLimits, dict]:
     """Limits, and the option values a request names: each limited option maybe, within its limit (an option of
     a step cache that is off at any value its declaration takes), in a combination the model takes."""
-    limits = GenerationLimits(max_steps=draw(st.integers(2, 60)), max_frames=draw(st.integers(1, 200)),
+    shortest = variant.frame_counts(200)[0]  # a limit below every count the model takes refuses every request
+    limits = GenerationLimits(max_steps=draw(st.integers(2, 60)), max_frames=draw(st.integers(shortest, 200)),
                               max_side=draw(st.integers(128, 1536)),
                               max_guidance=draw(st.integers(0, 3000)) / 100, max_fps=draw(st.integers(1, 120)))
     options, geometry = variant.options, variant.geometry
@@ -92,9 +113,9 @@ def limits_and_values(draw, variant: Variant) -> tuple[GenerationLimits, dict]:
         if draw(maybe):
             top = min(limits.max_side, _SMALL_SIDE) // step
             values[side] = step * draw(st.integers(max(1, -(-smallest // step)), top))
-    t = geometry.temporal_compression
     if draw(maybe):
-        values["num_frames"] = t * draw(st.integers(0, (min(limits.max_frames, _SHORT) - 1) // t)) + 1
+        values["num_frames"] = draw(st.sampled_from(variant.frame_counts(max(min(limits.max_frames, _SHORT),
+                                                                             shortest))))
     if draw(maybe):
         values["num_inference_steps"] = draw(st.integers(2, limits.max_steps))
     if draw(maybe):
@@ -122,7 +143,10 @@ def _check_used(variant: Variant, limits: GenerationLimits, values: dict, used: 
         hi, value = getattr(limits, option.limit), used[option.name]
         assert value <= hi, (option.name, value, option.limit, hi)
         if value != option.default:  # lowered: to the largest value the model takes under the limit
-            step = {"num_frames": variant.geometry.temporal_compression}.get(option.name, 0)
+            step = 0
+            if option.name == "num_frames":
+                assert option.default > hi and value == variant.frame_counts(int(hi))[-1], (value, hi)
+                continue
             if option.name in ("height", "width"):
                 step = variant.geometry.spatial_step
                 step = math.lcm(step, 64) if used.get("stages") == 2 else step
