@@ -29,6 +29,7 @@ from diffusers import (
     LTXEulerAncestralRFScheduler,
 )
 
+from cp_infer import VideoGeometry
 from models.common.embedded import LATENT_UPSAMPLER, MARKER_FILE, check_folder
 from models.common.folder_problems import ModelLoadError, component_problem, error_line
 from models.common.hub import ALL_FILES, FileSelection, fetch, parse_hub_ref
@@ -39,10 +40,12 @@ from models.families import family as family_named
 __all__ = [
     "ModelFiles",
     "ModelLoadError",
+    "describe_wan_vae_folder",
     "detect_family",
     "is_distilled",
     "model_name",
     "parse_dtype",
+    "read_json_config",
     "recommended_stages",
     "resolve_files",
     "resolve_model",
@@ -225,6 +228,40 @@ def _require_dir(path: str | os.PathLike) -> Path:
             "holds model_index.json, or a single-file .safetensors checkpoint with --config naming its configs"
         )
     return root.resolve()
+
+
+def read_json_config(path: Path) -> dict[str, Any]:
+    """A config file's JSON object; ``{}`` when the file is missing (or holds no object), a ``ModelLoadError``
+    naming it when it cannot be read."""
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path} is not readable JSON ({error_line(exc)})") from exc
+    return value if isinstance(value, dict) else {}
+
+
+def describe_wan_vae_folder(path: str | os.PathLike) -> tuple[VideoGeometry, int]:
+    """``(geometry, layers)`` of a folder whose VAE is ``AutoencoderKLWan`` and whose transformer patchifies
+    ``patch_size`` (Wan, Helios), from its ``transformer/`` and ``vae/`` configs alone (no weights)."""
+    root = _require_dir(path)
+    transformer = read_json_config(root / "transformer" / "config.json")
+    vae = read_json_config(root / "vae" / "config.json")
+    if not transformer or not vae:
+        problem = component_problem(root, "transformer", config="config.json") or component_problem(
+            root, "vae", config="config.json")
+        raise ModelLoadError(f"could not read the transformer/ and vae/ configs of {str(root)!r}: "
+                             f"{problem or 'a config.json is missing or empty'}")
+    patch_t, patch_h, patch_w = transformer.get("patch_size", (1, 2, 2))
+    if patch_h != patch_w:
+        raise ModelLoadError(f"{str(root)!r}: a transformer patch of {patch_h}x{patch_w} pixels is not square; the "
+                             "engine's sizes take square patches")
+    # AutoencoderKLWan's own defaults for a config that leaves them out.
+    geometry = VideoGeometry(temporal_compression=int(vae.get("scale_factor_temporal", 4)),
+                             spatial_compression=int(vae.get("scale_factor_spatial", 8)),
+                             patch_size=int(patch_h), patch_size_t=int(patch_t))
+    return geometry, int(transformer.get("num_layers", 0))
 
 
 def _read_class_name(config_file: Path) -> str:

@@ -9,7 +9,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -21,8 +20,8 @@ from diffusers import AutoencoderKLWan, HeliosScheduler, HeliosTransformer3DMode
 from transformers import T5Tokenizer, UMT5EncoderModel
 
 from cp_infer import VideoGeometry
-from models.common.folder_problems import ModelLoadError, component_problem, error_line
-from models.common.loading import ModelFiles, _load_components, _model_files, _require_dir
+from models.common.folder_problems import ModelLoadError
+from models.common.loading import ModelFiles, _load_components, _model_files, describe_wan_vae_folder
 
 __all__ = ["HeliosComponents", "describe_helios", "load_helios"]
 
@@ -57,35 +56,10 @@ class _Transformer:
         return HeliosTransformer3DModel.from_pretrained(*args, **{**kwargs, "low_cpu_mem_usage": True})
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path} is not readable JSON ({error_line(exc)})") from exc
-    return value if isinstance(value, dict) else {}
-
-
 def describe_helios(path: str | os.PathLike) -> tuple[VideoGeometry, int]:
-    """``(geometry, layers)`` of a Helios folder, from its configs alone (no weights)."""
-    root = _require_dir(path)
-    transformer = _read_json(root / "transformer" / "config.json")
-    vae = _read_json(root / "vae" / "config.json")
-    if not transformer or not vae:
-        problem = component_problem(root, "transformer", config="config.json") or component_problem(
-            root, "vae", config="config.json")
-        raise ModelLoadError(f"could not read the transformer/ and vae/ configs of {str(root)!r}: "
-                             f"{problem or 'a config.json is missing or empty'}")
-    patch_t, patch_h, patch_w = transformer.get("patch_size", (1, 2, 2))
-    if patch_h != patch_w:
-        raise ModelLoadError(f"{str(root)!r}: a transformer patch of {patch_h}x{patch_w} pixels is not square; the "
-                             "engine's sizes take square patches")
-    # HeliosPipeline.check_inputs takes sizes that are multiples of 16 (8x VAE, 2x2 patches).
-    geometry = VideoGeometry(temporal_compression=int(vae.get("scale_factor_temporal", 4)),
-                             spatial_compression=int(vae.get("scale_factor_spatial", 8)),
-                             patch_size=int(patch_h), patch_size_t=int(patch_t))
-    return geometry, int(transformer.get("num_layers", 0))
+    """``(geometry, layers)`` of a Helios folder, from its configs alone (no weights). ``HeliosPipeline.check_inputs``
+    takes sizes that are multiples of 16: the 8x VAE's and the 2x2 patches' step."""
+    return describe_wan_vae_folder(path)
 
 
 def load_helios(path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,

@@ -12,7 +12,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Collection
 from dataclasses import dataclass, replace
@@ -29,8 +28,16 @@ from diffusers import (
 from transformers import CLIPVisionModel, T5Tokenizer, UMT5EncoderModel
 
 from cp_infer import VideoGeometry
-from models.common.folder_problems import ModelLoadError, component_problem, error_line
-from models.common.loading import ModelFiles, _load, _load_components, _model_files, _require_dir
+from models.common.folder_problems import ModelLoadError
+from models.common.loading import (
+    ModelFiles,
+    _load,
+    _load_components,
+    _model_files,
+    _require_dir,
+    describe_wan_vae_folder,
+    read_json_config,
+)
 
 from .options import WanLayout
 
@@ -78,41 +85,17 @@ class _Transformer:
         return WanTransformer3DModel.from_pretrained(*args, **{**kwargs, "low_cpu_mem_usage": True})
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path} is not readable JSON ({error_line(exc)})") from exc
-    return value if isinstance(value, dict) else {}
-
-
 def wan_layout(path: str | os.PathLike) -> WanLayout:
     """The pipeline a Wan folder holds, from its ``model_index.json`` and ``transformer/config.json``."""
     root = Path(path)
-    return WanLayout.from_index(_read_json(root / "model_index.json"), _read_json(root / "transformer" / "config.json"))
+    return WanLayout.from_index(read_json_config(root / "model_index.json"),
+                                read_json_config(root / "transformer" / "config.json"))
 
 
 def describe_wan(path: str | os.PathLike) -> tuple[VideoGeometry, int, WanLayout]:
     """``(geometry, layers, layout)`` of a Wan folder, from its configs alone (no weights)."""
-    root = _require_dir(path)
-    transformer = _read_json(root / "transformer" / "config.json")
-    vae = _read_json(root / "vae" / "config.json")
-    if not transformer or not vae:
-        problem = component_problem(root, "transformer", config="config.json") or component_problem(
-            root, "vae", config="config.json")
-        raise ModelLoadError(f"could not read the transformer/ and vae/ configs of {str(root)!r}: "
-                             f"{problem or 'a config.json is missing or empty'}")
-    patch_t, patch_h, patch_w = transformer.get("patch_size", (1, 2, 2))
-    if patch_h != patch_w:
-        raise ModelLoadError(f"{str(root)!r}: a transformer patch of {patch_h}x{patch_w} pixels is not square; the "
-                             "engine's sizes take square patches")
-    # AutoencoderKLWan's own defaults for a config that leaves them out.
-    geometry = VideoGeometry(temporal_compression=int(vae.get("scale_factor_temporal", 4)),
-                             spatial_compression=int(vae.get("scale_factor_spatial", 8)),
-                             patch_size=int(patch_h), patch_size_t=int(patch_t))
-    return geometry, int(transformer.get("num_layers", 0)), wan_layout(root)
+    geometry, layers = describe_wan_vae_folder(path)
+    return geometry, layers, wan_layout(path)
 
 
 def load_wan(path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
