@@ -20,7 +20,7 @@ from cp_infer.request import GenerationRequest
 from .ltx_vae_parallel import DecodeContext, decode_cost, decode_round
 
 __all__ = ["DecodeNoise", "decode_round_uint8", "decode_split", "device_generator", "noise_for_decode",
-           "refuse_stochastic_sampling", "scoped"]
+           "refuse_stochastic_sampling", "scoped", "video_uint8"]
 
 
 def refuse_stochastic_sampling(scheduler) -> None:
@@ -92,6 +92,11 @@ def decode_round_uint8(pipe, vae, ctx: DecodeContext, latents: torch.Tensor, a: 
     with torch.random.fork_rng(devices=devices), split_scope:
         torch.manual_seed(seed)
         video = decode_round(vae, ctx, latents, a, b, timestep)
+    return video_uint8(pipe, video)
+
+
+def video_uint8(pipe, video: torch.Tensor) -> np.ndarray:
+    """The pipelines' post-processing of a decoded piece ``[1, 3, F, H, W]`` to uint8 frames ``[F, H, W, 3]``."""
     frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
     return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 

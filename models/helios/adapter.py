@@ -42,6 +42,7 @@ from cp_infer.plan import DenoisePass, Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 from cp_infer.weights import join_call
+from models.common.adapter import video_uint8
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
 
 from .options import HELIOS_TEMPORAL_COMPRESSION, chunk_prompts, chunks_of, helios_options
@@ -412,7 +413,7 @@ class HeliosModel:
             if k not in decoded:
                 decoded.clear()
                 current = made["history"].made[k].to(self.device, dtype=vae.dtype) / inverse_std + mean
-                decoded[k] = _uint8(self.pipe, vae.decode(current, return_dict=False)[0])
+                decoded[k] = video_uint8(self.pipe, vae.decode(current, return_dict=False)[0])
             return decoded[k]
 
         def decode_range(a: int, b: int) -> np.ndarray:
@@ -426,12 +427,6 @@ class HeliosModel:
 
         return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
                        reads=lambda a, b: b, feed=feed)
-
-
-def _uint8(pipe, video: torch.Tensor) -> np.ndarray:
-    """The pipeline's post-processing of a decoded piece ``[1, 3, F, H, W]`` to uint8 frames ``[F, H, W, 3]``."""
-    frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
-    return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
 
 def _check_scheduler(scheduler) -> None:

@@ -38,6 +38,7 @@ from cp_infer.plan import Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
 from cp_infer.weights import join_call
+from models.common.adapter import video_uint8
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
 from models.common.windows import window_plan
 
@@ -390,7 +391,7 @@ class WanModel:
         split = self._decode_split(request, video.shape[2])
         decode = WanStreamedDecode(vae, vae.post_quant_conv(video), split, self.state.decoding)
         return Decoder(split=split, frame_shape=(request.height, request.width, 3),
-                       decode_range=lambda a, b: _uint8(self.pipe, decode(a, b)))
+                       decode_range=lambda a, b: video_uint8(self.pipe, decode(a, b)))
 
     def _decode_split(self, request: GenerationRequest, latent_frames: int) -> TemporalSplit:
         t = self.geometry.temporal_compression
@@ -421,13 +422,13 @@ class WanModel:
             fed[0] = max(a, final)
 
         return Decoder(split=split, frame_shape=(request.height, request.width, 3),
-                       decode_range=lambda a, b: _uint8(self.pipe, decode(a, b)), reads=lambda a, b: b, feed=feed)
+                       decode_range=lambda a, b: video_uint8(self.pipe, decode(a, b)), reads=lambda a, b: b, feed=feed)
 
     def decode_whole(self, latents: torch.Tensor) -> np.ndarray:
         """The pipelines' own decode of latents ``[1, C, F, H, W]``, on this rank alone: uint8 ``[F', H, W, 3]``."""
         vae = self.components.vae
         video = vae.decode(_denormalised(vae, latents.to(self.device, dtype=vae.dtype)), return_dict=False)[0]
-        return _uint8(self.pipe, video)
+        return video_uint8(self.pipe, video)
 
     def _chained_decoder(self, wp: WindowPass) -> Decoder:
         """The decode of a long video of chained windows (``models.wan.windows``): each window decoded alone, its
@@ -485,12 +486,6 @@ def _denormalised(vae, latents: torch.Tensor) -> torch.Tensor:
     mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
     std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
     return latents / std + mean
-
-
-def _uint8(pipe, video: torch.Tensor) -> np.ndarray:
-    """The pipelines' post-processing of a decoded piece ``[1, 3, F, H, W]`` to uint8 frames ``[F, H, W, 3]``."""
-    frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
-    return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
 
 def _check_scheduler(scheduler) -> None:
