@@ -30,6 +30,7 @@ from cp_infer.sampler import SampleControl, sample
 
 from ...harness import one_thread
 from ...worker_groups import SharedGroup, groups_by_layout
+from .._parity import assert_ranks_close
 
 groups = groups_by_layout()
 
@@ -118,25 +119,11 @@ def test_one_rank_equals_helios_pipeline(folder, one_rank):
         np.testing.assert_array_equal(frames, one_thread(_reference, folder, r, "np"), err_msg=f"seed={seed}")
 
 
-def _assert_close_to(expected, results, *, world, seed, exact=False):
-    assert all(r is None for rank in results[1:] for r, _ in rank), "only the delivering rank returns frames"
-    for (exp, exp_latents), (got, got_latents) in zip(expected, results[0], strict=True):
-        assert got.shape == exp.shape
-        diff = np.abs(got.astype(np.int16) - exp.astype(np.int16))
-        if exact:
-            assert diff.max() == 0, f"world={world} seed={seed} shape={exp.shape}: max {diff.max()}"
-            np.testing.assert_array_equal(got_latents, exp_latents)
-            continue
-        assert diff.max() <= 1 and diff.mean() < 0.01, \
-            f"world={world} seed={seed} shape={exp.shape}: max {diff.max()} mean {diff.mean()}"
-        torch.testing.assert_close(torch.from_numpy(got_latents), torch.from_numpy(exp_latents), rtol=0, atol=1e-4)
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_n_ranks_equal_one_rank(folder, one_rank, groups, world):
     seed, expected = one_rank
     results = groups(world).run(_sample_all, folder, seed, timeout=600)
-    _assert_close_to(expected, results, world=world, seed=seed)
+    assert_ranks_close(expected, results, world=world, seed=seed)
 
 
 def test_a_ring_of_two_equals_one_rank(folder, one_rank):
@@ -144,7 +131,7 @@ def test_a_ring_of_two_equals_one_rank(folder, one_rank):
     keys amplified in every block; the first request (2 chunks, CFG) only, to keep the test short."""
     seed, expected = one_rank
     results = SharedGroup(2, ring=2).run(_sample_all, folder, seed, 1, timeout=600)
-    _assert_close_to(expected[:1], results, world="R2", seed=seed)
+    assert_ranks_close(expected[:1], results, world="R2", seed=seed)
 
 
 def test_guidance_ranks_equal_one_rank(folder, one_rank, groups):
@@ -152,7 +139,7 @@ def test_guidance_ranks_equal_one_rank(folder, one_rank, groups):
     pass, the second rank idle but in the exchange)."""
     seed, expected = one_rank
     results = groups(2, 2).run(_sample_all, folder, seed, timeout=600)
-    _assert_close_to(expected, results, world=2, seed=seed, exact=True)
+    assert_ranks_close(expected, results, world=2, seed=seed, exact=True)
 
 
 def test_embedded_default_builds_bit_for_bit():

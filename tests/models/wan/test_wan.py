@@ -27,6 +27,7 @@ from cp_infer.sampler import SampleControl, sample
 
 from ...harness import one_thread
 from ...worker_groups import groups_by_world
+from .._parity import assert_ranks_close
 
 groups = groups_by_world()
 
@@ -155,25 +156,11 @@ def test_one_round_decode_equals_the_streamed_one(folder, one_rank):
         np.testing.assert_array_equal(streamed, once)
 
 
-def _assert_close_to(expected, results, *, world, seed, exact=False):
-    assert all(r is None for rank in results[1:] for r, _ in rank), "only the delivering rank returns frames"
-    for (exp, exp_latents), (got, got_latents) in zip(expected, results[0], strict=True):
-        assert got.shape == exp.shape
-        diff = np.abs(got.astype(np.int16) - exp.astype(np.int16))
-        if exact:
-            assert diff.max() == 0, f"world={world} seed={seed} shape={exp.shape}: max {diff.max()}"
-            np.testing.assert_array_equal(got_latents, exp_latents)
-            continue
-        assert diff.max() <= 1 and diff.mean() < 0.01, \
-            f"world={world} seed={seed} shape={exp.shape}: max {diff.max()} mean {diff.mean()}"
-        torch.testing.assert_close(torch.from_numpy(got_latents), torch.from_numpy(exp_latents), rtol=0, atol=1e-4)
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_n_ranks_equal_one_rank(folder, one_rank, groups, world):
     seed, expected = one_rank
     results = groups(world).run(_sample_all, folder, seed, timeout=600)
-    _assert_close_to(expected, results, world=world, seed=seed)
+    assert_ranks_close(expected, results, world=world, seed=seed)
 
 
 def test_guidance_ranks_equal_one_rank(folder, one_rank):
@@ -184,7 +171,7 @@ def test_guidance_ranks_equal_one_rank(folder, one_rank):
     seed, expected = one_rank
     group = SharedGroup(2, 2)
     results = group.run(_sample_all, folder, seed, timeout=600)
-    _assert_close_to(expected, results, world=2, seed=seed, exact=True)
+    assert_ranks_close(expected, results, world=2, seed=seed, exact=True)
 
 
 @pytest.mark.parametrize(("ulysses", "ring"), [(2, 2)], ids=["U2xR2"])
@@ -197,7 +184,7 @@ def test_ring_ranks_equal_one_rank(folder, one_rank, ulysses, ring):
 
     seed, expected = one_rank
     results = SharedGroup(ulysses * ring, None, ulysses, ring).run(_sample_all, folder, seed, 1, 1, timeout=600)
-    _assert_close_to(expected[:1], results, world=f"U{ulysses}xR{ring}", seed=seed)
+    assert_ranks_close(expected[:1], results, world=f"U{ulysses}xR{ring}", seed=seed)
 
 
 def test_flow_shift_is_the_schedulers(folder):
