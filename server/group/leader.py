@@ -421,7 +421,14 @@ class GroupLeader:
     def _serve(self, lane: Lane) -> None:
         """Run queued jobs on one replica until the leader stops, then stop that replica's ranks."""
         while not self._stopping.is_set():
-            job = self.store.claim_next(timeout=self.config.heartbeat_s)
+            try:
+                job = self.store.claim_next(timeout=self.config.heartbeat_s)
+            except StoreUnavailable as exc:
+                # NOTE(outage): a store that does not answer is no fault of the group: it keeps its heartbeats and
+                # claims again once the store is back (the requests meanwhile answer 503).
+                log.warning("claiming the next job: %s; trying again", exc)
+                self._stopping.wait(self.config.heartbeat_s)
+                job = None
             if job is None:
                 self._ping(lane)
             else:
