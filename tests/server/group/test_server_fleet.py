@@ -1,7 +1,7 @@
 """Two real servers (one rank each) sharing one PostgreSQL job store and one S3 output store (``tests/services.py``),
 started once for this module and put through, in order (each test leaves the queue empty and both servers up, but
 the last): every route answering for a job that runs on the other server (its SSE progress, a cancel that stops it
-within a step, an extension and a remix of the other's video); S3 cut off (the upload retried, then the job failed
+within a step, an extension of the other's video); S3 cut off (the upload retried, then the job failed
 with a clear code; ``/ready`` naming the store); a PostgreSQL restart while a job runs (503 with Retry-After
 meanwhile, the job goes on, nothing lost, no group restarted); a server frozen (``SIGSTOP``) past its lease, whose
 job the other runs, and which wakes to find that its attempt can neither complete nor overwrite; and the one running
@@ -144,22 +144,17 @@ def test_every_route_answers_for_a_job_that_runs_on_the_other_server(fleet):
     assert done["status"] == "cancelled" and done["error"]["message"] == "cancelled while running", done
     assert done["progress"] <= before + 2 * 3, (before, done)  # a step may end between the read and the cancel
 
-    # The source's frames come from S3 to whichever server runs the extension, then to the remix's.
+    # An extension asked of the server that did not make the source: its frames come from S3, and its lead frames
+    # (the source's) go to whichever server runs it through S3 too.
     r = other.client.post("/v1/videos/extensions", json={"video": {"id": source}, "num_frames": 9, "seed": 5,
                                                          "prompt": "the river reaches the sea",
                                                          "num_inference_steps": 2})
     assert r.status_code == 200, r.text
     extension = runner.wait_job(r.json()["id"])
     assert extension["status"] == "completed", extension
-    r = runner.client.post(f"/v1/videos/{extension['id']}/remix", json={"prompt": "the river freezes"})
-    assert r.status_code == 200, r.text
-    remix = other.wait_job(r.json()["id"])
-    assert remix["status"] == "completed", remix
-    first = _frames(runner, source)
-    for made in (extension["id"], remix["id"]):
-        frames = _frames(other, made)
-        assert frames.shape == (17 + 8, *first.shape[1:])
-        np.testing.assert_array_equal(frames[:17], first)
+    first, frames = _frames(runner, source), _frames(other, extension["id"])
+    assert frames.shape == (17 + 8, *first.shape[1:])
+    np.testing.assert_array_equal(frames[:17], first)
 
 
 def test_an_unreachable_s3_fails_the_upload_after_retries_and_names_the_store(fleet):
@@ -177,9 +172,7 @@ def test_an_unreachable_s3_fails_the_upload_after_retries_and_names_the_store(fl
         assert fleet.row(job)["output_attempt"] is None
     finally:
         fleet.s3.up()
-    assert a.client.get("/ready").status_code == 200
-    again = b.submit(tiny("a kite over a beach", seed=6))["id"]
-    assert b.wait_job(again, timeout=60)["status"] == "completed"
+    assert a.client.get("/ready").status_code == 200  # the next tests' jobs upload again
 
 
 def _poll(server: ServerProcess, job_id: str, timeout: float = 60) -> dict:
@@ -215,8 +208,8 @@ def test_a_postgresql_restart_while_a_job_runs_loses_nothing(fleet):
     done = _poll(idle, job)
     assert done["status"] == "completed", done
     assert fleet.row(job)["attempts"] == 1
-    after = idle.submit(tiny("a train in the mountains", seed=8))["id"]
-    assert _poll(runner, after)["status"] == "completed"
+    # The idle server's claims met the outage and it kept its group (the next tests' jobs run on both).
+    assert "claiming the next job: the job store (PostgreSQL" in idle.log_tail(400)
     for s in fleet.servers:
         assert s.group()["restart_count"] == 0, s.log_tail()
 
