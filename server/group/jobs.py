@@ -115,6 +115,7 @@ class JobStore:
         self._held: dict[str, int] = {}  # the jobs this server runs: id -> attempt (their leases are renewed)
         self._lost: set[tuple[str, int]] = set()  # claims whose lease another server took over
         self._renewer: threading.Thread | None = None
+        self._reaped_at = -float("inf")
         self._closed = threading.Event()
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cp-infer-cleanup")
 
@@ -378,12 +379,11 @@ class JobStore:
                 buffer = io.BytesIO()
                 np.save(buffer, np.ascontiguousarray(lead, dtype=np.uint8))
                 self.outputs.put_bytes(job_id, ".lead.npy", buffer.getvalue(), attempt=0)
-            self._db.execute(
+            job = row_to_job(self._db.execute(
                 "INSERT INTO jobs (id, status, created_at, model, request, lead_frames, pinned_node) "
-                "VALUES (?, 'queued', ?, ?, ?, ?, ?)",
+                "VALUES (?, 'queued', ?, ?, ?, ?, ?) RETURNING *",
                 (job_id, int(time.time()), model, request_to_json(request), 0 if lead is None else len(lead),
-                 self.node if pinned else None))
-            job = self._get(job_id)
+                 self.node if pinned else None)).fetchall()[0])
             self._log(job)
             self._work.notify_all()
         return job
@@ -490,7 +490,10 @@ class JobStore:
         deadline = time.monotonic() + timeout
         with self._lock:
             while True:
-                if self.shared:
+                if self.shared and time.monotonic() - self._reaped_at >= _POLL_S:
+                    # At most every _POLL_S: a lease runs out seconds after its last renewal, so looking more often
+                    # (a busy server claims once per job) would find nothing sooner.
+                    self._reaped_at = time.monotonic()
                     self._reap(expired_only=True)
                 row = self._db.execute(
                     f"UPDATE jobs SET status = 'in_progress', attempts = attempts + 1, "
@@ -569,10 +572,11 @@ class JobStore:
         fence, fence_args = _fence(attempt)
         try:
             with self._lock:
-                cur = self._db.execute_lazy(f"UPDATE jobs SET {sets} WHERE id = ?{where} AND status = "
-                                            f"'in_progress'{fence}", (*args, job_id, *where_args, *fence_args))
-                if cur.rowcount and logged:
-                    self._log(self._get(job_id))
+                rows = self._db.execute_lazy(f"UPDATE jobs SET {sets} WHERE id = ?{where} AND status = "
+                                             f"'in_progress'{fence} RETURNING *",
+                                             (*args, job_id, *where_args, *fence_args)).fetchall()
+                if rows and logged:
+                    self._log(row_to_job(rows[0]))
         except StoreUnavailable:
             if attempt is None:
                 raise
@@ -638,15 +642,15 @@ class JobStore:
         if expect is not None:
             guard, args = guard + " AND status = ?", (*args, expect)
         with self._transaction():
-            cur = self._db.execute(
+            rows = self._db.execute(
                 f"UPDATE jobs SET status = ?, progress = CASE WHEN ? THEN 100 ELSE progress END, completed_at = ?, "
                 f"error_code = ?, error_message = ?, output_attempt = CASE WHEN ? THEN attempts ELSE NULL END "
-                f"WHERE id = ?{guard}",
+                f"WHERE id = ?{guard} RETURNING *",
                 (status, status == "completed", int(time.time()), code, message, status == "completed", job_id,
-                 *args))
-            job = self._get(job_id)
-            if job is None or not cur.rowcount:
-                return None if attempt is not None or job is None else job
+                 *args)).fetchall()
+            if not rows:  # the guard held it back: the job as it is (none for a fenced write)
+                return None if attempt is not None else self._get(job_id)
+            job = row_to_job(rows[0])
             if job.deleting:
                 self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
                 self._remove_files(job_id)

@@ -72,7 +72,7 @@ def fleet(tmp_path_factory, cache_dir, postgres_server, s3_server):
             "--collective-timeout", "30", "--keep-frames"]
     root = tmp_path_factory.mktemp("fleet")
     with pytest.MonkeyPatch.context() as env:  # what the servers inherit: S3's identity, its way through the proxy
-        for name, value in {**S3_ENV, "AWS_ENDPOINT_URL": proxy.url, "AWS_MAX_ATTEMPTS": "3"}.items():
+        for name, value in {**S3_ENV, "AWS_ENDPOINT_URL": proxy.url, "AWS_MAX_ATTEMPTS": "2"}.items():
             env.setenv(name, value)
         servers = []
         for name in ("a", "b"):
@@ -165,8 +165,8 @@ def test_an_unreachable_s3_fails_the_upload_after_retries_and_names_the_store(fl
         done = a.wait_job(job, timeout=60)
         assert done["status"] == "failed" and done["error"]["code"] == "output_store_unavailable", done
         assert f"s3://{_BUCKET}/" in done["error"]["message"], done
-        # Each of its files was tried AWS_MAX_ATTEMPTS=3 times (boto3's standard mode: backoff between tries).
-        assert fleet.s3.refused >= 3, fleet.s3.refused
+        # Tried again after a backoff (AWS_MAX_ATTEMPTS=2: boto3's standard mode), then failed.
+        assert fleet.s3.refused >= 2, fleet.s3.refused
         ready = b.client.get("/ready")
         assert ready.status_code == 503 and "output store (s3://" in ready.json()["reason"], ready.text
         assert fleet.row(job)["output_attempt"] is None
