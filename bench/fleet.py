@@ -6,8 +6,9 @@
 leader makes for it, with no model: submit, claim, ``--steps`` steps (each a cancel poll and a progress write), one
 window checkpoint (64 KiB), the MP4 (256 KiB) and thumbnail published, the end; then one read of the job and its
 content's size, as a client's poll. Rounds alternate the two setups. The first table: each setup's median seconds
-per job, and what the shared stores add per job (the issue's target: under 25 ms). The second: claim latency
-(p50, p99) with one and with two servers' stores claiming from one queue at once (two claimer threads each).
+per job, what the shared stores add per job (the issue's target: under 25 ms), and what each job sends: database
+round trips and S3 requests (the cleanup's included), which the machine's load does not change. The second: claim
+latency (p50, p99) with one and with two servers' stores claiming from one queue at once (two claimer threads each).
 
 Not measured here: jobs per minute of one real server against two (their groups' time dominates; see
 ``tests/server/group/test_server_fleet.py`` for two real servers on one queue).
@@ -60,6 +61,35 @@ def _job_cycle(store: JobStore, request: GenerationRequest, steps: int, rng: np.
     return took
 
 
+class _Wire:
+    """Counts what a store sends: database round trips (a statement, or a pipeline of them) and HTTP requests to the
+    output store (retries and the cleanup thread's included). Load on the machine changes times, not these."""
+
+    def __init__(self, store: JobStore):
+        self.db = self.http = 0
+        db = store._db
+        execute, lazy = db.execute, db.execute_lazy
+
+        def counted(sql, params=()):
+            self.db += 1
+            return execute(sql, params)
+
+        def counted_lazy(sql, params=()):
+            before = self.db
+            result = lazy(sql, params)
+            if self.db == before:  # one pipeline, not statements one by one
+                self.db += 1
+            return result
+
+        db.execute, db.execute_lazy = counted, counted_lazy  # the instance's own: its methods call these too
+        client = getattr(store.outputs, "_client", None)
+        if client is not None:
+            client.meta.events.register("before-send.s3", self._request)
+
+    def _request(self, **_: object) -> None:
+        self.http += 1
+
+
 def _claims(stores: list[JobStore], jobs: int, request: GenerationRequest) -> list[float]:
     for i in range(jobs):
         stores[i % len(stores)].submit(request, model="bench")
@@ -105,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     setups = {"SQLite + local folder": (None, None), "PostgreSQL + S3": (args.job_store, args.output_store)}
     per_job: dict[str, list[float]] = {name: [] for name in setups}
+    wire: dict[str, tuple[float, float]] = {}
     loads = []
     with tempfile.TemporaryDirectory(prefix="cp-infer-bench-fleet-") as tmp:
         for r in range(args.rounds):
@@ -112,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                 job_store, output_store = setups[name]
                 store = JobStore(Path(tmp) / f"{r}-{len(per_job[name])}", max_queue=10_000, job_store=job_store,
                                  output_store=output_store)
+                counter = _Wire(store)
                 times = [_job_cycle(store, request, args.steps, rng) for _ in range(args.jobs)]
                 store.close()
+                wire[name] = (counter.db / args.jobs, counter.http / args.jobs)
                 per_job[name].append(statistics.median(times))
                 loads.append(load_average())
                 progress(f"round {r} {name}: {per_job[name][-1] * 1e3:.1f} ms per job")
@@ -127,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     base, shared = (statistics.median(per_job[name]) for name in setups)
     lines = [f"`{command_line('bench/fleet.py', argv)}`", "",
              f"load average during the rounds: {', '.join(loads)}", "",
-             *table_head(["setup", "ms per job (median of rounds)", "rounds"]),
-             *[table_row([name, f"{statistics.median(v) * 1e3:.1f}", " / ".join(f"{x * 1e3:.1f}" for x in v)])
+             *table_head(["setup", "ms per job (median of rounds)", "rounds", "database round trips per job",
+                          "S3 requests per job"]),
+             *[table_row([name, f"{statistics.median(v) * 1e3:.1f}", " / ".join(f"{x * 1e3:.1f}" for x in v),
+                          f"{wire[name][0]:.1f}", f"{wire[name][1]:.1f}" if setups[name][1] else "-"])
                for name, v in per_job.items()],
              "", f"PostgreSQL + S3 adds {(shared - base) * 1e3:.1f} ms per job ({shared / base:.2f}x); target < 25 ms",
              "", *table_head(["servers claiming", "claims", "claim p50 ms", "claim p99 ms"]),

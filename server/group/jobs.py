@@ -72,6 +72,8 @@ _MAX_LOGGED_JOBS = 256
 
 _POLL_S = 0.2
 """How often a shared store's idle claimer looks at the queue again."""
+_FRESH_S = 0.1
+"""How old a running job's row, returned by its last write, may be to answer its next cancel poll instead of a read."""
 
 
 class QueueFull(Exception):
@@ -114,6 +116,7 @@ class JobStore:
         self._after_commit: list[Callable[[], None]] = []
         self._held: dict[str, int] = {}  # the jobs this server runs: id -> attempt (their leases are renewed)
         self._lost: set[tuple[str, int]] = set()  # claims whose lease another server took over
+        self._written: dict[str, tuple[float, int, Any]] = {}  # job -> (when, attempt, row) of its last fenced write
         self._renewer: threading.Thread | None = None
         self._reaped_at = -float("inf")
         self._closed = threading.Event()
@@ -554,8 +557,14 @@ class JobStore:
         :meth:`_riding_out`)."""
         try:
             with self._lock:
-                row = self._db.execute("SELECT deleting, cancel_requested, attempts, status FROM jobs WHERE id = ?",
-                                       (job_id,)).fetchone()
+                written = self._written.pop(job_id, None)
+                if written is not None and written[1] == attempt and time.monotonic() - written[0] < _FRESH_S:
+                    # NOTE(round trips): the row its step's progress write just returned, as fresh as a read now
+                    # (that write matched only while the attempt held the job): one round trip a step, not two.
+                    row = written[2]
+                else:
+                    row = self._db.execute("SELECT deleting, cancel_requested, attempts, status FROM jobs WHERE "
+                                           "id = ?", (job_id,)).fetchone()
         except StoreUnavailable:
             if attempt is None:
                 raise
@@ -575,6 +584,8 @@ class JobStore:
                 rows = self._db.execute_lazy(f"UPDATE jobs SET {sets} WHERE id = ?{where} AND status = "
                                              f"'in_progress'{fence} RETURNING *",
                                              (*args, job_id, *where_args, *fence_args)).fetchall()
+                if rows and attempt is not None:
+                    self._written[job_id] = (time.monotonic(), attempt, rows[0])
                 if rows and logged:
                     self._log(row_to_job(rows[0]))
         except StoreUnavailable:
@@ -614,6 +625,7 @@ class JobStore:
                     job = self._finish_locked(job_id, status, code, message, attempt=attempt)
                     if attempt is not None:
                         self._held.pop(job_id, None)
+                        self._written.pop(job_id, None)
                 if job is None and attempt is not None:
                     log.warning("job %s attempt %d ended %s, but the job is no longer that attempt's (another server "
                                 "took it over, or it is gone): its end changes nothing", job_id, attempt, status)
