@@ -221,8 +221,12 @@ class JobStore:
             with self._lock:
                 cur = self._db.execute("UPDATE jobs SET checkpoint_attempt = ? WHERE id = ? AND attempts = ? AND "
                                        "status = 'in_progress'", (attempt, job_id, attempt))
-            if not cur.rowcount and not self.outputs.local:
-                self.outputs.delete(job_id, f"/{attempt}.resume.npz")  # a stale attempt's, nobody's now
+                # A stale attempt's checkpoint is nobody's, unless the record still names this attempt's: then it is
+                # the one the job goes on from (this attempt lost its claim after its check above), now at a later
+                # pass of the same job, and stays. No later attempt names this one again.
+                stale = not cur.rowcount and not self.outputs.local and self._checkpoint_attempt(job_id) != attempt
+            if stale:
+                self.outputs.delete(job_id, f"/{attempt}.resume.npz")
 
     def _checkpoint_attempt(self, job_id: str) -> int | None:
         if self.outputs.local:

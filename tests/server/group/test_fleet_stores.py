@@ -131,6 +131,11 @@ def test_a_stale_attempt_cannot_progress_checkpoint_complete_or_overwrite(tmp_pa
     now = b.get(job.id)
     assert now.status == "in_progress" and now.progress == 30 and now.window is None, now
     assert b.load_checkpoint(job.id)[0] == 1
+    # a passed its check just before it froze: its checkpoint lands on its own key, which the record still names
+    # as the job's (b has saved none yet). It stays: a later pass of the same job, which a third attempt resumes.
+    a._current = lambda *_: True
+    a.save_checkpoint(job.id, 2, {"latents": ckpt["latents"] + 1}, attempt=first.attempts)
+    assert b.load_checkpoint(job.id)[0] == 2
     assert b.finish(job.id, "completed", attempt=second.attempts).output_attempt == second.attempts
     assert a.finish(job.id, "failed", "late", "late", attempt=first.attempts) is None
     final = a.get(job.id)
