@@ -7,8 +7,9 @@ leader makes for it, with no model: submit, claim, ``--steps`` steps (each a can
 window checkpoint (64 KiB), the MP4 (256 KiB) and thumbnail published, the end; then one read of the job and its
 content's size, as a client's poll. Rounds alternate the two setups. The first table: each setup's median seconds
 per job, what the shared stores add per job (the issue's target: under 25 ms), and what each job sends: database
-round trips and S3 requests (the cleanup's included), which the machine's load does not change. The second: claim
-latency (p50, p99) with one and with two servers' stores claiming from one queue at once (two claimer threads each).
+round trips and S3 requests (the cleanup's included), which the machine's load does not change (a job's time is
+the sum of its store calls'). The second: where a job's time goes, part by part. The third: claim latency (p50,
+p99) with one and with two servers' stores claiming from one queue at once (two claimer threads each).
 
 Not measured here: jobs per minute of one real server against two (their groups' time dominates; see
 ``tests/server/group/test_server_fleet.py`` for two real servers on one queue).
@@ -36,29 +37,43 @@ from server.group.jobs import JobStore  # noqa: E402
 _MP4, _JPG, _CKPT = 256 << 10, 16 << 10, 64 << 10
 
 
-def _job_cycle(store: JobStore, request: GenerationRequest, steps: int, rng: np.random.Generator) -> float:
-    started = time.perf_counter()
-    job = store.submit(request, model="bench")
-    claimed = store.claim_next(timeout=5)
+_PARTS = ("submit", "claim", "cancel polls", "progress writes", "checkpoint", "publish", "finish", "read")
+
+
+def _job_cycle(store: JobStore, request: GenerationRequest, steps: int, rng: np.random.Generator,
+               parts: dict[str, list[float]]) -> float:
+    """One job's store calls; returns its seconds and appends each part's (summed over its calls) to ``parts``."""
+    spent = dict.fromkeys(_PARTS, 0.0)
+
+    def timed(part: str, call, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            spent[part] += time.perf_counter() - started
+
+    job = timed("submit", store.submit, request, model="bench")
+    claimed = timed("claim", store.claim_next, timeout=5)
     assert claimed is not None and claimed.id == job.id, claimed
     attempt = claimed.attempts
     for i in range(steps):
-        store.cancel_requested(job.id, attempt=attempt)
-        store.set_progress(job.id, 90 * (i + 1) // steps, attempt=attempt)
+        timed("cancel polls", store.cancel_requested, job.id, attempt=attempt)
+        timed("progress writes", store.set_progress, job.id, 90 * (i + 1) // steps, attempt=attempt)
         if i == steps // 2:
-            store.save_checkpoint(job.id, 1, {"latents": rng.standard_normal(_CKPT // 4).astype(np.float32)},
-                                  attempt=attempt)
+            latents = rng.standard_normal(_CKPT // 4).astype(np.float32)
+            timed("checkpoint", store.save_checkpoint, job.id, 1, {"latents": latents}, attempt=attempt)
     made = []
     for suffix, size in ((".mp4", _MP4), (".jpg", _JPG)):
         path = store.path(job.id, suffix + ".tmp")
         path.write_bytes(rng.bytes(size))
         made.append((path, suffix))
-    store.publish(job.id, made, attempt=attempt)
-    done = store.finish(job.id, "completed", attempt=attempt)
-    assert store.get(job.id).status == "completed"
-    took = time.perf_counter() - started
+    timed("publish", store.publish, job.id, made, attempt=attempt)
+    done = timed("finish", store.finish, job.id, "completed", attempt=attempt)
+    assert timed("read", store.get, job.id).status == "completed"
     assert done is not None and store.output_size(done, ".mp4") == _MP4  # a check, not a leader's cost
-    return took
+    for part, seconds in spent.items():
+        parts[part].append(seconds)
+    return sum(spent.values())
 
 
 class _Wire:
@@ -136,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     setups = {"SQLite + local folder": (None, None), "PostgreSQL + S3": (args.job_store, args.output_store)}
     per_job: dict[str, list[float]] = {name: [] for name in setups}
     wire: dict[str, tuple[float, float]] = {}
+    parts: dict[str, dict[str, list[float]]] = {name: {part: [] for part in _PARTS} for name in setups}
     loads = []
     with tempfile.TemporaryDirectory(prefix="cp-infer-bench-fleet-") as tmp:
         for r in range(args.rounds):
@@ -144,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 store = JobStore(Path(tmp) / f"{r}-{len(per_job[name])}", max_queue=10_000, job_store=job_store,
                                  output_store=output_store)
                 counter = _Wire(store)
-                times = [_job_cycle(store, request, args.steps, rng) for _ in range(args.jobs)]
+                times = [_job_cycle(store, request, args.steps, rng, parts[name]) for _ in range(args.jobs)]
                 store.close()
                 wire[name] = (counter.db / args.jobs, counter.http / args.jobs)
                 per_job[name].append(statistics.median(times))
@@ -166,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"{wire[name][0]:.1f}", f"{wire[name][1]:.1f}" if setups[name][1] else "-"])
                for name, v in per_job.items()],
              "", f"PostgreSQL + S3 adds {(shared - base) * 1e3:.1f} ms per job ({shared / base:.2f}x); target < 25 ms",
+             "", *table_head(["part of a job (median ms over all jobs)", *setups]),
+             *[table_row([part, *(f"{statistics.median(parts[name][part]) * 1e3:.2f}" for name in setups)])
+               for part in _PARTS],
              "", *table_head(["servers claiming", "claims", "claim p50 ms", "claim p99 ms"]),
              *[table_row([n, len(v), f"{_p(v, 0.5) * 1e3:.2f}", f"{_p(v, 0.99) * 1e3:.2f}"])
                for n, v in claims.items()]]
