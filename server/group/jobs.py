@@ -10,10 +10,11 @@ Invariants:
   cancelled/deleted, never both.
 - A claim is an attempt (``attempts`` + 1) with a lease (``lease_s``, on the database's clock) that a thread of
   this store renews while the job runs. A shared store takes back jobs whose lease ran out (their server died or
-  froze) before each claim; the embedded one takes back all its jobs in progress at :meth:`JobStore.recover` (one
+  froze) before its claims, at most every ``_POLL_S``; the embedded one takes back all its jobs in progress at :meth:`JobStore.recover` (one
   server: they are its dead group's). Every write of a running job carries its attempt and changes nothing unless
   that attempt is still the job's (progress, window, step-cache counts, checkpoint, the end); a lost claim's
-  :meth:`JobStore.cancel_requested` is true, so its group stops at the next step.
+  :meth:`JobStore.cancel_requested` is true, so its group stops within a step (a poll may answer from the row the
+  job's write returned an instant before, :data:`_FRESH_S`, as a read then would).
 - The embedded database survives restarts of the worker group and the death of the whole server (``kill -9`` of
   every process at any moment; not a power loss): it is in WAL mode, where a transaction is in the log once it
   returns (``synchronous=NORMAL`` syncs only at checkpoints, which is enough while the kernel outlives the process),

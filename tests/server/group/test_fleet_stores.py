@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from cp_infer.request import GenerationRequest, resolve_request
 from models.ltx_video.options import ltx_video_options
 from server.group.database import SCHEMA_VERSION, open_database
-from server.group.jobs import JobStore
+from server.group.jobs import _FRESH_S, JobStore
 from server.group.leader import GroupLeader, LeaderConfig
 from server.group.runtime import RuntimeConfig
 from server.http.app import AppConfig, create_app
@@ -115,6 +115,7 @@ def test_a_stale_attempt_cannot_progress_checkpoint_complete_or_overwrite(tmp_pa
     a.save_checkpoint(job.id, 1, ckpt, attempt=first.attempts)
     with psycopg.connect(pg_url, autocommit=True) as conn:  # a's lease runs out (a froze)
         conn.execute("UPDATE jobs SET lease_until = 0 WHERE id = %s", (job.id,))
+    time.sleep(_FRESH_S)  # a froze for a while: the row its last write returned no longer answers its polls
     second = b.claim_next(timeout=5)
     assert second.id == job.id and second.attempts == first.attempts + 1 and second.progress == 30
     got = b.load_checkpoint(job.id)
