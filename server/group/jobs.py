@@ -10,11 +10,12 @@ Invariants:
   cancelled/deleted, never both.
 - A claim is an attempt (``attempts`` + 1) with a lease (``lease_s``, on the database's clock) that a thread of
   this store renews while the job runs. A shared store takes back jobs whose lease ran out (their server died or
-  froze) before its claims, at most every ``_POLL_S``; the embedded one takes back all its jobs in progress at :meth:`JobStore.recover` (one
-  server: they are its dead group's). Every write of a running job carries its attempt and changes nothing unless
-  that attempt is still the job's (progress, window, step-cache counts, checkpoint, the end); a lost claim's
-  :meth:`JobStore.cancel_requested` is true, so its group stops within a step (a poll may answer from the row the
-  job's write returned an instant before, :data:`_FRESH_S`, as a read then would).
+  froze) before its claims, at most every ``_POLL_S``; the embedded one takes back all its jobs in progress at
+  :meth:`JobStore.recover` (one server: they are its dead group's). Every write of a running job carries its
+  attempt and changes nothing unless that attempt is still the job's (progress, window, step-cache counts,
+  checkpoint, the end); a lost claim's :meth:`JobStore.cancel_requested` is true, so its group stops within a step
+  (a poll may answer from the row the job's write returned an instant before, :data:`_FRESH_S`, as a read then
+  would).
 - The embedded database survives restarts of the worker group and the death of the whole server (``kill -9`` of
   every process at any moment; not a power loss): it is in WAL mode, where a transaction is in the log once it
   returns (``synchronous=NORMAL`` syncs only at checkpoints, which is enough while the kernel outlives the process),
@@ -49,7 +50,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,8 @@ class JobStore:
         self._reaped_at = -float("inf")
         self._closed = threading.Event()
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cp-infer-cleanup")
+        self._uploads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cp-infer-checkpoint")
+        self._uploading: dict[str, Future] = {}  # job -> its checkpoint being uploaded
 
     @property
     def stores(self) -> tuple[str, str]:
@@ -202,22 +205,45 @@ class JobStore:
     def save_checkpoint(self, job_id: str, passes_done: int, arrays: dict[str, np.ndarray], *,
                         attempt: int | None = None) -> None:
         """A running job's checkpoint (``SampleControl.on_checkpoint``), replacing the one before atomically; with
-        ``attempt``, only while that attempt is the job's (it then records which attempt's checkpoint is current)."""
-        if attempt is not None:
-            try:
-                self._save_checkpoint(job_id, passes_done, arrays, attempt)
-            except StoreUnavailable as exc:  # no checkpoint costs a resume from the one before, not the job
-                log.warning("job %s: checkpoint after pass %d not saved (%s)", job_id, passes_done, exc)
-            return
-        self._save_checkpoint(job_id, passes_done, arrays, None)
+        ``attempt``, only while that attempt is the job's (it then records which attempt's checkpoint is current).
 
-    def _save_checkpoint(self, job_id: str, passes_done: int, arrays: dict[str, np.ndarray],
-                         attempt: int | None) -> None:
-        if attempt is not None and not self._current(job_id, attempt):
-            return
+        To a shared output store (with ``attempt``) it is uploaded in the background: the arrays are copied into
+        the archive here, the group goes on, and the job's next checkpoint, its :meth:`finish` and this server's
+        :meth:`load_checkpoint` of it wait for the upload (one at a time per job). Until its record is updated,
+        the job's checkpoint is the one before."""
         buffer = io.BytesIO()
         np.savez(buffer, passes_done=np.array(passes_done, dtype=np.int64), **arrays)
-        self.outputs.put_bytes(job_id, ".resume.npz", buffer.getvalue(), attempt=attempt or 0)
+        data = buffer.getvalue()
+        if attempt is None:
+            self._save_checkpoint(job_id, passes_done, data, None)
+            return
+        if self.outputs.local:
+            self._save_checkpoint_quietly(job_id, passes_done, data, attempt)
+            return
+        self.wait_checkpoint(job_id)  # the one before, first
+        upload = self._uploads.submit(self._save_checkpoint_quietly, job_id, passes_done, data, attempt)
+        with self._lock:
+            self._uploading[job_id] = upload
+
+    def wait_checkpoint(self, job_id: str) -> None:
+        """Until the job's checkpoint being uploaded (if any) is saved, or given up on."""
+        with self._lock:
+            upload = self._uploading.pop(job_id, None)
+        if upload is not None:
+            upload.result()
+
+    def _save_checkpoint_quietly(self, job_id: str, passes_done: int, data: bytes, attempt: int) -> None:
+        try:
+            self._save_checkpoint(job_id, passes_done, data, attempt)
+        except StoreUnavailable as exc:  # no checkpoint costs a resume from the one before, not the job
+            log.warning("job %s: checkpoint after pass %d not saved (%s)", job_id, passes_done, exc)
+        except Exception:  # noqa: BLE001 -- as above: the job goes on (off its thread, nobody else would see it)
+            log.exception("job %s: checkpoint after pass %d not saved", job_id, passes_done)
+
+    def _save_checkpoint(self, job_id: str, passes_done: int, data: bytes, attempt: int | None) -> None:
+        if attempt is not None and not self._current(job_id, attempt):
+            return
+        self.outputs.put_bytes(job_id, ".resume.npz", data, attempt=attempt or 0)
         if attempt is not None:
             with self._lock:
                 cur = self._db.execute("UPDATE jobs SET checkpoint_attempt = ? WHERE id = ? AND attempts = ? AND "
@@ -237,6 +263,7 @@ class JobStore:
 
     def load_checkpoint(self, job_id: str) -> tuple[int, dict[str, np.ndarray]] | None:
         """The job's last checkpoint, ``None`` when it has none (or an unreadable one: the job starts over)."""
+        self.wait_checkpoint(job_id)
         with self._lock:
             attempt = self._checkpoint_attempt(job_id)
         data = None if attempt is None else self.outputs.get_bytes(job_id, ".resume.npz", attempt=attempt)
@@ -623,6 +650,8 @@ class JobStore:
         ``attempt`` (the group that ran it), only while that attempt is the job's: a stale one changes nothing
         (returns ``None``), and a completed job's files are that attempt's; an unreachable database is waited for
         (retried with backoff until it answers or the store closes), so the end is reported once it is back."""
+        if attempt is not None:
+            self.wait_checkpoint(job_id)  # saved (or given up on) before the end removes the job's checkpoints
         delay = 0.1
         while True:
             try:
@@ -684,6 +713,7 @@ class JobStore:
 
     def close(self) -> None:
         self._closed.set()
+        self._uploads.shutdown(wait=True)
         self._cleaner.shutdown(wait=True)
         with self._lock:
             self._db.close()

@@ -113,6 +113,7 @@ def test_a_stale_attempt_cannot_progress_checkpoint_complete_or_overwrite(tmp_pa
     a.set_progress(job.id, 30, attempt=first.attempts)
     ckpt = {"latents": np.random.default_rng().standard_normal((1, 4, 3)).astype(np.float32)}
     a.save_checkpoint(job.id, 1, ckpt, attempt=first.attempts)
+    a.wait_checkpoint(job.id)  # uploaded in the background
     with psycopg.connect(pg_url, autocommit=True) as conn:  # a's lease runs out (a froze)
         conn.execute("UPDATE jobs SET lease_until = 0 WHERE id = %s", (job.id,))
     time.sleep(_FRESH_S)  # a froze for a while: the row its last write returned no longer answers its polls
@@ -127,6 +128,7 @@ def test_a_stale_attempt_cannot_progress_checkpoint_complete_or_overwrite(tmp_pa
     a.set_progress(job.id, 95, attempt=first.attempts)
     a.set_window(job.id, 2, 3, attempt=first.attempts)
     a.save_checkpoint(job.id, 2, {"latents": np.zeros((1, 4, 3), np.float32) + 7}, attempt=first.attempts)
+    a.wait_checkpoint(job.id)
     _publish(a, job.id, b"stale bytes", first.attempts)
     assert a.finish(job.id, "completed", attempt=first.attempts) is None
     now = b.get(job.id)
@@ -136,6 +138,7 @@ def test_a_stale_attempt_cannot_progress_checkpoint_complete_or_overwrite(tmp_pa
     # as the job's (b has saved none yet). It stays: a later pass of the same job, which a third attempt resumes.
     a._current = lambda *_: True
     a.save_checkpoint(job.id, 2, {"latents": ckpt["latents"] + 1}, attempt=first.attempts)
+    a.wait_checkpoint(job.id)
     assert b.load_checkpoint(job.id)[0] == 2
     assert b.finish(job.id, "completed", attempt=second.attempts).output_attempt == second.attempts
     assert a.finish(job.id, "failed", "late", "late", attempt=first.attempts) is None
