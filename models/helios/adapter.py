@@ -45,7 +45,7 @@ from cp_infer.weights import join_call
 from models.common.adapter import video_uint8
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
 
-from .options import HELIOS_TEMPORAL_COMPRESSION, chunk_prompts, chunks_of, helios_options
+from .options import HELIOS_TEMPORAL_COMPRESSION, chunk_prompts, chunks_of, helios_options, video_clip
 from .parallel import HeliosShardContext, parallelize_helios_transformer, sharded_forward
 
 __all__ = ["LORA", "HeliosModel", "pack_patches", "plan_request", "step_passes", "unpack_patches"]
@@ -107,9 +107,10 @@ class _History:
     """With ``keep_first_frame``: the video's first latent frame (``None`` before the first chunk is made)."""
     made: list[torch.Tensor] = field(default_factory=list)
     """Every chunk's latents made so far ``[1, C, n, H, W]``, on the CPU."""
-    still: torch.Tensor | None = None
-    """Image-to-video: the last latent frame of the image as a still chunk (noised), the history's last frame before
-    the first chunk and the first of the latents the pipeline returns (on the CPU); ``None``: text-to-video."""
+    context: torch.Tensor | None = None
+    """The latents before the first chunk that the pipeline returns before the chunks' (on the CPU): image-to-video's
+    still frame (the last latent frame of the image held still for a chunk, noised: the history's last frame),
+    video-to-video's video (its latents, noised: the history's last frames); ``None``: text-to-video."""
 
 
 @dataclass
@@ -184,9 +185,7 @@ class HeliosModel:
         return self.state.device
 
     def plan(self, request: GenerationRequest) -> Plan:
-        if request.conditions:
-            raise ValueError("conditions: Helios models take an image as the first frame (image), not conditions at "
-                             "frames; give the first frame as image")
+        self.options.check_media(request)
         return plan_request(request)
 
     def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "chunk",
@@ -235,6 +234,8 @@ class HeliosModel:
             history=_History(sizes=tuple(sizes), latents=latents), chunk=0, inputs={})
         if request.image is not None:
             self._start_image(x)
+        elif video_clip(request) is not None:
+            self._start_video(x)
         return x
 
     def _embeds(self, request: GenerationRequest) -> list[torch.Tensor]:
@@ -250,11 +251,9 @@ class HeliosModel:
         """``HeliosPipeline``'s image-to-video preparation: the image's latents (the first latent frame of every
         chunk's short history) and the last latent frame of the image held still for a chunk's frames (the history's
         last), each noised by a sigma drawn from the request's generator, in the pipeline's order."""
-        request, pipe, device, vae = x.request, self.pipe, self.device, self.components.vae
+        request, pipe, device = x.request, self.pipe, self.device
         options = request.options
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(device, vae.dtype)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
-            device, vae.dtype)
+        mean, inverse_std = self._latent_stats()
         image = Image.fromarray(request.image.frames[0], mode="RGB")
         pixels = pipe.video_processor.preprocess(image, height=request.height, width=request.width)
         generator = x.generator
@@ -274,7 +273,48 @@ class HeliosModel:
                     still = noised
         history = x.history
         history.latents = torch.cat([history.latents[:, :, :-1], still], dim=2)
-        history.first, history.still = image_latents, still.cpu()
+        history.first, history.context = image_latents, still.cpu()
+
+    def _start_video(self, x: _RequestState) -> None:
+        """``HeliosPipeline``'s video-to-video preparation (``prepare_video_latents`` and the noise after it): the
+        video's first frame encoded alone (the first latent frame of every chunk's short history) and its last whole
+        chunks encoded one by one (the history's last latent frames), each noised, the sigmas and the noise drawn
+        from the request's generator in the pipeline's order."""
+        request, pipe, device = x.request, self.pipe, self.device
+        options, generator = request.options, x.generator
+        mean, inverse_std = self._latent_stats()
+        clip = [Image.fromarray(frame, mode="RGB") for frame in video_clip(request).frames]
+        pixels = pipe.video_processor.preprocess_video(clip, height=request.height, width=request.width)
+        chunk = options["num_latent_frames_per_chunk"]
+        first, video = pipe.prepare_video_latents(pixels, latents_mean=mean, latents_std=inverse_std,
+                                                  num_latent_frames_per_chunk=chunk, dtype=torch.float32,
+                                                  device=device, generator=generator)
+        if options["add_noise_to_video_latents"]:
+            # NOTE(noise): the sigmas drawn on the CPU generator (the pipeline's draws there), then moved.
+            lo, hi = options["image_noise_sigma_min"], options["image_noise_sigma_max"]
+            sigma = (torch.rand(1, generator=generator) * (hi - lo) + lo).to(device)
+            first = sigma * randn_tensor(first.shape, generator=generator, device=device) + (1 - sigma) * first
+            lo, hi = options["video_noise_sigma_min"], options["video_noise_sigma_max"]
+            noised = []
+            for part in video.split(chunk, dim=2):
+                n = part.shape[2]
+                sigmas = (torch.rand(n, generator=generator) * (hi - lo) + lo).to(device).view(1, 1, n, 1, 1)
+                noised.append(sigmas * randn_tensor(part.shape, generator=generator, device=device)
+                              + (1 - sigmas) * part)
+            video = torch.cat(noised, dim=2)
+        history = x.history
+        frames = history.latents.shape[2]
+        # The pipeline's history is the zeros before the video, or the whole video; the frames it splits are its last.
+        history.latents = torch.cat([history.latents, video], dim=2)[:, :, -frames:]
+        history.first, history.context = first, video.cpu()
+
+    def _latent_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's latent mean and inverse std ``[1, C, 1, 1, 1]``, as the pipeline makes them."""
+        vae = self.components.vae
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(self.device, vae.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
+            self.device, vae.dtype)
+        return mean, inverse_std
 
     def _history_inputs(self, x: _RequestState) -> dict[str, torch.Tensor]:
         """The transformer's history arguments for the chunk at hand, as ``HeliosPipeline`` builds them."""
@@ -353,7 +393,7 @@ class HeliosModel:
         return {"made": torch.cat(history.made, dim=2).float().numpy(), "history": history.latents.cpu().numpy(),
                 "first": history.first.cpu().numpy(), "generator": state.generator.get_state().numpy(),
                 "chunk": np.array(state.chunk, dtype=np.int64),
-                **({} if history.still is None else {"still": history.still.numpy()})}
+                **({} if history.context is None else {"context": history.context.numpy()})}
 
     def restore(self, request: GenerationRequest, arrays: dict[str, np.ndarray]) -> tuple[_RequestState, int]:
         """The state a checkpoint was taken in (the prompts, and an image, encoded again; the generator's state then
@@ -379,18 +419,19 @@ class HeliosModel:
         x.history.latents = history.to(self.device)
         x.history.first = first.to(self.device)
         x.history.made = list(made.split(n, dim=2))
-        if (request.image is not None) != ("still" in arrays):
-            raise ValueError("the checkpoint is not one of this request's chunks (image-to-video or not)")
-        if "still" in arrays:
-            x.history.still = torch.from_numpy(np.array(arrays["still"], dtype=np.float32))
+        if (x.history.context is not None) != ("context" in arrays) or ("context" in arrays and np.shape(
+                arrays["context"]) != tuple(x.history.context.shape)):
+            raise ValueError("the checkpoint is not one of this request's chunks (from text, an image or a video)")
+        if "context" in arrays:
+            x.history.context = torch.from_numpy(np.array(arrays["context"], dtype=np.float32))
         return x, final_frames(request, chunk + 1)
 
     def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
         """``output_type="latent"``: the pipeline returns every chunk's latents ``[B, C, F, H, W]`` (after the
-        image's still latent frame, with an image)."""
+        image's still latent frame, or the video's latents)."""
         history = prepared.state.history
-        still = [] if history.still is None else [history.still]
-        return {"latents": torch.cat([*still, *history.made], dim=2).float().numpy()}
+        context = [] if history.context is None else [history.context]
+        return {"latents": torch.cat([*context, *history.made], dim=2).float().numpy()}
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """The pipeline's decode: each chunk alone, de-normalised, through ``vae.decode`` and the post-processing,
@@ -403,9 +444,7 @@ class HeliosModel:
         # that a chunk's frames go out once it is made, all but the last < 4 when its end is not a piece's.
         split = TemporalSplit(latent_frames=(total - 1) // t + 1, world=1, temporal_compression=t,
                               frames_per_rank=1)
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(self.device, vae.dtype)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
-            self.device, vae.dtype)
+        mean, inverse_std = self._latent_stats()
         made = {"history": x.history}
         decoded: dict[int, np.ndarray] = {}  # the last chunk decoded (a piece may end inside it)
 

@@ -23,7 +23,7 @@ from models.common.standard_options import standard_options
 from models.common.windows import prompt_segments_option, window_prompts
 
 __all__ = ["HELIOS_TEMPORAL_COMPRESSION", "HELIOS_TEXT_TOKENS", "Chunks", "chunk_prompts", "chunks_of",
-           "helios_options"]
+           "helios_options", "video_clip"]
 
 HELIOS_TEMPORAL_COMPRESSION = 4
 """Video frames per latent frame of Helios's VAE (``AutoencoderKLWan``; the first latent frame of a chunk holds one)."""
@@ -105,6 +105,32 @@ def _check(values: Mapping[str, Any]) -> None:
         raise ValueError(f"num_frames={values['num_frames']} is {chunks.count} chunks; at most {_MAX_CHUNKS}")
 
 
+def video_clip(request: GenerationRequest):
+    """Video-to-video: the video a request continues (``HeliosPipeline``'s ``video``), given as its one condition;
+    ``None``: none."""
+    return request.conditions[0] if request.conditions else None
+
+
+def _check_media(request: GenerationRequest) -> None:
+    """A request's media as ``HeliosPipeline`` takes them: an image (the first frame), or one clip (``video``, the
+    video the chunks continue: its last whole chunks encoded, the frames before them dropped, as the pipeline does)."""
+    if not request.conditions:
+        return
+    chunks = chunks_of(request)
+    if len(request.conditions) > 1:
+        raise ValueError(f"conditions has {len(request.conditions)} items: Helios takes one video to continue "
+                         "(HeliosPipeline's video) as conditions[0], or an image as the first frame; give one")
+    clip = request.conditions[0]
+    if clip.frame_index != 0 or clip.strength != 1.0:
+        raise ValueError(f"conditions[0].frame_index={clip.frame_index}, strength={clip.strength}: Helios continues "
+                         "the video (HeliosPipeline's video), it does not place it in the output; give it at "
+                         "frame_index 0 with strength 1")
+    if clip.frames.shape[0] < chunks.chunk_frames:
+        raise ValueError(f"conditions[0].media has {clip.frames.shape[0]} frames: Helios encodes the video it "
+                         f"continues in whole chunks of {chunks.chunk_frames} frames (num_latent_frames_per_chunk="
+                         f"{chunks.latent_frames}); give at least {chunks.chunk_frames} frames, or an image")
+
+
 def _frames_under(hi: float, values: Mapping[str, Any], geometry: Any) -> int | None:
     """``num_frames``' fit: the longest video of whole chunks within ``hi`` frames."""
     latent = values["num_latent_frames_per_chunk"]
@@ -150,11 +176,14 @@ def helios_options() -> ModelOptions:
                lo=0, hi=1),
         Option("image_noise_sigma_max", float, 0.135, "with an image: the largest sigma its latents are noised by",
                lo=0, hi=1),
-        Option("video_noise_sigma_min", float, 0.111, "with an image: the smallest sigma the still video's latent "
-               "frame in the history is noised by", lo=0, hi=1),
-        Option("video_noise_sigma_max", float, 0.135, "with an image: the largest sigma the still video's latent "
-               "frame in the history is noised by", lo=0, hi=1),
+        Option("add_noise_to_video_latents", bool, True, "with a video: noise its first frame's latents (by a sigma "
+               "between the image's min and max) and each of its latent frames (by a sigma between the video's)"),
+        Option("video_noise_sigma_min", float, 0.111, "with an image, the smallest sigma the still video's latent "
+               "frame in the history is noised by; with a video, each of its latent frames", lo=0, hi=1),
+        Option("video_noise_sigma_max", float, 0.135, "with an image, the largest sigma the still video's latent "
+               "frame in the history is noised by; with a video, each of its latent frames", lo=0, hi=1),
     )
-    # An image is the first frame: the first latent frame every chunk's short history starts with.
-    return ModelOptions("Helios", options, takes_media=True, check=_check, window_media=("image",),
-                        window_frames=_chunk_frames, window_tile_causal=True)
+    # An image is the first frame: the first latent frame every chunk's short history starts with. A video (one clip
+    # as conditions[0]) is the video the chunks continue: its latents are the first chunk's history.
+    return ModelOptions("Helios", options, takes_media=True, check=_check, window_media=("image", "conditions"),
+                        window_frames=_chunk_frames, window_tile_causal=True, check_media=_check_media)
