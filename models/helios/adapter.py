@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import HeliosPipeline, HeliosTransformer3DModel
+from diffusers import HeliosPipeline, HeliosPyramidPipeline, HeliosTransformer3DModel
 from diffusers.loaders import HeliosLoraLoaderMixin
 from diffusers.pipelines.helios.pipeline_helios import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
@@ -45,8 +45,9 @@ from cp_infer.weights import join_call
 from models.common.adapter import video_uint8
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
 
-from .options import HELIOS_TEMPORAL_COMPRESSION, chunk_prompts, chunks_of, helios_options, video_clip
+from .options import HELIOS_TEMPORAL_COMPRESSION, Pyramid, chunk_prompts, chunks_of, helios_options, video_clip
 from .parallel import HeliosShardContext, parallelize_helios_transformer, sharded_forward
+from .pyramid import cfg_zero_star, dmd_step, downsample, set_stage_timesteps, upsample_renoise
 
 __all__ = ["LORA", "HeliosModel", "pack_patches", "plan_request", "step_passes", "unpack_patches"]
 
@@ -73,11 +74,19 @@ def unpack_patches(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tupl
     return x.reshape(tokens.shape[0], -1, gf * pt, gh * ph, gw * pw)
 
 
-def plan_request(request: GenerationRequest) -> Plan:
+def plan_request(request: GenerationRequest, pyramid: Pyramid | None = None) -> Plan:
     """One ``chunk`` pass per chunk (its ``window``), each with its prompt (``prompt_segments``) and every step of
-    the schedule."""
-    return Plan(tuple(DenoisePass(replace(request, prompt=prompt), steps=request.num_inference_steps, kind="chunk",
-                                  window=k) for k, prompt in enumerate(chunk_prompts(request))))
+    the schedule; with a ``pyramid``, a pass per stage of each chunk (the first ``chunk``, the others ``stage``)."""
+    passes = []
+    for k, prompt in enumerate(chunk_prompts(request)):
+        r = replace(request, prompt=prompt)
+        if pyramid is None:
+            passes.append(DenoisePass(r, steps=request.num_inference_steps, kind="chunk", window=k))
+            continue
+        amplify = request.options["is_amplify_first_chunk"]
+        passes += [DenoisePass(r, steps=pyramid.steps(n, k, amplify), kind="stage" if s else "chunk", window=k)
+                   for s, n in enumerate(request.options["pyramid_num_inference_steps_list"])]
+    return Plan(tuple(passes))
 
 
 def final_frames(request: GenerationRequest, chunks_made: int) -> int:
@@ -131,6 +140,12 @@ class _RequestState:
     """Which chunk this pass makes (from 0)."""
     inputs: dict[str, torch.Tensor]
     """The transformer's history arguments for this chunk (indices and latents, in the transformer's dtype)."""
+    stage: int = 0
+    """A pyramid's stage of the chunk in hand (0: the coarsest; always 0 without a pyramid)."""
+    step: int = 0
+    """The step of the pass in hand (from 0)."""
+    start: torch.Tensor | None = None
+    """DMD: the stage's start latents, whole, in the token layout."""
 
 
 class HeliosModel:
@@ -143,17 +158,19 @@ class HeliosModel:
         self.components = components
         # NOTE(pipeline): the pipeline object is used only for diffusers' own prompt encoding, latents and
         # post-processing, so that a 1-rank run is the reference implementation step for step.
-        self.pipe = HeliosPipeline(tokenizer=components.tokenizer, text_encoder=components.text_encoder,
-                                   vae=components.vae, scheduler=components.scheduler,
-                                   transformer=components.transformer)
-        _check_scheduler(components.scheduler)
+        self.pyramid: Pyramid | None = getattr(components, "pyramid", None)
+        parts = dict(tokenizer=components.tokenizer, text_encoder=components.text_encoder, vae=components.vae,
+                     scheduler=components.scheduler, transformer=components.transformer)
+        self.pipe = HeliosPipeline(**parts) if self.pyramid is None else HeliosPyramidPipeline(
+            **parts, is_cfg_zero_star=self.pyramid.cfg_zero_star, is_distilled=self.pyramid.distilled)
+        _check_scheduler(components.scheduler, self.pyramid)
         self.patch = tuple(components.transformer.config.patch_size)
         self.geometry = VideoGeometry(temporal_compression=self.pipe.vae_scale_factor_temporal,
                                       spatial_compression=self.pipe.vae_scale_factor_spatial,
                                       patch_size=self.patch[1], patch_size_t=self.patch[0])
         self._ctx = HeliosShardContext(state=state)
         parallelize_helios_transformer(components.transformer, self._ctx)
-        self.options = helios_options()
+        self.options = helios_options(self.pyramid)
 
     lora_spec = LORA
     loras: LoadedLoras | None = None
@@ -186,20 +203,23 @@ class HeliosModel:
 
     def plan(self, request: GenerationRequest) -> Plan:
         self.options.check_media(request)
-        return plan_request(request)
+        return plan_request(request, self.pyramid)
 
     def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "chunk",
                 previous: dict[str, torch.Tensor] | None = None, previous_state: Any = None) -> Prepared:
         """``HeliosPipeline``'s preparation of one chunk: the first encodes the prompts and starts the history; every
-        chunk draws its noise from the request's generator and sets the schedule."""
-        assert kind == "chunk", kind
+        chunk draws its noise from the request's generator and sets the schedule. With a pyramid, a ``chunk`` pass is
+        a chunk's first (coarsest) stage, a ``stage`` pass the next stage from the one before (``previous``)."""
+        assert kind in ("chunk", "stage"), kind
         device, pipe = self.device, self.pipe
+        if kind == "stage":
+            return self._next_stage(previous["video"], previous_state)
         chunks = chunks_of(request)
         shape = self.geometry.latent_shape(chunks.chunk_frames, request.height, request.width)
         if previous_state is None:
             x = self._start(request, shape)
         else:
-            x = replace(previous_state, chunk=previous_state.chunk + 1)
+            x = replace(previous_state, chunk=previous_state.chunk + 1, stage=0)
             if request.prompt != x.request.prompt:  # the next range of prompt_segments
                 x.request, x.embeds = request, self._embeds(request)
         channels = self.transformer.config.in_channels
@@ -208,6 +228,10 @@ class HeliosModel:
         latents = pipe.prepare_latents(1, channels, request.height, request.width, chunks.chunk_frames, torch.float32,
                                        torch.device("cpu"), x.generator).to(device)
         x.inputs = self._history_inputs(x)
+        x.step = 0
+        if self.pyramid is not None:
+            latents = downsample(latents, self.pyramid.stages - 1)
+            return self._stage(x, latents, tokens=None)
         steps = request.num_inference_steps
         sigmas = np.linspace(0.999, 0.0, steps + 1)[:-1]
         config = x.scheduler.config
@@ -217,6 +241,29 @@ class HeliosModel:
         x.scheduler.set_timesteps(steps, device=device, sigmas=sigmas, mu=mu)
         return Prepared(latents={"video": pack_patches(latents, self.patch)}, timesteps=list(x.scheduler.timesteps),
                         state=x)
+
+    def _stage(self, x: _RequestState, latents: torch.Tensor, *, tokens: int | None) -> Prepared:
+        """A pyramid stage's start from its latents ``[1, C, F, h, w]``: its token grid and its schedule, shifted for
+        ``tokens`` (``None``: the stage's own)."""
+        request = x.request
+        x.shape = LatentShape(*(n // p for n, p in zip(latents.shape[2:], self.patch, strict=True)))
+        steps = request.options["pyramid_num_inference_steps_list"][x.stage]
+        amplify = request.options["is_amplify_first_chunk"] and x.chunk == 0
+        tokens = x.shape.tokens if tokens is None else tokens
+        set_stage_timesteps(x.scheduler, steps, x.stage, tokens, device=self.device, amplify=amplify)
+        tokens = pack_patches(latents, self.patch)
+        x.start = tokens if self.pyramid.dmd else None
+        return Prepared(latents={"video": tokens}, timesteps=list(x.scheduler.timesteps), state=x)
+
+    def _next_stage(self, previous: torch.Tensor, previous_state: _RequestState) -> Prepared:
+        """The next stage of the chunk: the last one's latents doubled and re-noised (``upsample_renoise``)."""
+        x = replace(previous_state, stage=previous_state.stage + 1, step=0)
+        grid = (x.shape.frames, x.shape.height, x.shape.width)
+        latents = upsample_renoise(self.pipe, unpack_patches(previous, grid, self.patch), x.stage, patch=self.patch,
+                                   generator=x.generator, device=self.device, dtype=self.transformer.dtype)
+        # NOTE(pipeline): HeliosPyramidPipeline shifts a stage's schedule before it doubles the latents: by the
+        # previous stage's token count.
+        return self._stage(x, latents, tokens=x.shape.tokens)
 
     def _start(self, request: GenerationRequest, shape: LatentShape) -> _RequestState:
         """The first chunk's: the adapters, the prompts, the generator, the empty history."""
@@ -343,7 +390,8 @@ class HeliosModel:
         # token) and the sharded forward cuts the whole sequence, history included, to its shard.
         whole = gather_sequence(latents, plan=plan, group=self.state.cp_group)
         hidden = unpack_patches(whole, grid, self.patch).to(dtype)
-        timestep = t.expand(1)
+        # HeliosPyramidPipeline hands the transformer integer timesteps.
+        timestep = t.expand(1) if self.pyramid is None else t.expand(1).to(torch.int64)
         passes = len(x.embeds)
         share = pass_shares(passes, self.state.guidance_size)[self.state.guidance_rank]
         outputs = []
@@ -362,21 +410,43 @@ class HeliosModel:
         noise_pred = gather_passes({"video": noise_pred}, passes=passes, state=self.state)["video"]
         if passes == 2:
             cond, uncond = noise_pred[0:1], noise_pred[1:2]
-            noise_pred = uncond + x.request.guidance_scale * (cond - uncond)
+            if self.pyramid is not None and self.pyramid.cfg_zero_star:
+                noise_pred = self._cfg_zero_star(cond, uncond, x, plan)
+            else:
+                noise_pred = uncond + x.request.guidance_scale * (cond - uncond)
         return {"video": noise_pred}
+
+    def _cfg_zero_star(self, cond: torch.Tensor, uncond: torch.Tensor, x: _RequestState,
+                       plan: ShardPlan) -> torch.Tensor:
+        """CFG-Zero* (``pyramid.cfg_zero_star``) on the whole chunk: its scale is a dot product over the whole
+        prediction, so every rank gathers both (C*patch values a token) and computes it in the pipeline's layout."""
+        grid, group, options = (x.shape.frames, x.shape.height, x.shape.width), self.state.cp_group, x.request.options
+        whole = [unpack_patches(gather_sequence(p, plan=plan, group=group), grid, self.patch).contiguous()
+                 for p in (cond, uncond)]
+        zeroed = options["use_zero_init"] and x.stage == 0 and x.step <= options["zero_steps"]
+        out = cfg_zero_star(*whole, x.request.guidance_scale, zeroed=zeroed)
+        return plan.shard(pack_patches(out, self.patch), self.state.cp_rank)
 
     def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
              latents_local: dict[str, torch.Tensor], prepared: Prepared,
              plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
         x: _RequestState = prepared.state
-        stepped = x.scheduler.step(noise_pred_local["video"], t, latents_local["video"], generator=x.generator,
-                                   return_dict=False)[0]
+        if x.start is not None:  # DMD: towards the stage's start latents, cut to this rank's shard
+            start = plans["video"].shard(x.start, self.state.cp_rank)
+            stepped = dmd_step(x.scheduler, noise_pred_local["video"], t, latents_local["video"], start, x.step,
+                               x.generator)
+        else:
+            stepped = x.scheduler.step(noise_pred_local["video"], t, latents_local["video"], generator=x.generator,
+                                       return_dict=False)[0]
+        x.step += 1
         return {"video": stepped}
 
     def finish_pass(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> int | None:
         """The chunk's latents joined to the history, as the pipeline's loop joins them; the decode's latent frames
         now final (:func:`final_frames`): the chunk is decoded and streamed before the next is made."""
         x: _RequestState = prepared.state
+        if not self._chunk_done(x):
+            return None
         chunk = unpack_patches(latents["video"], (x.shape.frames, x.shape.height, x.shape.width), self.patch)
         history = x.history
         if history.first is None:
@@ -386,9 +456,16 @@ class HeliosModel:
         history.made.append(chunk.cpu())
         return final_frames(x.request, len(history.made))
 
-    def checkpoint(self, state: _RequestState) -> dict[str, np.ndarray]:
+    def _chunk_done(self, x: _RequestState) -> bool:
+        """Whether the pass just run made the chunk (its last stage, with a pyramid)."""
+        return self.pyramid is None or x.stage == self.pyramid.stages - 1
+
+    def checkpoint(self, state: _RequestState) -> dict[str, np.ndarray] | None:
         """The video made so far: every chunk's latents (the decode goes on from the first frame), the history, the
-        generator's state (the next chunk's noise is the next draw)."""
+        generator's state (the next chunk's noise is the next draw). ``None`` inside a chunk (a pyramid's stages
+        before the last): a job resumes at a chunk's start."""
+        if not self._chunk_done(state):
+            return None
         history = state.history
         return {"made": torch.cat(history.made, dim=2).float().numpy(), "history": history.latents.cpu().numpy(),
                 "first": history.first.cpu().numpy(), "generator": state.generator.get_state().numpy(),
@@ -416,6 +493,7 @@ class HeliosModel:
             raise ValueError("the checkpoint is not one of this request's chunks")
         x.generator.set_state(generator)
         x.chunk = chunk
+        x.stage = 0 if self.pyramid is None else self.pyramid.stages - 1
         x.history.latents = history.to(self.device)
         x.history.first = first.to(self.device)
         x.history.made = list(made.split(n, dim=2))
@@ -468,13 +546,17 @@ class HeliosModel:
                        reads=lambda a, b: b, feed=feed)
 
 
-def _check_scheduler(scheduler) -> None:
+def _check_scheduler(scheduler, pyramid: Pyramid | None) -> None:
     """Refuse a schedule the chunk loop does not run (each rank steps its shard alone)."""
     config = scheduler.config
     if config.get("thresholding", False):
         raise ValueError("a thresholding scheduler clips each step by a quantile of the whole sample, which a shard "
                          "does not hold; set thresholding=false in scheduler/scheduler_config.json")
-    if config.get("stages", 1) != 1 or config.get("scheduler_type", "unipc") not in ("unipc", "euler"):
-        raise ValueError(f"scheduler/scheduler_config.json has stages={config.get('stages')}, scheduler_type="
-                         f"{config.get('scheduler_type')!r}: HeliosPipeline's one-stage schedule (stages=1, unipc or "
-                         "euler) is served here; the pyramid and distilled (dmd) schedules are not")
+    kind = config.get("scheduler_type", "unipc")
+    if pyramid is None and (config.get("stages", 1) != 1 or kind not in ("unipc", "euler")):
+        raise ValueError(f"scheduler/scheduler_config.json has stages={config.get('stages')}, scheduler_type={kind!r}: "
+                         "HeliosPipeline runs a one-stage schedule (stages=1, unipc or euler); a pyramid's scheduler "
+                         "goes with HeliosPyramidPipeline (model_index.json)")
+    if pyramid is not None and type(scheduler).__name__ == "HeliosScheduler" and kind not in ("unipc", "euler"):
+        raise ValueError(f"scheduler/scheduler_config.json: HeliosScheduler with scheduler_type={kind!r} does not "
+                         "step (diffusers 0.42); use unipc or euler, or HeliosDMDScheduler for a distilled model")

@@ -95,3 +95,27 @@ def test_a_video_to_continue_is_one_whole_chunk_or_more_at_frame_0():
         check(Condition(clip, strength=0.6))
     with pytest.raises(ValueError, match="conditions has 2 items"):
         check(Condition(clip[:9]), Condition(clip[:9]))
+
+
+def test_a_pyramid_folder_has_the_pyramid_pipelines_options():
+    """A HeliosPyramidPipeline folder's options are that pipeline's names and defaults (its stages' steps for
+    num_inference_steps, which must add up to them); the list has one count per stage of the folder's scheduler."""
+    from diffusers import HeliosPyramidPipeline
+
+    from models.helios.options import Pyramid
+
+    options = helios_options(Pyramid(stages=3))
+    parameters = inspect.signature(HeliosPyramidPipeline.__call__).parameters
+    for name in ("use_zero_init", "zero_steps", "is_amplify_first_chunk"):
+        assert options[name].default == parameters[name].default, name
+    assert list(options["pyramid_num_inference_steps_list"].default) == \
+        parameters["pyramid_num_inference_steps_list"].default
+    assert "num_inference_steps" not in parameters and options["num_inference_steps"].default == 30
+    assert options.resolve({"num_inference_steps": 6, "pyramid_num_inference_steps_list": [2, 2, 2]})
+    with pytest.raises(ValueError, match=r"num_inference_steps=30: a pyramid runs .*\[2, 2, 2\].*give "
+                                         r"num_inference_steps=6"):
+        options.resolve({"pyramid_num_inference_steps_list": [2, 2, 2]})
+    with pytest.raises(ValueError, match="scheduler has 3 stages; give 3 step counts"):
+        options.resolve({"num_inference_steps": 20, "pyramid_num_inference_steps_list": [10, 10]})
+    with pytest.raises(ValueError, match="height=48: a pyramid of 3 stages .* multiples of 64; try 64"):
+        options.resolve({"height": 48})
