@@ -113,3 +113,24 @@ def test_two_ranks_equal_one_rank(folders, one_rank, groups):
     seed, expected = one_rank
     results = groups(2).run(_sample_all, folders, seed, timeout=600)
     assert_ranks_close(expected, results, world=2, seed=seed)
+
+
+def test_a_resumed_pyramid_job_equals_the_whole_run(folders, one_rank):
+    """A pyramid's job checkpoints after a chunk's last stage only (its plan: a pass per stage), and going on from
+    there makes the uninterrupted run's video and latents, bit for bit."""
+    from cp_infer import single_process_state
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    seed, ours = one_rank
+    request = _request("unipc", seed)  # two chunks of two stages: passes 0-1, then 2-3
+    state = single_process_state()
+    model = HeliosModel(load_helios(folders["unipc"]), state=state)
+    saved = {}
+    one_thread(sample, model, request, state=state, control=SampleControl(on_checkpoint=saved.__setitem__))
+    assert sorted(saved) == [2]
+    latents = {}
+    frames = one_thread(sample, model, request, state=state,
+                        control=SampleControl(resume=(2, saved[2]), on_latents=latents.update))
+    np.testing.assert_array_equal(frames, ours[0][0], err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(latents["latents"], ours[0][1], err_msg=f"seed={seed}")
