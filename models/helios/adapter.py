@@ -7,7 +7,10 @@ and ``HeliosPipeline``'s own prompt encoding, latents and post-processing). Para
 Here:
 - a request's plan is one ``chunk`` pass per chunk (:func:`plan_request`); every pass draws its noise from the one
   generator of the request, in the pipeline's order, on every rank alike, and runs the pipeline's schedule
-  (``set_timesteps(steps, sigmas=linspace(0.999, 0, steps + 1)[:-1], mu=calculate_shift(chunk tokens))``);
+  (``set_timesteps(steps, sigmas=linspace(0.999, 0, steps + 1)[:-1], mu=calculate_shift(chunk tokens))``); with a
+  ``HeliosPyramidPipeline`` folder, a pass per stage of each chunk, coarse to fine (``models.helios.pyramid``);
+- an image (``image``) or a video (``video_clip``: HeliosPipeline's ``video``) is encoded and noised when the first
+  chunk is prepared, as the pipeline prepares it; its latents start the history;
 - after each chunk (``finish_pass``) its latents join the history (the long, mid and short history are the last
   ``sum(history_sizes)`` latent frames, and with ``keep_first_frame`` the video's first latent frame is put before
   the short one), as ``HeliosPipeline``'s loop does; the history kept on the device is those frames alone, so its
@@ -19,8 +22,8 @@ Here:
 - the decode is the pipeline's: each chunk decoded alone by ``vae.decode`` (its causal cache starts afresh at every
   chunk), the frames post-processed and cut to ``4k + 1``, on the decoding group's first rank, streamed chunk by
   chunk as they are made;
-- after each chunk the job can be checkpointed (every chunk's latents, the history, the generator's state) and
-  resumed from there, bit-equal to the uninterrupted run.
+- after each chunk (its last stage) the job can be checkpointed (every chunk's latents, the history, the
+  generator's state) and resumed from there, bit-equal to the uninterrupted run.
 """
 
 from __future__ import annotations
