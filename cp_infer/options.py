@@ -207,7 +207,11 @@ class ModelOptions:
     ``ValueError`` naming the options and the fix (e.g. a size that one of the model's modes cannot take)."""
     window_media: tuple[str, ...] = ("image", "extends")
     """What a request made window by window may carry besides its prompt: ``image`` (image-to-video), ``extends`` (an
-    extension of a video)."""
+    extension of a video), ``conditions`` (media the model's own check, ``check_media``, says how it takes)."""
+    check_media: Callable[[Any], None] | None = field(default=None, compare=False)
+    """A check of a resolved request's media (``image``, ``conditions``) that only the model can make (which media
+    its pipeline takes, and how many frames), run by ``check_request`` after the checks every model shares; raises
+    ``ValueError`` naming the field (``conditions[0].media``, ...) and the fix."""
     window_tile_causal: bool = False
     """How a window's length in frames counts in latent frames (``T``: the VAE's temporal compression): ``False``,
     ``frames // T`` (windows of ``T * k`` frames); ``True``, ``(frames - 1) // T + 1`` (windows of ``T * k + 1``

@@ -232,6 +232,8 @@ def _check_conditions(request: GenerationRequest, options: ModelOptions, geometr
             raise ValueError("image must be one frame at frame_index 0 with strength 1; use conditions for others")
     for i, cond in enumerate(request.conditions):
         _check_condition(f"conditions[{i}]", cond, request.num_frames, geometry.temporal_compression)
+    if options.check_media is not None:
+        options.check_media(request)
 
 
 EXTEND_TAIL = 17
@@ -303,7 +305,7 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     frames = request.num_frames if options.window_frames is None else options.window_frames(values)
     if request.extends is not None:
         _check_extends(request, options, geometry)
-    if request.conditions and frames != request.num_frames:
+    if request.conditions and frames != request.num_frames and "conditions" not in options.window_media:
         raise ValueError("conditions: a video longer than one window takes an image (image-to-video), not "
                          "conditions; give the first frame as image, or ask for fewer frames")
     if request.image is not None and frames != request.num_frames and "image" not in options.window_media:

@@ -7,7 +7,10 @@ and ``HeliosPipeline``'s own prompt encoding, latents and post-processing). Para
 Here:
 - a request's plan is one ``chunk`` pass per chunk (:func:`plan_request`); every pass draws its noise from the one
   generator of the request, in the pipeline's order, on every rank alike, and runs the pipeline's schedule
-  (``set_timesteps(steps, sigmas=linspace(0.999, 0, steps + 1)[:-1], mu=calculate_shift(chunk tokens))``);
+  (``set_timesteps(steps, sigmas=linspace(0.999, 0, steps + 1)[:-1], mu=calculate_shift(chunk tokens))``); with a
+  ``HeliosPyramidPipeline`` folder, a pass per stage of each chunk, coarse to fine (``models.helios.pyramid``);
+- an image (``image``) or a video (``video_clip``: HeliosPipeline's ``video``) is encoded and noised when the first
+  chunk is prepared, as the pipeline prepares it; its latents start the history;
 - after each chunk (``finish_pass``) its latents join the history (the long, mid and short history are the last
   ``sum(history_sizes)`` latent frames, and with ``keep_first_frame`` the video's first latent frame is put before
   the short one), as ``HeliosPipeline``'s loop does; the history kept on the device is those frames alone, so its
@@ -19,8 +22,8 @@ Here:
 - the decode is the pipeline's: each chunk decoded alone by ``vae.decode`` (its causal cache starts afresh at every
   chunk), the frames post-processed and cut to ``4k + 1``, on the decoding group's first rank, streamed chunk by
   chunk as they are made;
-- after each chunk the job can be checkpointed (every chunk's latents, the history, the generator's state) and
-  resumed from there, bit-equal to the uninterrupted run.
+- after each chunk (its last stage) the job can be checkpointed (every chunk's latents, the history, the
+  generator's state) and resumed from there, bit-equal to the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import HeliosPipeline, HeliosTransformer3DModel
+from diffusers import HeliosPipeline, HeliosPyramidPipeline, HeliosTransformer3DModel
 from diffusers.loaders import HeliosLoraLoaderMixin
 from diffusers.pipelines.helios.pipeline_helios import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
@@ -45,8 +48,9 @@ from cp_infer.weights import join_call
 from models.common.adapter import video_uint8
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
 
-from .options import HELIOS_TEMPORAL_COMPRESSION, chunk_prompts, chunks_of, helios_options
+from .options import HELIOS_TEMPORAL_COMPRESSION, Pyramid, chunk_prompts, chunks_of, helios_options, video_clip
 from .parallel import HeliosShardContext, parallelize_helios_transformer, sharded_forward
+from .pyramid import cfg_zero_star, dmd_step, downsample, set_stage_timesteps, upsample_renoise
 
 __all__ = ["LORA", "HeliosModel", "pack_patches", "plan_request", "step_passes", "unpack_patches"]
 
@@ -73,11 +77,19 @@ def unpack_patches(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tupl
     return x.reshape(tokens.shape[0], -1, gf * pt, gh * ph, gw * pw)
 
 
-def plan_request(request: GenerationRequest) -> Plan:
+def plan_request(request: GenerationRequest, pyramid: Pyramid | None = None) -> Plan:
     """One ``chunk`` pass per chunk (its ``window``), each with its prompt (``prompt_segments``) and every step of
-    the schedule."""
-    return Plan(tuple(DenoisePass(replace(request, prompt=prompt), steps=request.num_inference_steps, kind="chunk",
-                                  window=k) for k, prompt in enumerate(chunk_prompts(request))))
+    the schedule; with a ``pyramid``, a pass per stage of each chunk (the first ``chunk``, the others ``stage``)."""
+    passes = []
+    for k, prompt in enumerate(chunk_prompts(request)):
+        r = replace(request, prompt=prompt)
+        if pyramid is None:
+            passes.append(DenoisePass(r, steps=request.num_inference_steps, kind="chunk", window=k))
+            continue
+        amplify = request.options["is_amplify_first_chunk"]
+        passes += [DenoisePass(r, steps=pyramid.steps(n, k, amplify), kind="stage" if s else "chunk", window=k)
+                   for s, n in enumerate(request.options["pyramid_num_inference_steps_list"])]
+    return Plan(tuple(passes))
 
 
 def final_frames(request: GenerationRequest, chunks_made: int) -> int:
@@ -107,9 +119,10 @@ class _History:
     """With ``keep_first_frame``: the video's first latent frame (``None`` before the first chunk is made)."""
     made: list[torch.Tensor] = field(default_factory=list)
     """Every chunk's latents made so far ``[1, C, n, H, W]``, on the CPU."""
-    still: torch.Tensor | None = None
-    """Image-to-video: the last latent frame of the image as a still chunk (noised), the history's last frame before
-    the first chunk and the first of the latents the pipeline returns (on the CPU); ``None``: text-to-video."""
+    context: torch.Tensor | None = None
+    """The latents before the first chunk that the pipeline returns before the chunks' (on the CPU): image-to-video's
+    still frame (the last latent frame of the image held still for a chunk, noised: the history's last frame),
+    video-to-video's video (its latents, noised: the history's last frames); ``None``: text-to-video."""
 
 
 @dataclass
@@ -130,6 +143,12 @@ class _RequestState:
     """Which chunk this pass makes (from 0)."""
     inputs: dict[str, torch.Tensor]
     """The transformer's history arguments for this chunk (indices and latents, in the transformer's dtype)."""
+    stage: int = 0
+    """A pyramid's stage of the chunk in hand (0: the coarsest; always 0 without a pyramid)."""
+    step: int = 0
+    """The step of the pass in hand (from 0)."""
+    start: torch.Tensor | None = None
+    """DMD: the stage's start latents, whole, in the token layout."""
 
 
 class HeliosModel:
@@ -142,17 +161,19 @@ class HeliosModel:
         self.components = components
         # NOTE(pipeline): the pipeline object is used only for diffusers' own prompt encoding, latents and
         # post-processing, so that a 1-rank run is the reference implementation step for step.
-        self.pipe = HeliosPipeline(tokenizer=components.tokenizer, text_encoder=components.text_encoder,
-                                   vae=components.vae, scheduler=components.scheduler,
-                                   transformer=components.transformer)
-        _check_scheduler(components.scheduler)
+        self.pyramid: Pyramid | None = getattr(components, "pyramid", None)
+        parts = dict(tokenizer=components.tokenizer, text_encoder=components.text_encoder, vae=components.vae,
+                     scheduler=components.scheduler, transformer=components.transformer)
+        self.pipe = HeliosPipeline(**parts) if self.pyramid is None else HeliosPyramidPipeline(
+            **parts, is_cfg_zero_star=self.pyramid.cfg_zero_star, is_distilled=self.pyramid.distilled)
+        _check_scheduler(components.scheduler, self.pyramid)
         self.patch = tuple(components.transformer.config.patch_size)
         self.geometry = VideoGeometry(temporal_compression=self.pipe.vae_scale_factor_temporal,
                                       spatial_compression=self.pipe.vae_scale_factor_spatial,
                                       patch_size=self.patch[1], patch_size_t=self.patch[0])
         self._ctx = HeliosShardContext(state=state)
         parallelize_helios_transformer(components.transformer, self._ctx)
-        self.options = helios_options()
+        self.options = helios_options(self.pyramid)
 
     lora_spec = LORA
     loras: LoadedLoras | None = None
@@ -184,23 +205,24 @@ class HeliosModel:
         return self.state.device
 
     def plan(self, request: GenerationRequest) -> Plan:
-        if request.conditions:
-            raise ValueError("conditions: Helios models take an image as the first frame (image), not conditions at "
-                             "frames; give the first frame as image")
-        return plan_request(request)
+        self.options.check_media(request)
+        return plan_request(request, self.pyramid)
 
     def prepare(self, request: GenerationRequest, shape: LatentShape, *, kind: str = "chunk",
                 previous: dict[str, torch.Tensor] | None = None, previous_state: Any = None) -> Prepared:
         """``HeliosPipeline``'s preparation of one chunk: the first encodes the prompts and starts the history; every
-        chunk draws its noise from the request's generator and sets the schedule."""
-        assert kind == "chunk", kind
+        chunk draws its noise from the request's generator and sets the schedule. With a pyramid, a ``chunk`` pass is
+        a chunk's first (coarsest) stage, a ``stage`` pass the next stage from the one before (``previous``)."""
+        assert kind in ("chunk", "stage"), kind
         device, pipe = self.device, self.pipe
+        if kind == "stage":
+            return self._next_stage(previous["video"], previous_state)
         chunks = chunks_of(request)
         shape = self.geometry.latent_shape(chunks.chunk_frames, request.height, request.width)
         if previous_state is None:
             x = self._start(request, shape)
         else:
-            x = replace(previous_state, chunk=previous_state.chunk + 1)
+            x = replace(previous_state, chunk=previous_state.chunk + 1, stage=0)
             if request.prompt != x.request.prompt:  # the next range of prompt_segments
                 x.request, x.embeds = request, self._embeds(request)
         channels = self.transformer.config.in_channels
@@ -209,6 +231,10 @@ class HeliosModel:
         latents = pipe.prepare_latents(1, channels, request.height, request.width, chunks.chunk_frames, torch.float32,
                                        torch.device("cpu"), x.generator).to(device)
         x.inputs = self._history_inputs(x)
+        x.step = 0
+        if self.pyramid is not None:
+            latents = downsample(latents, self.pyramid.stages - 1)
+            return self._stage(x, latents, tokens=None)
         steps = request.num_inference_steps
         sigmas = np.linspace(0.999, 0.0, steps + 1)[:-1]
         config = x.scheduler.config
@@ -218,6 +244,29 @@ class HeliosModel:
         x.scheduler.set_timesteps(steps, device=device, sigmas=sigmas, mu=mu)
         return Prepared(latents={"video": pack_patches(latents, self.patch)}, timesteps=list(x.scheduler.timesteps),
                         state=x)
+
+    def _stage(self, x: _RequestState, latents: torch.Tensor, *, tokens: int | None) -> Prepared:
+        """A pyramid stage's start from its latents ``[1, C, F, h, w]``: its token grid and its schedule, shifted for
+        ``tokens`` (``None``: the stage's own)."""
+        request = x.request
+        x.shape = LatentShape(*(n // p for n, p in zip(latents.shape[2:], self.patch, strict=True)))
+        steps = request.options["pyramid_num_inference_steps_list"][x.stage]
+        amplify = request.options["is_amplify_first_chunk"] and x.chunk == 0
+        tokens = x.shape.tokens if tokens is None else tokens
+        set_stage_timesteps(x.scheduler, steps, x.stage, tokens, device=self.device, amplify=amplify)
+        tokens = pack_patches(latents, self.patch)
+        x.start = tokens if self.pyramid.dmd else None
+        return Prepared(latents={"video": tokens}, timesteps=list(x.scheduler.timesteps), state=x)
+
+    def _next_stage(self, previous: torch.Tensor, previous_state: _RequestState) -> Prepared:
+        """The next stage of the chunk: the last one's latents doubled and re-noised (``upsample_renoise``)."""
+        x = replace(previous_state, stage=previous_state.stage + 1, step=0)
+        grid = (x.shape.frames, x.shape.height, x.shape.width)
+        latents = upsample_renoise(self.pipe, unpack_patches(previous, grid, self.patch), x.stage, patch=self.patch,
+                                   generator=x.generator, device=self.device, dtype=self.transformer.dtype)
+        # NOTE(pipeline): HeliosPyramidPipeline shifts a stage's schedule before it doubles the latents: by the
+        # previous stage's token count.
+        return self._stage(x, latents, tokens=x.shape.tokens)
 
     def _start(self, request: GenerationRequest, shape: LatentShape) -> _RequestState:
         """The first chunk's: the adapters, the prompts, the generator, the empty history."""
@@ -235,6 +284,8 @@ class HeliosModel:
             history=_History(sizes=tuple(sizes), latents=latents), chunk=0, inputs={})
         if request.image is not None:
             self._start_image(x)
+        elif video_clip(request) is not None:
+            self._start_video(x)
         return x
 
     def _embeds(self, request: GenerationRequest) -> list[torch.Tensor]:
@@ -250,11 +301,9 @@ class HeliosModel:
         """``HeliosPipeline``'s image-to-video preparation: the image's latents (the first latent frame of every
         chunk's short history) and the last latent frame of the image held still for a chunk's frames (the history's
         last), each noised by a sigma drawn from the request's generator, in the pipeline's order."""
-        request, pipe, device, vae = x.request, self.pipe, self.device, self.components.vae
+        request, pipe, device = x.request, self.pipe, self.device
         options = request.options
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(device, vae.dtype)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
-            device, vae.dtype)
+        mean, inverse_std = self._latent_stats()
         image = Image.fromarray(request.image.frames[0], mode="RGB")
         pixels = pipe.video_processor.preprocess(image, height=request.height, width=request.width)
         generator = x.generator
@@ -274,7 +323,48 @@ class HeliosModel:
                     still = noised
         history = x.history
         history.latents = torch.cat([history.latents[:, :, :-1], still], dim=2)
-        history.first, history.still = image_latents, still.cpu()
+        history.first, history.context = image_latents, still.cpu()
+
+    def _start_video(self, x: _RequestState) -> None:
+        """``HeliosPipeline``'s video-to-video preparation (``prepare_video_latents`` and the noise after it): the
+        video's first frame encoded alone (the first latent frame of every chunk's short history) and its last whole
+        chunks encoded one by one (the history's last latent frames), each noised, the sigmas and the noise drawn
+        from the request's generator in the pipeline's order."""
+        request, pipe, device = x.request, self.pipe, self.device
+        options, generator = request.options, x.generator
+        mean, inverse_std = self._latent_stats()
+        clip = [Image.fromarray(frame, mode="RGB") for frame in video_clip(request).frames]
+        pixels = pipe.video_processor.preprocess_video(clip, height=request.height, width=request.width)
+        chunk = options["num_latent_frames_per_chunk"]
+        first, video = pipe.prepare_video_latents(pixels, latents_mean=mean, latents_std=inverse_std,
+                                                  num_latent_frames_per_chunk=chunk, dtype=torch.float32,
+                                                  device=device, generator=generator)
+        if options["add_noise_to_video_latents"]:
+            # NOTE(noise): the sigmas drawn on the CPU generator (the pipeline's draws there), then moved.
+            lo, hi = options["image_noise_sigma_min"], options["image_noise_sigma_max"]
+            sigma = (torch.rand(1, generator=generator) * (hi - lo) + lo).to(device)
+            first = sigma * randn_tensor(first.shape, generator=generator, device=device) + (1 - sigma) * first
+            lo, hi = options["video_noise_sigma_min"], options["video_noise_sigma_max"]
+            noised = []
+            for part in video.split(chunk, dim=2):
+                n = part.shape[2]
+                sigmas = (torch.rand(n, generator=generator) * (hi - lo) + lo).to(device).view(1, 1, n, 1, 1)
+                noised.append(sigmas * randn_tensor(part.shape, generator=generator, device=device)
+                              + (1 - sigmas) * part)
+            video = torch.cat(noised, dim=2)
+        history = x.history
+        frames = history.latents.shape[2]
+        # The pipeline's history is the zeros before the video, or the whole video; the frames it splits are its last.
+        history.latents = torch.cat([history.latents, video], dim=2)[:, :, -frames:]
+        history.first, history.context = first, video.cpu()
+
+    def _latent_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's latent mean and inverse std ``[1, C, 1, 1, 1]``, as the pipeline makes them."""
+        vae = self.components.vae
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(self.device, vae.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
+            self.device, vae.dtype)
+        return mean, inverse_std
 
     def _history_inputs(self, x: _RequestState) -> dict[str, torch.Tensor]:
         """The transformer's history arguments for the chunk at hand, as ``HeliosPipeline`` builds them."""
@@ -303,7 +393,8 @@ class HeliosModel:
         # token) and the sharded forward cuts the whole sequence, history included, to its shard.
         whole = gather_sequence(latents, plan=plan, group=self.state.cp_group)
         hidden = unpack_patches(whole, grid, self.patch).to(dtype)
-        timestep = t.expand(1)
+        # HeliosPyramidPipeline hands the transformer integer timesteps.
+        timestep = t.expand(1) if self.pyramid is None else t.expand(1).to(torch.int64)
         passes = len(x.embeds)
         share = pass_shares(passes, self.state.guidance_size)[self.state.guidance_rank]
         outputs = []
@@ -322,21 +413,43 @@ class HeliosModel:
         noise_pred = gather_passes({"video": noise_pred}, passes=passes, state=self.state)["video"]
         if passes == 2:
             cond, uncond = noise_pred[0:1], noise_pred[1:2]
-            noise_pred = uncond + x.request.guidance_scale * (cond - uncond)
+            if self.pyramid is not None and self.pyramid.cfg_zero_star:
+                noise_pred = self._cfg_zero_star(cond, uncond, x, plan)
+            else:
+                noise_pred = uncond + x.request.guidance_scale * (cond - uncond)
         return {"video": noise_pred}
+
+    def _cfg_zero_star(self, cond: torch.Tensor, uncond: torch.Tensor, x: _RequestState,
+                       plan: ShardPlan) -> torch.Tensor:
+        """CFG-Zero* (``pyramid.cfg_zero_star``) on the whole chunk: its scale is a dot product over the whole
+        prediction, so every rank gathers both (C*patch values a token) and computes it in the pipeline's layout."""
+        grid, group, options = (x.shape.frames, x.shape.height, x.shape.width), self.state.cp_group, x.request.options
+        whole = [unpack_patches(gather_sequence(p, plan=plan, group=group), grid, self.patch).contiguous()
+                 for p in (cond, uncond)]
+        zeroed = options["use_zero_init"] and x.stage == 0 and x.step <= options["zero_steps"]
+        out = cfg_zero_star(*whole, x.request.guidance_scale, zeroed=zeroed)
+        return plan.shard(pack_patches(out, self.patch), self.state.cp_rank)
 
     def step(self, noise_pred_local: dict[str, torch.Tensor], t: torch.Tensor,
              latents_local: dict[str, torch.Tensor], prepared: Prepared,
              plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
         x: _RequestState = prepared.state
-        stepped = x.scheduler.step(noise_pred_local["video"], t, latents_local["video"], generator=x.generator,
-                                   return_dict=False)[0]
+        if x.start is not None:  # DMD: towards the stage's start latents, cut to this rank's shard
+            start = plans["video"].shard(x.start, self.state.cp_rank)
+            stepped = dmd_step(x.scheduler, noise_pred_local["video"], t, latents_local["video"], start, x.step,
+                               x.generator)
+        else:
+            stepped = x.scheduler.step(noise_pred_local["video"], t, latents_local["video"], generator=x.generator,
+                                       return_dict=False)[0]
+        x.step += 1
         return {"video": stepped}
 
     def finish_pass(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> int | None:
         """The chunk's latents joined to the history, as the pipeline's loop joins them; the decode's latent frames
         now final (:func:`final_frames`): the chunk is decoded and streamed before the next is made."""
         x: _RequestState = prepared.state
+        if not self._chunk_done(x):
+            return None
         chunk = unpack_patches(latents["video"], (x.shape.frames, x.shape.height, x.shape.width), self.patch)
         history = x.history
         if history.first is None:
@@ -346,14 +459,21 @@ class HeliosModel:
         history.made.append(chunk.cpu())
         return final_frames(x.request, len(history.made))
 
-    def checkpoint(self, state: _RequestState) -> dict[str, np.ndarray]:
+    def _chunk_done(self, x: _RequestState) -> bool:
+        """Whether the pass just run made the chunk (its last stage, with a pyramid)."""
+        return self.pyramid is None or x.stage == self.pyramid.stages - 1
+
+    def checkpoint(self, state: _RequestState) -> dict[str, np.ndarray] | None:
         """The video made so far: every chunk's latents (the decode goes on from the first frame), the history, the
-        generator's state (the next chunk's noise is the next draw)."""
+        generator's state (the next chunk's noise is the next draw). ``None`` inside a chunk (a pyramid's stages
+        before the last): a job resumes at a chunk's start."""
+        if not self._chunk_done(state):
+            return None
         history = state.history
         return {"made": torch.cat(history.made, dim=2).float().numpy(), "history": history.latents.cpu().numpy(),
                 "first": history.first.cpu().numpy(), "generator": state.generator.get_state().numpy(),
                 "chunk": np.array(state.chunk, dtype=np.int64),
-                **({} if history.still is None else {"still": history.still.numpy()})}
+                **({} if history.context is None else {"context": history.context.numpy()})}
 
     def restore(self, request: GenerationRequest, arrays: dict[str, np.ndarray]) -> tuple[_RequestState, int]:
         """The state a checkpoint was taken in (the prompts, and an image, encoded again; the generator's state then
@@ -376,21 +496,23 @@ class HeliosModel:
             raise ValueError("the checkpoint is not one of this request's chunks")
         x.generator.set_state(generator)
         x.chunk = chunk
+        x.stage = 0 if self.pyramid is None else self.pyramid.stages - 1
         x.history.latents = history.to(self.device)
         x.history.first = first.to(self.device)
         x.history.made = list(made.split(n, dim=2))
-        if (request.image is not None) != ("still" in arrays):
-            raise ValueError("the checkpoint is not one of this request's chunks (image-to-video or not)")
-        if "still" in arrays:
-            x.history.still = torch.from_numpy(np.array(arrays["still"], dtype=np.float32))
+        if (x.history.context is not None) != ("context" in arrays) or ("context" in arrays and np.shape(
+                arrays["context"]) != tuple(x.history.context.shape)):
+            raise ValueError("the checkpoint is not one of this request's chunks (from text, an image or a video)")
+        if "context" in arrays:
+            x.history.context = torch.from_numpy(np.array(arrays["context"], dtype=np.float32))
         return x, final_frames(request, chunk + 1)
 
     def output_latents(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> dict[str, np.ndarray]:
         """``output_type="latent"``: the pipeline returns every chunk's latents ``[B, C, F, H, W]`` (after the
-        image's still latent frame, with an image)."""
+        image's still latent frame, or the video's latents)."""
         history = prepared.state.history
-        still = [] if history.still is None else [history.still]
-        return {"latents": torch.cat([*still, *history.made], dim=2).float().numpy()}
+        context = [] if history.context is None else [history.context]
+        return {"latents": torch.cat([*context, *history.made], dim=2).float().numpy()}
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """The pipeline's decode: each chunk alone, de-normalised, through ``vae.decode`` and the post-processing,
@@ -403,9 +525,7 @@ class HeliosModel:
         # that a chunk's frames go out once it is made, all but the last < 4 when its end is not a piece's.
         split = TemporalSplit(latent_frames=(total - 1) // t + 1, world=1, temporal_compression=t,
                               frames_per_rank=1)
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(self.device, vae.dtype)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
-            self.device, vae.dtype)
+        mean, inverse_std = self._latent_stats()
         made = {"history": x.history}
         decoded: dict[int, np.ndarray] = {}  # the last chunk decoded (a piece may end inside it)
 
@@ -429,13 +549,17 @@ class HeliosModel:
                        reads=lambda a, b: b, feed=feed)
 
 
-def _check_scheduler(scheduler) -> None:
+def _check_scheduler(scheduler, pyramid: Pyramid | None) -> None:
     """Refuse a schedule the chunk loop does not run (each rank steps its shard alone)."""
     config = scheduler.config
     if config.get("thresholding", False):
         raise ValueError("a thresholding scheduler clips each step by a quantile of the whole sample, which a shard "
                          "does not hold; set thresholding=false in scheduler/scheduler_config.json")
-    if config.get("stages", 1) != 1 or config.get("scheduler_type", "unipc") not in ("unipc", "euler"):
-        raise ValueError(f"scheduler/scheduler_config.json has stages={config.get('stages')}, scheduler_type="
-                         f"{config.get('scheduler_type')!r}: HeliosPipeline's one-stage schedule (stages=1, unipc or "
-                         "euler) is served here; the pyramid and distilled (dmd) schedules are not")
+    kind = config.get("scheduler_type", "unipc")
+    if pyramid is None and (config.get("stages", 1) != 1 or kind not in ("unipc", "euler")):
+        raise ValueError(f"scheduler/scheduler_config.json has stages={config.get('stages')}, scheduler_type={kind!r}: "
+                         "HeliosPipeline runs a one-stage schedule (stages=1, unipc or euler); a pyramid's scheduler "
+                         "goes with HeliosPyramidPipeline (model_index.json)")
+    if pyramid is not None and type(scheduler).__name__ == "HeliosScheduler" and kind not in ("unipc", "euler"):
+        raise ValueError(f"scheduler/scheduler_config.json: HeliosScheduler with scheduler_type={kind!r} does not "
+                         "step (diffusers 0.42); use unipc or euler, or HeliosDMDScheduler for a distilled model")

@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLWan, HeliosPipeline, HeliosScheduler, HeliosTransformer3DModel
+from diffusers import (
+    AutoencoderKLWan,
+    HeliosDMDScheduler,
+    HeliosPipeline,
+    HeliosPyramidPipeline,
+    HeliosScheduler,
+    HeliosTransformer3DModel,
+)
 from transformers import UMT5Config, UMT5EncoderModel
 
 from models.common.embedded import cache_root, ensure_folder, init_deterministic, write_pipeline
@@ -60,6 +67,11 @@ HELIOS_SCHEDULER_CONFIG = dict(
 """``HeliosPipeline``'s schedule: one stage, UniPC on flow sigmas, shifted by ``mu`` from the chunk's token count
 (``calculate_shift``), as the pipeline calls ``set_timesteps(steps, sigmas=..., mu=...)``."""
 
+_PYRAMID_STAGES = dict(stages=2, stage_range=[0, 0.5, 1], gamma=0.2)
+"""The toy pyramids' two stages (a 32x32 chunk's coarse stage is 2x2 latents: one token a frame). The block noise's
+covariance over a 2x2 patch, ``(1 + gamma) I - gamma 1``, is positive definite for gamma < 1/4 only (the schedulers'
+default 1/3 fails its Cholesky factorisation in float32)."""
+
 
 def _latent_stats(channels: int) -> tuple[list[float], list[float]]:
     """Per-channel latent mean and std (plain numbers, as a real VAE config holds them): fixed, varied, std > 0."""
@@ -91,8 +103,10 @@ def _build_vae() -> AutoencoderKLWan:
                             temperal_downsample=[False, True, True], latents_mean=mean, latents_std=std)
 
 
-def build_helios_pipeline() -> HeliosPipeline:
-    """tiny-helios as its diffusers pipeline (float32, CPU, eval mode)."""
+def build_helios_pipeline(pyramid: str | None = None) -> HeliosPipeline | HeliosPyramidPipeline:
+    """tiny-helios as its diffusers pipeline (float32, CPU, eval mode). ``pyramid``: the same components as a
+    ``HeliosPyramidPipeline`` of two stages with CFG-Zero*: ``"unipc"`` (``HeliosScheduler``) or ``"dmd"`` (a
+    distilled model's ``HeliosDMDScheduler``)."""
     # HeliosPipeline pads every prompt to max_sequence_length (512).
     tokenizer = build_offline_t5_tokenizer(model_max_length=512)
     vocab_size = 64 * math.ceil(len(tokenizer) / 64)
@@ -104,13 +118,22 @@ def build_helios_pipeline() -> HeliosPipeline:
     for name, model in models.items():
         init_deterministic(model, _SEED + _COMPONENT_SEED_OFFSETS[name], _GAINS.get(name))
         model.eval()
-    return HeliosPipeline(**models, scheduler=HeliosScheduler(**HELIOS_SCHEDULER_CONFIG), tokenizer=tokenizer)
+    if pyramid is None:
+        return HeliosPipeline(**models, scheduler=HeliosScheduler(**HELIOS_SCHEDULER_CONFIG), tokenizer=tokenizer)
+    if pyramid == "unipc":
+        scheduler = HeliosScheduler(**{**HELIOS_SCHEDULER_CONFIG, **_PYRAMID_STAGES})
+    else:
+        assert pyramid == "dmd", pyramid
+        scheduler = HeliosDMDScheduler(**_PYRAMID_STAGES, use_dynamic_shifting=True, time_shift_type="linear")
+    return HeliosPyramidPipeline(**models, scheduler=scheduler, tokenizer=tokenizer, is_cfg_zero_star=True,
+                                 is_distilled=pyramid == "dmd")
 
 
-def save_helios_model(folder: str | os.PathLike) -> Path:
-    """Write tiny-helios as a diffusers folder at ``folder``; return it (not cached, not marked as the default)."""
+def save_helios_model(folder: str | os.PathLike, pyramid: str | None = None) -> Path:
+    """Write tiny-helios (``pyramid``: as :func:`build_helios_pipeline`) as a diffusers folder at ``folder``;
+    return it (not cached, not marked as the default)."""
     folder = Path(folder)
-    write_pipeline(build_helios_pipeline(), folder)
+    write_pipeline(build_helios_pipeline(pyramid), folder)
     return folder
 
 

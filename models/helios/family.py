@@ -14,7 +14,7 @@ __all__ = ["FAMILY", "HeliosFamily"]
 class HeliosFamily:
     name = "helios"
     title = "Helios"
-    pipelines = ("HeliosPipeline",)
+    pipelines = ("HeliosPipeline", "HeliosPyramidPipeline")
     transformers = ("HeliosTransformer3DModel",)
     upsamplers = ()
     loader = "models.helios.loading.load_helios"
@@ -44,11 +44,11 @@ class HeliosFamily:
         return helios_options()
 
     def describe(self, files):
-        from .loading import describe_helios
+        from .loading import describe_helios, read_pyramid
         from .options import helios_options
 
         geometry, layers = describe_helios(files.folder)
-        return geometry, layers, helios_options()
+        return geometry, layers, helios_options(read_pyramid(files.folder))
 
     def load(self, files, *, dtype, device, loaders, offloaded=()):
         from .loading import load_helios

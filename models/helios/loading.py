@@ -11,22 +11,31 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLWan, HeliosScheduler, HeliosTransformer3DModel
+from diffusers import AutoencoderKLWan, HeliosDMDScheduler, HeliosScheduler, HeliosTransformer3DModel
 from transformers import T5Tokenizer, UMT5EncoderModel
 
 from cp_infer import VideoGeometry
 from models.common.folder_problems import ModelLoadError
-from models.common.loading import ModelFiles, _load_components, _model_files, describe_wan_vae_folder
+from models.common.loading import (
+    ModelFiles,
+    _load_components,
+    _model_files,
+    _require_dir,
+    describe_wan_vae_folder,
+    read_json_config,
+)
 
-__all__ = ["HeliosComponents", "describe_helios", "load_helios"]
+from .options import Pyramid
+
+__all__ = ["HeliosComponents", "describe_helios", "load_helios", "read_pyramid"]
 
 _SUBFOLDERS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
-_SCHEDULERS = {"HeliosScheduler": HeliosScheduler}
+_SCHEDULERS = {"HeliosScheduler": HeliosScheduler, "HeliosDMDScheduler": HeliosDMDScheduler}
 _TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
 
 
@@ -45,6 +54,8 @@ class HeliosComponents:
     path: Path
     dtype: torch.dtype
     device: torch.device
+    pyramid: Pyramid | None = None
+    """A ``HeliosPyramidPipeline`` folder's stages and settings (:func:`read_pyramid`); ``None``: ``HeliosPipeline``."""
 
 
 class _Transformer:
@@ -62,6 +73,19 @@ def describe_helios(path: str | os.PathLike) -> tuple[VideoGeometry, int]:
     return describe_wan_vae_folder(path)
 
 
+def read_pyramid(path: str | os.PathLike) -> Pyramid | None:
+    """What a ``HeliosPyramidPipeline`` folder runs, from its ``model_index.json`` (``is_cfg_zero_star``,
+    ``is_distilled``) and scheduler config (``stages``, the class); ``None`` for a ``HeliosPipeline`` folder."""
+    root = _require_dir(path)
+    index = read_json_config(root / "model_index.json")
+    if index.get("_class_name") != "HeliosPyramidPipeline":
+        return None
+    scheduler = read_json_config(root / "scheduler" / "scheduler_config.json")
+    dmd = scheduler.get("_class_name") == "HeliosDMDScheduler" or scheduler.get("scheduler_type") == "dmd"
+    return Pyramid(stages=int(scheduler.get("stages", 3)), cfg_zero_star=bool(index.get("is_cfg_zero_star", False)),
+                   distilled=bool(index.get("is_distilled", False)), dmd=dmd)
+
+
 def load_helios(path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", loaders: dict[str, Any] | None = None,
                 offloaded: Collection[str] = ()) -> HeliosComponents:
@@ -72,8 +96,9 @@ def load_helios(path: str | os.PathLike | ModelFiles, *, dtype: str | torch.dtyp
     if files.checkpoint is not None:
         raise ModelLoadError("single-file checkpoints are read for LTX-Video and LTX-2; load a Helios model from its "
                              "diffusers folder")
-    return _load_components(
+    components = _load_components(
         files, HeliosComponents, family="helios", what="Helios", subfolders=_SUBFOLDERS,
         models=(("transformer", _Transformer), ("vae", AutoencoderKLWan)), text_encoder=UMT5EncoderModel,
         tokenizer=T5Tokenizer, tokenizer_files=_TOKENIZER_FILES, dtype=dtype, device=device, loaders=loaders,
         schedulers=_SCHEDULERS, float32=("vae",), offloaded=offloaded)
+    return replace(components, pyramid=read_pyramid(files.folder))

@@ -22,14 +22,33 @@ from cp_infer.request import GenerationRequest
 from models.common.standard_options import standard_options
 from models.common.windows import prompt_segments_option, window_prompts
 
-__all__ = ["HELIOS_TEMPORAL_COMPRESSION", "HELIOS_TEXT_TOKENS", "Chunks", "chunk_prompts", "chunks_of",
-           "helios_options"]
+__all__ = ["HELIOS_TEMPORAL_COMPRESSION", "HELIOS_TEXT_TOKENS", "Chunks", "Pyramid", "chunk_prompts", "chunks_of",
+           "helios_options", "video_clip"]
 
 HELIOS_TEMPORAL_COMPRESSION = 4
 """Video frames per latent frame of Helios's VAE (``AutoencoderKLWan``; the first latent frame of a chunk holds one)."""
 HELIOS_TEXT_TOKENS = 512
 """``HeliosPipeline``'s ``max_sequence_length``."""
 _MAX_CHUNKS = 10_000
+
+
+@dataclass(frozen=True)
+class Pyramid:
+    """What a ``HeliosPyramidPipeline`` folder runs (its ``model_index.json`` and scheduler config): each chunk
+    denoised coarse to fine in ``stages`` stages, each at twice the size of the one before."""
+
+    stages: int
+    """The scheduler's ``stages`` (the pyramid's levels)."""
+    cfg_zero_star: bool = False
+    """``is_cfg_zero_star``: CFG-Zero* (the unconditional prediction scaled by its projection on the conditional's)."""
+    distilled: bool = False
+    """``is_distilled``: a step-distilled checkpoint."""
+    dmd: bool = False
+    """The scheduler steps by DMD (``HeliosDMDScheduler``): each step re-noised towards the stage's start latents."""
+
+    def steps(self, stage_steps: int, chunk: int, amplify: bool) -> int:
+        """Steps of one stage of chunk ``chunk``: ``is_amplify_first_chunk`` doubles the first chunk's under DMD."""
+        return stage_steps * 2 if amplify and chunk == 0 and self.dmd else stage_steps
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,32 @@ def _check(values: Mapping[str, Any]) -> None:
         raise ValueError(f"num_frames={values['num_frames']} is {chunks.count} chunks; at most {_MAX_CHUNKS}")
 
 
+def video_clip(request: GenerationRequest):
+    """Video-to-video: the video a request continues (``HeliosPipeline``'s ``video``), given as its one condition;
+    ``None``: none."""
+    return request.conditions[0] if request.conditions else None
+
+
+def _check_media(request: GenerationRequest) -> None:
+    """A request's media as ``HeliosPipeline`` takes them: an image (the first frame), or one clip (``video``, the
+    video the chunks continue: its last whole chunks encoded, the frames before them dropped, as the pipeline does)."""
+    if not request.conditions:
+        return
+    chunks = chunks_of(request)
+    if len(request.conditions) > 1:
+        raise ValueError(f"conditions has {len(request.conditions)} items: Helios takes one video to continue "
+                         "(HeliosPipeline's video) as conditions[0], or an image as the first frame; give one")
+    clip = request.conditions[0]
+    if clip.frame_index != 0 or clip.strength != 1.0:
+        raise ValueError(f"conditions[0].frame_index={clip.frame_index}, strength={clip.strength}: Helios continues "
+                         "the video (HeliosPipeline's video), it does not place it in the output; give it at "
+                         "frame_index 0 with strength 1")
+    if clip.frames.shape[0] < chunks.chunk_frames:
+        raise ValueError(f"conditions[0].media has {clip.frames.shape[0]} frames: Helios encodes the video it "
+                         f"continues in whole chunks of {chunks.chunk_frames} frames (num_latent_frames_per_chunk="
+                         f"{chunks.latent_frames}); give at least {chunks.chunk_frames} frames, or an image")
+
+
 def _frames_under(hi: float, values: Mapping[str, Any], geometry: Any) -> int | None:
     """``num_frames``' fit: the longest video of whole chunks within ``hi`` frames."""
     latent = values["num_latent_frames_per_chunk"]
@@ -120,10 +165,46 @@ def _chunk_frames(values: Mapping[str, Any]) -> int:
     return chunks_of(values).chunk_frames
 
 
-def helios_options() -> ModelOptions:
-    """``HeliosPipeline``'s options (text- and image-to-video)."""
+def _check_pyramid(values: Mapping[str, Any]) -> None:
+    steps = values["pyramid_num_inference_steps_list"]
+    if values["num_inference_steps"] != sum(steps):
+        raise ValueError(f"num_inference_steps={values['num_inference_steps']}: a pyramid runs "
+                         f"pyramid_num_inference_steps_list={list(steps)}'s steps a chunk ({sum(steps)}); give "
+                         f"num_inference_steps={sum(steps)}, or a list that adds up to {values['num_inference_steps']}")
+    step = 16 * 2 ** (len(steps) - 1)
+    for side in ("height", "width"):
+        if values[side] % step:
+            raise ValueError(f"{side}={values[side]}: a pyramid of {len(steps)} stages halves the size "
+                             f"{len(steps) - 1} times, so it takes multiples of {step}; try "
+                             f"{max(step, values[side] // step * step)}")
+
+
+def _pyramid_options(pyramid: Pyramid) -> tuple[Option, ...]:
+    def check_stages(steps: tuple[int, ...]) -> None:
+        if len(steps) != pyramid.stages:
+            raise ValueError(f"pyramid_num_inference_steps_list={list(steps)}: this model's scheduler has "
+                             f"{pyramid.stages} stages; give {pyramid.stages} step counts, e.g. "
+                             f"{[10] * pyramid.stages}")
+
+    return (
+        Option("pyramid_num_inference_steps_list", tuple, (10,) * pyramid.stages, "steps of each stage of the "
+               "pyramid, coarse to fine (their sum is num_inference_steps)", lo=1, hi=200, max_items=pyramid.stages,
+               check=check_stages),
+        Option("use_zero_init", bool, True, "CFG-Zero* (a model that uses it): the first steps of the first stage "
+               "predict zero"),
+        Option("zero_steps", int, 1, "CFG-Zero*: the steps from the first that predict zero (with use_zero_init), "
+               "one more than this", lo=0, hi=200),
+        Option("is_amplify_first_chunk", bool, False, "a DMD-scheduled (distilled) model: twice the steps in each "
+               "stage of the first chunk"),
+    )
+
+
+def helios_options(pyramid: Pyramid | None = None) -> ModelOptions:
+    """``HeliosPipeline``'s options (text-, image- and video-to-video); with ``pyramid``,
+    ``HeliosPyramidPipeline``'s (its stages' steps for ``num_inference_steps``)."""
     standard = {o.name: o for o in standard_options(
-        height=384, width=640, num_frames=129, frame_rate=24, num_inference_steps=50, guidance_scale=5.0,
+        height=384, width=640, num_frames=129, frame_rate=24,
+        num_inference_steps=50 if pyramid is None else 10 * pyramid.stages, guidance_scale=5.0,
         size_step="a multiple of 16", frame_step=HELIOS_TEMPORAL_COMPRESSION, side_step=16)}
     standard["num_frames"] = dataclasses.replace(
         standard["num_frames"], fit=_frames_under,
@@ -150,11 +231,20 @@ def helios_options() -> ModelOptions:
                lo=0, hi=1),
         Option("image_noise_sigma_max", float, 0.135, "with an image: the largest sigma its latents are noised by",
                lo=0, hi=1),
-        Option("video_noise_sigma_min", float, 0.111, "with an image: the smallest sigma the still video's latent "
-               "frame in the history is noised by", lo=0, hi=1),
-        Option("video_noise_sigma_max", float, 0.135, "with an image: the largest sigma the still video's latent "
-               "frame in the history is noised by", lo=0, hi=1),
+        Option("add_noise_to_video_latents", bool, True, "with a video: noise its first frame's latents (by a sigma "
+               "between the image's min and max) and each of its latent frames (by a sigma between the video's)"),
+        Option("video_noise_sigma_min", float, 0.111, "with an image, the smallest sigma the still video's latent "
+               "frame in the history is noised by; with a video, each of its latent frames", lo=0, hi=1),
+        Option("video_noise_sigma_max", float, 0.135, "with an image, the largest sigma the still video's latent "
+               "frame in the history is noised by; with a video, each of its latent frames", lo=0, hi=1),
+        *(() if pyramid is None else _pyramid_options(pyramid)),
     )
-    # An image is the first frame: the first latent frame every chunk's short history starts with.
-    return ModelOptions("Helios", options, takes_media=True, check=_check, window_media=("image",),
-                        window_frames=_chunk_frames, window_tile_causal=True)
+
+    def check(values: Mapping[str, Any]) -> None:
+        _check(values)
+        if pyramid is not None:
+            _check_pyramid(values)
+    # An image is the first frame: the first latent frame every chunk's short history starts with. A video (one clip
+    # as conditions[0]) is the video the chunks continue: its latents are the first chunk's history.
+    return ModelOptions("Helios", options, takes_media=True, check=check, window_media=("image", "conditions"),
+                        window_frames=_chunk_frames, window_tile_causal=True, check_media=_check_media)

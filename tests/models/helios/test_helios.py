@@ -42,11 +42,13 @@ def folder(tmp_path_factory) -> str:
     return str(ensure_default_helios_model(tmp_path_factory.mktemp("helios")))
 
 
-def _picture(seed: int) -> np.ndarray:
+def _picture(seed: int, frames: int = 1) -> np.ndarray:
+    """A picture (or a clip of it panning right, ``frames`` long) with fresh noise."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:40, 0:56]
-    pixels = np.stack([(x * 5) % 256, (y * 7) % 256, (x + 2 * y) % 256], axis=-1) + rng.integers(-30, 30, (40, 56, 3))
-    return np.clip(pixels, 0, 255).astype(np.uint8)[None]
+    clip = [np.stack([((x + 3 * f) * 5) % 256, (y * 7) % 256, (x + 3 * f + 2 * y) % 256], axis=-1)
+            + rng.integers(-30, 30, (40, 56, 3)) for f in range(frames)]
+    return np.clip(np.stack(clip), 0, 255).astype(np.uint8)
 
 
 def _requests(seed: int) -> list[GenerationRequest]:
@@ -63,6 +65,12 @@ def _requests(seed: int) -> list[GenerationRequest]:
                           num_inference_steps=2, guidance_scale=3.0, seed=seed + 2,
                           image=Condition(frames=_picture(seed)),
                           options={"num_latent_frames_per_chunk": 3, "image_noise_sigma_max": 0.3}),
+        # Video-to-video: a clip of 17 frames is one whole chunk of 9 (its first 8 dropped, as the pipeline drops
+        # them), its latents the history's last 3 frames after 16 of zeros.
+        GenerationRequest(prompt="the fox keeps running", num_frames=17, height=32, width=32,
+                          num_inference_steps=2, guidance_scale=1.0, seed=seed + 3,
+                          conditions=(Condition(frames=_picture(seed + 3, 17)),),
+                          options={"num_latent_frames_per_chunk": 3, "video_noise_sigma_max": 0.3}),
     ]
 
 
@@ -92,7 +100,9 @@ def _reference(folder: str, r: GenerationRequest, output_type: str) -> np.ndarra
     from PIL import Image
 
     image = None if r.image is None else Image.fromarray(r.image.frames[0], mode="RGB")
+    video = [Image.fromarray(f, mode="RGB") for f in r.conditions[0].frames] if r.conditions else None
     out = pipe(prompt=r.prompt, negative_prompt=r.negative_prompt or None, num_frames=r.num_frames, image=image,
+               video=video,
                height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
                guidance_scale=r.guidance_scale, generator=torch.Generator("cpu").manual_seed(r.seed),
                output_type=output_type, **r.options).frames
@@ -152,7 +162,7 @@ def test_embedded_default_builds_bit_for_bit():
         assert all(torch.equal(sa[k], sb[k]) for k in sa), name
 
 
-@pytest.mark.parametrize("index", [0, 2], ids=["text", "image"])
+@pytest.mark.parametrize("index", [0, 2, 3], ids=["text", "image", "video"])
 def test_chunks_stream_and_a_resumed_job_equals_the_whole_run(folder, one_rank, index):
     """Each chunk's frames are delivered once it is made, before the next; after it the job is a checkpoint, and going
     on from it (the chunks made decoded again, the next drawn from the generator's saved state) makes the video and

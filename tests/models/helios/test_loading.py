@@ -46,8 +46,9 @@ def test_a_broken_folder_is_refused_naming_the_subfolder(folder, tmp_path):
 
 
 def test_a_schedule_the_chunk_loop_does_not_run_is_refused_naming_it(folder, tmp_path):
-    """HeliosPyramidPipeline's three-stage schedule (and the distilled checkpoint's dmd one) are not served: the
-    adapter refuses the folder naming the scheduler config's values."""
+    """A pyramid's schedule (stages=3) in a HeliosPipeline folder (which sets one stage's timesteps) is refused,
+    naming the scheduler config's values and where a pyramid goes; so is HeliosScheduler's dmd type in a pyramid
+    folder (it does not step in diffusers 0.42)."""
     import json
 
     from cp_infer import single_process_state
@@ -59,5 +60,10 @@ def test_a_schedule_the_chunk_loop_does_not_run_is_refused_naming_it(folder, tmp
     config_file = pyramid / "scheduler" / "scheduler_config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "stages": 3}))
-    with pytest.raises(ValueError, match="stages=3.*the pyramid and distilled"):
+    with pytest.raises(ValueError, match="stages=3.*goes with HeliosPyramidPipeline"):
+        HeliosModel(load_helios(pyramid), state=single_process_state())
+    index_file = pyramid / "model_index.json"
+    index_file.write_text(json.dumps({**json.loads(index_file.read_text()), "_class_name": "HeliosPyramidPipeline"}))
+    config_file.write_text(json.dumps({**config, "stages": 3, "scheduler_type": "dmd"}))
+    with pytest.raises(ValueError, match="scheduler_type='dmd' does not step"):
         HeliosModel(load_helios(pyramid), state=single_process_state())

@@ -1,6 +1,7 @@
 """Helios through the front ends: a real 2-rank ``cp-infer serve --model tiny-helios --ulysses-degree 2`` lists it in
 ``GET /v1/models`` with its options, makes a video of two chunks (the chunk's and its history's tokens sharded over
-the two ranks), and refuses frames that are not whole chunks with a 400 naming the fix.
+the two ranks), continues an uploaded video (video-to-video: a clip as ``input_reference``), and refuses frames that
+are not whole chunks, and a clip shorter than a chunk, with a 400 naming the fix.
 
 That N ranks make the 1-rank video, and 1 rank ``HeliosPipeline``'s, is tests/models/helios/test_helios.py's to check
 (in process, on lossless frames); here the front end is.
@@ -8,13 +9,15 @@ That N ranks make the 1-rank video, and 1 rank ``HeliosPipeline``'s, is tests/mo
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cp_infer.video_io import read_mp4
 
-from ..conftest import ServerProcess
+from ..conftest import ServerProcess, mp4_bytes
 
 FRAMES, HEIGHT, WIDTH = 17, 32, 32  # two chunks of 3 latent frames (9 video frames each, cut to 17)
 
@@ -56,3 +59,24 @@ def test_the_server_serves_helios(helios_server, tmp_path: Path):
     r = s.client.post("/v1/videos", json={"prompt": "a fox", "num_frames": 18, "size": f"{WIDTH}x{HEIGHT}",
                                           "num_latent_frames_per_chunk": 3})
     assert r.status_code == 400 and "num_frames=18" in r.text and "try 9 or 17" in r.text, r.text
+
+
+@pytest.mark.timeout(300)
+def test_the_server_continues_a_video(helios_server):
+    """A clip as input_reference is HeliosPipeline's video (decoded and checked on rank 0, then encoded on every
+    rank): the chunks made after it are the job's frames. A clip shorter than a chunk is a 400 naming it."""
+    s = helios_server
+    rng = np.random.default_rng(3)
+    clip = rng.integers(0, 256, (9, HEIGHT, WIDTH, 3), dtype=np.uint8)
+
+    def url(frames: np.ndarray) -> str:
+        return f"data:video/mp4;base64,{base64.b64encode(mp4_bytes(frames)).decode()}"
+
+    r = s.client.post("/v1/videos", json={"prompt": "a fox", "num_frames": FRAMES, "size": f"{WIDTH}x{HEIGHT}",
+                                          "num_latent_frames_per_chunk": 3, "input_reference": url(clip[:5])})
+    assert r.status_code == 400 and "has 5 frames" in r.text and "at least 9" in r.text, r.text
+    job = s.submit({"prompt": "the fox keeps running", "num_frames": FRAMES, "size": f"{WIDTH}x{HEIGHT}",
+                    "num_inference_steps": 2, "guidance_scale": 1.0, "seed": 7, "num_latent_frames_per_chunk": 3,
+                    "input_reference": url(clip)})
+    final = s.wait_job(job["id"])
+    assert final["status"] == "completed", f"{final}\n{s.log_tail()}"
