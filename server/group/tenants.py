@@ -250,8 +250,10 @@ class Tenants:
 
     def take_turn_locked(self, tenant: str) -> None:
         """``tenant``'s job was just claimed: its turn in the queue is now (see ``JobStore.claim_next``)."""
-        self._db.execute(f"INSERT INTO tenant_turns (tenant, last_turn) VALUES (?, {self._db.now}) ON CONFLICT "
-                         f"(tenant) DO UPDATE SET last_turn = excluded.last_turn", (tenant,))
+        # A counter, not a clock: claims within one tick of the clock must still take turns in order.
+        self._db.execute("INSERT INTO tenant_turns (tenant, last_turn) VALUES (?, (SELECT COALESCE(MAX(last_turn), 0) "
+                         "+ 1 FROM tenant_turns)) ON CONFLICT (tenant) DO UPDATE SET last_turn = excluded.last_turn",
+                         (tenant,))
 
     # -- usage -------------------------------------------------------------------------------------------------
     def usage(self, tenant: str | None = None) -> list[dict[str, Any]]:
