@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from server.group.database import Database
+from server.group.database import Database, StoreUnavailable
 
 __all__ = ["ADMIN", "OPEN", "KEY_TTL_S", "Tenant", "TenantLimit", "Tenants", "hash_key"]
 
@@ -155,12 +155,20 @@ class Tenants:
 
     # -- the server's side -------------------------------------------------------------------------------------
     def any_keys(self) -> bool:
-        """Whether any key was ever made (then every request needs one); cached for ``KEY_TTL_S``."""
+        """Whether any key was ever made (then every request needs one); cached for ``KEY_TTL_S``. Raises
+        ``StoreUnavailable`` when the database does not answer and the last answer was yes."""
         expires, found = self._any
         if time.monotonic() < expires:
             return found
-        with self._lock:
-            found = self._db.execute("SELECT 1 AS one FROM api_keys LIMIT 1").fetchone() is not None
+        try:
+            with self._lock:
+                found = self._db.execute("SELECT 1 AS one FROM api_keys LIMIT 1").fetchone() is not None
+        except StoreUnavailable:
+            # The last answer holds while the database is away: an open server's routes (``/ready``) still answer
+            # for themselves, naming the store; a keyed server's cannot authenticate anyone (503).
+            if found:
+                raise
+            return found
         self._any = (time.monotonic() + KEY_TTL_S, found)
         return found
 
