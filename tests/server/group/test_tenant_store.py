@@ -77,3 +77,37 @@ def test_the_fleet_shares_keys_buckets_and_limits(stores):
     time.sleep(KEY_TTL_S)
     assert second.tenants.authenticate(key) is None
     assert all(key not in str(row) for row in first.tenants.list())
+
+
+def test_two_servers_answer_each_tenant_alike(stores):
+    """The route matrix's core on a fleet of two (the real app over each store): a video made on one server is its
+    owner's on the other too, another tenant gets 404 there, an admin sees it, and a revoke made through one
+    server's store is refused by the other within a second."""
+    from fastapi.testclient import TestClient
+
+    from server.http.app import AppConfig, create_app
+    from tests.server.group.test_fleet_stores import _BODY, _Server
+
+    first, second = stores
+    keys = {name: first.tenants.add(name, role="admin" if name == "root" else "user") for name in ("ann", "bob", "root")}
+    apps = [create_app(AppConfig(), _Server(store)) for store in stores]
+
+    def client(app, name):
+        return TestClient(app, headers={"Authorization": f"Bearer {keys[name]}"})
+
+    with client(apps[0], "ann") as ann_a, client(apps[1], "ann") as ann_b, client(apps[1], "bob") as bob_b, \
+            client(apps[1], "root") as root_b:
+        made = ann_a.post("/v1/videos", json=_BODY).json()["id"]
+        for method, path in (("POST", f"/v1/videos/{made}/cancel"), ("GET", f"/v1/videos/{made}"),
+                             ("GET", f"/v1/videos/{made}/events")):  # events end: it is cancelled
+            assert bob_b.request(method, path).status_code == 404, (method, path)
+            assert root_b.request(method, path).status_code == 200, (method, path)
+        assert [j["id"] for j in ann_b.get("/v1/videos").json()["data"]] == [made]
+        assert bob_b.get("/v1/videos").json()["data"] == []
+        assert ann_b.delete(f"/v1/videos/{made}").status_code == 200
+        first.tenants.revoke("ann")
+        revoked_at = time.monotonic()
+        while ann_b.get("/v1/videos").status_code == 200:
+            assert time.monotonic() - revoked_at < 1.0, "the other server let the revoked key in after a second"
+            time.sleep(0.05)
+        assert ann_b.get("/v1/videos").status_code == 401
