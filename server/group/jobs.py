@@ -61,7 +61,7 @@ from server.group.database import open_database
 from server.group.job_record import TERMINAL, Job, mp4_complete, request_to_json, row_to_job, valid_job_id
 from server.group.job_record import mp4_complete as _mp4_complete  # noqa: F401 -- the tests' name for it
 from server.group.job_record import request_from_json as _request_from_json  # noqa: F401 -- as above
-from server.group.tenants import OPEN, Tenant, Tenants
+from server.group.tenants import OPEN, Tenant, TenantLimit, Tenants
 from server.outputs.store import StoreUnavailable, open_outputs
 
 __all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
@@ -378,21 +378,31 @@ class JobStore:
         before the ones made (an extension's: the video it extends), kept beside the job's outputs until it ends.
         ``pinned``: only this server may run it (a streamed job, whose client reads it here)."""
         job_id = f"video_{secrets.token_hex(16)}"
-        with self._lock, self._transaction():
-            depth = self._queued()
-            if depth >= self.max_queue:
-                raise QueueFull(depth)
-            self.tenants.admit_locked(tenant, request.num_frames / request.fps)
+        with self._lock:
             if lead is not None:
-                # Written before the job is visible, so that no leader claims it without them.
+                # Written before the job is visible, so that no leader claims it without them (and outside the
+                # transaction below: an upload holds no database lock).
+                depth = self._queued()
+                if depth >= self.max_queue:
+                    raise QueueFull(depth)
                 buffer = io.BytesIO()
                 np.save(buffer, np.ascontiguousarray(lead, dtype=np.uint8))
                 self.outputs.put_bytes(job_id, ".lead.npy", buffer.getvalue(), attempt=0)
-            self._db.execute(
-                "INSERT INTO jobs (id, status, created_at, model, request, lead_frames, pinned_node, tenant) "
-                "VALUES (?, 'queued', ?, ?, ?, ?, ?, ?)",
-                (job_id, int(time.time()), model, request_to_json(request), 0 if lead is None else len(lead),
-                 self.node if pinned else None, tenant.name))
+            try:
+                with self._transaction():  # the checks, the tenant's charge and the job: all or nothing
+                    depth = self._queued()
+                    if depth >= self.max_queue:
+                        raise QueueFull(depth)
+                    self.tenants.admit_locked(tenant, request.num_frames / request.fps)
+                    self._db.execute(
+                        "INSERT INTO jobs (id, status, created_at, model, request, lead_frames, pinned_node, tenant) "
+                        "VALUES (?, 'queued', ?, ?, ?, ?, ?, ?)",
+                        (job_id, int(time.time()), model, request_to_json(request),
+                         0 if lead is None else len(lead), self.node if pinned else None, tenant.name))
+            except (QueueFull, TenantLimit):
+                if lead is not None:
+                    self._remove_files(job_id)
+                raise
             job = self._get(job_id)
             self._log(job)
             self._work.notify_all()

@@ -112,6 +112,7 @@ def test_the_document_passes_an_openapi_validator(tmp_path, family, api_key):
         # The statuses each route answers (server/http/videos.py), 401 everywhere but /health with a key.
         if api_key is not None and path != "/health":
             assert "401" in responses and operation["security"] == [{"bearer": []}], (method, path)
+            assert "Retry-After" in responses["429"]["headers"], (method, path)  # a tenant's rpm, on any route
         else:
             assert "401" not in responses and "security" not in operation, (method, path)
         if "{video_id}" in path:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from server.group.database import open_database
 from server.group.tenants import KEY_TTL_S, Tenants
 from server.http.app import AppConfig, create_app
 
@@ -31,7 +32,7 @@ def fleet(tmp_path):
     """A server with keys ``alice`` and ``bob`` (users), ``root`` (an admin) and ``eve`` (revoked), its
     ``--api-key``, and one completed and one queued video of alice's."""
     engine = FuzzEngine(tmp_path)
-    tenants = Tenants(engine.store._db)  # as ``cp-infer keys`` would, on its own connection lock
+    tenants = Tenants(open_database(None, tmp_path))  # as ``cp-infer keys`` would: a connection of its own
     keys = {name: tenants.add(name, role="admin" if name == "root" else "user") for name in ("alice", "bob", "root",
                                                                                           "eve")}
     tenants.revoke("eve")
