@@ -60,10 +60,10 @@ from server.cli.common import (
     request_from_args,
     runtime_config_from_args,
 )
+from server.cli.keys import add_keys_parser, run_keys
 from server.cli.launch import group_size, in_torchrun, relaunch_under_torchrun, under_launcher
 from server.cli.lead import Generated, Leader, result_writer, run_group
 from server.cli.media_args import MediaRef, attach_media, media_error
-from server.cli.keys import add_keys_parser, run_keys
 from server.cli.memory import add_memory_parser, run_memory
 from server.group import phases, process
 from server.outputs.piece_video import FileVideo, PieceVideo, StdoutVideo

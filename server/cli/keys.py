@@ -66,7 +66,8 @@ def add_keys_parser(commands) -> None:
         setter.add_argument(flag, type=_limit(kind), default=argparse.SUPPRESS,
                             help=f"{what}; 'none': no limit")
     actions.add_parser("list", parents=[store], help="every tenant: role, limits, when made and revoked (never a key)")
-    revoke = actions.add_parser("revoke", parents=[store], help="revoke a tenant's key (every server refuses it within a second)")
+    revoke = actions.add_parser("revoke", parents=[store],
+                                help="revoke a tenant's key (every server refuses it within a second)")
     revoke.add_argument("name")
 
 

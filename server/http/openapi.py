@@ -5,8 +5,9 @@ Invariants:
 - Every status an operation answers is in its ``responses``: the errors each route declares beside itself
   (:func:`server.http.schemas.error_responses`), and 401 and 429 (a tenant's requests a minute) on every operation
   but the public ones when the server asks for a key (``--api-key``, or keys in its job store: the document is made
-  again when that changes). 404 is also what another tenant's video is answered. Each error has the ``ErrorResponse`` schema. FastAPI's 422 is not there: a request that fails validation is
-  answered 400, as every other bad request is.
+  again when that changes). 404 is also what another tenant's video is answered. Each error has the
+  ``ErrorResponse`` schema. FastAPI's 422 is not there: a request that fails validation is answered 400, as every
+  other bad request is.
 - A body's schema refuses what the route's own checks refuse field by field: types, ranges, multiples, lengths,
   required fields, unknown fields, and the pairs of fields that exclude each other. What depends on more than the
   body (what a media file holds, the queue, a job's state, frame counts at a frame rate) or on another field's value

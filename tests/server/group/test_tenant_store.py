@@ -89,7 +89,8 @@ def test_two_servers_answer_each_tenant_alike(stores):
     from tests.server.group.test_fleet_stores import _BODY, _Server
 
     first, second = stores
-    keys = {name: first.tenants.add(name, role="admin" if name == "root" else "user") for name in ("ann", "bob", "root")}
+    keys = {name: first.tenants.add(name, role="admin" if name == "root" else "user")
+            for name in ("ann", "bob", "root")}
     apps = [create_app(AppConfig(), _Server(store)) for store in stores]
 
     def client(app, name):
