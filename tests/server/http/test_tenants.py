@@ -37,7 +37,8 @@ def fleet(tmp_path):
                                                                                           "eve")}
     tenants.revoke("eve")
     app = create_app(AppConfig(api_key=API_KEY), engine)
-    return engine, tenants, keys, app
+    yield engine, tenants, keys, app
+    engine.store.close()  # its lease renewer stops
 
 
 def _alice_videos(engine, keys, app) -> tuple[str, str]:
