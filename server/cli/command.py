@@ -60,6 +60,7 @@ from server.cli.common import (
     request_from_args,
     runtime_config_from_args,
 )
+from server.cli.keys import add_keys_parser, run_keys
 from server.cli.launch import group_size, in_torchrun, relaunch_under_torchrun, under_launcher
 from server.cli.lead import Generated, Leader, result_writer, run_group
 from server.cli.media_args import MediaRef, attach_media, media_error
@@ -78,7 +79,7 @@ def build_parser(argv: list[str] | None = None, options: ModelOptions | None = N
         options = options_for(argv[1:]) if wants_options else declared_default_options()
     parser = argparse.ArgumentParser(prog=PROG, description="Long-video text-to-video inference with Ulysses "
                                      "sequence parallelism over a torchrun group.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,batch,serve,memory}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,batch,serve,memory,keys}")
 
     generate = commands.add_parser("generate", help="generate one video",
                                    description="Generate one video and write it as an MP4 or a frames folder "
@@ -93,6 +94,7 @@ def build_parser(argv: list[str] | None = None, options: ModelOptions | None = N
                                "video is decoded")
     add_batch_parser(commands, options)
     add_memory_parser(commands)
+    add_keys_parser(commands)
 
     # NOTE(serve): server.cli.serve (FastAPI, uvicorn) is imported only when asked for, so generate and batch
     # neither pay for it nor depend on it.
@@ -338,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         args.cli_argv = argv  # for serve.run to pass to relaunch_under_torchrun
         run = lambda args, _argv: serve.run(args)  # noqa: E731
     else:
-        run = {"generate": _cmd_generate, "batch": run_batch, "memory": run_memory}[args.command]
+        run = {"generate": _cmd_generate, "batch": run_batch, "memory": run_memory, "keys": run_keys}[args.command]
     where = "" if rank == 0 else f" [rank {rank}]"
     try:
         code = run(args, argv)

@@ -51,12 +51,26 @@ _V2 = ["ALTER TABLE jobs ADD COLUMN lease_until {real}",
        "ALTER TABLE jobs ADD COLUMN pinned_node TEXT",
        "ALTER TABLE jobs ADD COLUMN output_attempt INTEGER",
        "ALTER TABLE jobs ADD COLUMN checkpoint_attempt INTEGER"]
+# Tenants (``server.group.tenants``): each job's owner ('' where the server is open), when its attempt started (its
+# rank-seconds), the API keys (hashed), each tenant's last turn in the queue, its request bucket and its usage by day.
+_V3 = ["ALTER TABLE jobs ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
+       "ALTER TABLE jobs ADD COLUMN started_at {real}",
+       "CREATE INDEX IF NOT EXISTS jobs_tenant ON jobs(tenant, status)",
+       "CREATE TABLE api_keys (name TEXT PRIMARY KEY, key_hash TEXT UNIQUE NOT NULL, role TEXT NOT NULL, "
+       "max_jobs INTEGER, rpm INTEGER, seconds_per_day {real}, created_at BIGINT NOT NULL, revoked_at BIGINT)",
+       "CREATE TABLE tenant_turns (tenant TEXT PRIMARY KEY, last_turn {real} NOT NULL)",
+       "CREATE TABLE rate_buckets (tenant TEXT PRIMARY KEY, tokens {real} NOT NULL, updated_at {real} NOT NULL)",
+       "CREATE TABLE tenant_usage (tenant TEXT NOT NULL, day BIGINT NOT NULL, submitted INTEGER NOT NULL DEFAULT 0, "
+       "completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0, cancelled INTEGER NOT NULL DEFAULT 0, "
+       "requested_seconds {real} NOT NULL DEFAULT 0, video_seconds {real} NOT NULL DEFAULT 0, "
+       "rank_seconds {real} NOT NULL DEFAULT 0, PRIMARY KEY (tenant, day))"]
 _MIGRATIONS: list[tuple[list[str], list[str]]] = [
     ([f"CREATE TABLE IF NOT EXISTS jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL,"
       f"{_V1_COLUMNS})", "CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq)"],
      [f"CREATE TABLE IF NOT EXISTS jobs (seq BIGSERIAL PRIMARY KEY, id TEXT UNIQUE NOT NULL,{_V1_COLUMNS})",
       "CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq)"]),
     ([s.format(real="REAL") for s in _V2], [s.format(real="DOUBLE PRECISION") for s in _V2]),
+    ([s.format(real="REAL") for s in _V3], [s.format(real="DOUBLE PRECISION") for s in _V3]),
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -70,6 +84,9 @@ class Database:
     """SQL for the database's clock, in seconds since the epoch."""
     skip_locked: str
     """The clause a claim's ``SELECT`` ends with, so that concurrent claims take different rows."""
+    lock_row: str
+    """The clause a ``SELECT`` inside a transaction ends with to hold its rows until the commit (serialising
+    read-check-write across servers; SQLite's ``BEGIN IMMEDIATE`` already serialises every writer)."""
     name: str
     """What ``/ready`` and errors call it (no credentials)."""
 
@@ -122,6 +139,7 @@ class _SQLite(Database):
     shared = False
     now = "((julianday('now') - 2440587.5) * 86400.0)"
     skip_locked = ""  # one server, one connection: its claims are already serialised
+    lock_row = ""
 
     def __init__(self, path: Path):
         self.name = "job store (SQLite)"
@@ -158,6 +176,7 @@ class _Postgres(Database):
     shared = True
     now = "extract(epoch from clock_timestamp())::double precision"
     skip_locked = " FOR UPDATE SKIP LOCKED"
+    lock_row = " FOR UPDATE"
 
     def __init__(self, url: str):
         try:

@@ -89,6 +89,8 @@ class Job:
     """A request with a step cache: the steps so far that used it (``cp_infer.step_cache.CacheStats``)."""
     output_attempt: int | None = None
     """A completed job: the attempt whose files are its outputs (the one that completed it)."""
+    tenant: str = ""
+    """The tenant that owns it (``server.group.tenants``); ``''``: made while the server was open."""
 
     @property
     def terminal(self) -> bool:
@@ -114,6 +116,7 @@ class Job:
             "conditions": [{"frame_index": c.frame_index, "strength": c.strength,
                             "num_frames": int(c.frames.shape[0])} for c in r.conditions] or None,
             "loras": [{"name": lora.name, "scale": lora.scale} for lora in r.loras],
+            "tenant": self.tenant or None,
         }
 
 
@@ -167,4 +170,5 @@ def row_to_job(row: Any) -> Job:
         error_code=row["error_code"], error_message=row["error_message"], deleting=bool(row["deleting"]),
         window=row["window"], windows=row["windows"], attempts=row["attempts"], lead_frames=row["lead_frames"],
         steps_computed=row["steps_computed"], steps_skipped=row["steps_skipped"], output_attempt=row["output_attempt"],
+        tenant=row["tenant"],
     )

@@ -5,9 +5,10 @@ folder, or S3), both named by the server-made job id.
 Invariants:
 - Job ids are made here (``video_`` + 32 hex digits) and are the only names of output files, so a path never
   contains client text; :func:`valid_job_id` gates every id that arrives in a URL.
-- FIFO: a claim takes the oldest queued job (by insertion order) in one statement whose row lock skips rows another
-  server is claiming, and re-checks that the job is still queued, so a job is claimed once, and either claimed or
-  cancelled/deleted, never both.
+- Fair turns, FIFO within a tenant: a claim takes the oldest queued job (by insertion order) of the tenant whose
+  last claim is the longest ago (``server.group.tenants``: round-robin across the tenants with queued jobs), in one
+  statement whose row lock skips rows another server is claiming, and re-checks that the job is still queued, so a
+  job is claimed once, and either claimed or cancelled/deleted, never both. With one tenant this is plain FIFO.
 - A claim is an attempt (``attempts`` + 1) with a lease (``lease_s``, on the database's clock) that a thread of
   this store renews while the job runs. A shared store takes back jobs whose lease ran out (their server died or
   froze) before its claims, at most every ``_POLL_S``; the embedded one takes back all its jobs in progress at
@@ -62,6 +63,7 @@ from server.group.database import open_database
 from server.group.job_record import TERMINAL, Job, mp4_complete, request_to_json, row_to_job, valid_job_id
 from server.group.job_record import mp4_complete as _mp4_complete  # noqa: F401 -- the tests' name for it
 from server.group.job_record import request_from_json as _request_from_json  # noqa: F401 -- as above
+from server.group.tenants import OPEN, Tenant, TenantLimit, Tenants
 from server.outputs.store import StoreUnavailable, open_outputs
 
 __all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
@@ -113,6 +115,8 @@ class JobStore:
         self._work = threading.Condition(self._lock)
         self._db = open_database(job_store, self.data_dir)
         self.shared = self._db.shared
+        self.tenants = Tenants(self._db, self._lock)
+        """The API keys, their limits and usage, in the same database."""
         self._event_seq = 0
         self._events: OrderedDict[str, list[tuple[int, dict[str, Any]]]] = OrderedDict()
         self._after_commit: list[Callable[[], None]] = []
@@ -329,11 +333,16 @@ class JobStore:
         with self._lock:
             return self._get(job_id)
 
-    def list(self, *, limit: int, after: str | None, order: str) -> tuple[list[Job], bool]:
-        """A page of visible jobs in insertion order (``asc``) or newest first (``desc``), after a cursor id."""
+    def list(self, *, limit: int, after: str | None, order: str,
+             tenant: str | None = None) -> tuple[list[Job], bool]:
+        """A page of visible jobs (``tenant``'s only, when given) in insertion order (``asc``) or newest first
+        (``desc``), after a cursor id."""
         op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
         with self._lock:
             where, args = "deleting = 0", []
+            if tenant is not None:
+                where += " AND tenant = ?"
+                args.append(tenant)
             if after is not None:
                 cursor = self._get(after)
                 if cursor is None:
@@ -399,26 +408,37 @@ class JobStore:
 
     # -- the HTTP side -----------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, *, model: str, lead: np.ndarray | None = None,
-               pinned: bool = False) -> Job:
-        """Queue a validated request; raises :class:`QueueFull` past ``max_queue`` queued jobs. ``lead``: frames
-        the video starts with before the ones made (an extension's: the video it extends), kept beside the job's
-        outputs until it ends. ``pinned``: only this server may run it (a streamed job, whose client reads it
-        here)."""
+               pinned: bool = False, tenant: Tenant = OPEN) -> Job:
+        """Queue a validated request as ``tenant``'s; raises :class:`QueueFull` past ``max_queue`` queued jobs,
+        ``server.group.tenants.TenantLimit`` past one of the tenant's limits. ``lead``: frames the video starts with
+        before the ones made (an extension's: the video it extends), kept beside the job's outputs until it ends.
+        ``pinned``: only this server may run it (a streamed job, whose client reads it here)."""
         job_id = f"video_{secrets.token_hex(16)}"
         with self._lock:
-            depth = self._queued()
-            if depth >= self.max_queue:
-                raise QueueFull(depth)
             if lead is not None:
-                # Written before the job is visible, so that no leader claims it without them.
+                # Written before the job is visible, so that no leader claims it without them (and outside the
+                # transaction below: an upload holds no database lock).
+                depth = self._queued()
+                if depth >= self.max_queue:
+                    raise QueueFull(depth)
                 buffer = io.BytesIO()
                 np.save(buffer, np.ascontiguousarray(lead, dtype=np.uint8))
                 self.outputs.put_bytes(job_id, ".lead.npy", buffer.getvalue(), attempt=0)
-            job = row_to_job(self._db.execute(
-                "INSERT INTO jobs (id, status, created_at, model, request, lead_frames, pinned_node) "
-                "VALUES (?, 'queued', ?, ?, ?, ?, ?) RETURNING *",
-                (job_id, int(time.time()), model, request_to_json(request), 0 if lead is None else len(lead),
-                 self.node if pinned else None)).fetchall()[0])
+            try:
+                with self._transaction():  # the checks, the tenant's charge and the job: all or nothing
+                    depth = self._queued()
+                    if depth >= self.max_queue:
+                        raise QueueFull(depth)
+                    self.tenants.admit_locked(tenant, request.num_frames / request.fps)
+                    job = row_to_job(self._db.execute(
+                        "INSERT INTO jobs (id, status, created_at, model, request, lead_frames, pinned_node, tenant) "
+                        "VALUES (?, 'queued', ?, ?, ?, ?, ?, ?) RETURNING *",
+                        (job_id, int(time.time()), model, request_to_json(request),
+                         0 if lead is None else len(lead), self.node if pinned else None, tenant.name)).fetchall()[0])
+            except (QueueFull, TenantLimit):
+                if lead is not None:
+                    self._remove_files(job_id)
+                raise
             self._log(job)
             self._work.notify_all()
         return job
@@ -530,11 +550,18 @@ class JobStore:
                     # (a busy server claims once per job) would find nothing sooner.
                     self._reaped_at = time.monotonic()
                     self._reap(expired_only=True)
-                row = self._db.execute(
-                    f"UPDATE jobs SET status = 'in_progress', attempts = attempts + 1, "
-                    f"lease_until = {self._db.now} + ? WHERE id = (SELECT id FROM jobs WHERE status = 'queued' "
-                    f"AND (pinned_node IS NULL OR pinned_node = ?) ORDER BY seq LIMIT 1{self._db.skip_locked}) "
-                    "AND status = 'queued' RETURNING *", (self.lease_s, self.node)).fetchone()
+                with self._transaction():
+                    # NOTE(turns): round-robin rather than weighted fair share: every tenant is equal here, and the
+                    # turn order needs one timestamp per tenant (no per-job costs to estimate or carry).
+                    row = self._db.execute(
+                        f"UPDATE jobs SET status = 'in_progress', attempts = attempts + 1, started_at = "
+                        f"{self._db.now}, lease_until = {self._db.now} + ? WHERE id = (SELECT id FROM jobs q WHERE "
+                        "status = 'queued' AND (pinned_node IS NULL OR pinned_node = ?) ORDER BY COALESCE((SELECT "
+                        "last_turn FROM tenant_turns t WHERE t.tenant = q.tenant), 0), seq LIMIT 1"
+                        f"{self._db.skip_locked}) AND status = 'queued' RETURNING *",
+                        (self.lease_s, self.node)).fetchone()
+                    if row is not None:
+                        self.tenants.take_turn_locked(row["tenant"])
                 if row is not None:
                     # Its progress as queued: 0, or a requeued job's, which its checkpoint goes on from.
                     job = row_to_job(row)
@@ -645,18 +672,19 @@ class JobStore:
         self._running_update(job_id, attempt, "progress = ?", (progress,), " AND progress < ?", (progress,))
 
     def finish(self, job_id: str, status: str, code: str | None = None, message: str | None = None, *,
-               attempt: int | None = None) -> Job | None:
+               attempt: int | None = None, ranks: int = 1) -> Job | None:
         """End a job (``completed``/``failed``/``cancelled``); a job being deleted is removed instead. With
         ``attempt`` (the group that ran it), only while that attempt is the job's: a stale one changes nothing
         (returns ``None``), and a completed job's files are that attempt's; an unreachable database is waited for
-        (retried with backoff until it answers or the store closes), so the end is reported once it is back."""
+        (retried with backoff until it answers or the store closes), so the end is reported once it is back.
+        ``ranks``: the ranks that ran it (a completed job's rank-seconds in its tenant's usage)."""
         if attempt is not None:
             self.wait_checkpoint(job_id)  # saved (or given up on) before the end removes the job's checkpoints
         delay = 0.1
         while True:
             try:
                 with self._lock:
-                    job = self._finish_locked(job_id, status, code, message, attempt=attempt)
+                    job = self._finish_locked(job_id, status, code, message, attempt=attempt, ranks=ranks)
                     if attempt is not None:
                         self._held.pop(job_id, None)
                         self._written.pop(job_id, None)
@@ -679,7 +707,7 @@ class JobStore:
         log.warning("job %s: the job store is unreachable; the job goes on", job_id)
 
     def _finish_locked(self, job_id: str, status: str, code: str | None, message: str | None, *,
-                       attempt: int | None = None, expect: str | None = None) -> Job | None:
+                       attempt: int | None = None, expect: str | None = None, ranks: int = 1) -> Job | None:
         """One guarded update: ``attempt`` (that attempt, in progress) or ``expect`` (that status) or nothing."""
         assert status in TERMINAL, status
         guard, args = _fence(attempt)
@@ -697,6 +725,11 @@ class JobStore:
             if not rows:  # the guard held it back: the job as it is (none for a fenced write)
                 return None if attempt is not None else self._get(job_id)
             job = row_to_job(rows[0])
+            ran = self._db.execute(f"SELECT {self._db.now} - started_at AS s FROM jobs WHERE id = ?",
+                                   (job_id,)).fetchone()["s"]
+            r = job.request
+            self.tenants.record_end_locked(job.tenant, status, video_seconds=r.num_frames / r.fps,
+                                           rank_seconds=max(0.0, float(ran or 0.0)) * ranks)
             if job.deleting:
                 self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
                 self._remove_files(job_id)

@@ -47,6 +47,7 @@ from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationLimits, check_request, resolve_request
 from server.group import phases
 from server.group.jobs import Job, JobStore
+from server.group.tenants import OPEN, Tenant
 from server.outputs.store import StoreUnavailable
 from server.outputs.streaming import StreamedOutputs, VideoStream
 
@@ -352,12 +353,13 @@ class GroupLeader:
                         "jobs_finished": dict(lane.jobs_done)})
         return out
 
-    def submit_streamed(self, request, *, model: str) -> tuple[Job, VideoStream]:
+    def submit_streamed(self, request, *, model: str, tenant: Tenant = OPEN) -> tuple[Job, VideoStream]:
         """Queue ``request`` as a streamed job: the returned handle reads its MP4 while it is made. Raises
         ``QueueFull`` as ``store.submit`` does."""
         # Under the lock that the leader takes after claiming a job, so it cannot run the job unstreamed.
         with self._streams_lock:
-            job = self.store.submit(request, model=model, pinned=True)  # its client reads it from this server
+            # Pinned: its client reads it from this server.
+            job = self.store.submit(request, model=model, pinned=True, tenant=tenant)
             stream = self._streams[job.id] = VideoStream(job.id)
         return job, stream
 
@@ -712,4 +714,4 @@ class GroupLeader:
         with self._counts_lock:  # the lanes and the encoder threads all end jobs
             self.jobs_done[status] += 1
             lane.jobs_done[status] += 1
-        self.store.finish(job.id, status, code, message, attempt=job.attempts)
+        self.store.finish(job.id, status, code, message, attempt=job.attempts, ranks=len(lane.ranks))

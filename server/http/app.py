@@ -4,15 +4,15 @@ leader).
 Invariants:
 - The app never touches the process group: it reads and writes the engine's job store, and the engine's
   leader thread alone talks to the other ranks. ``lifespan`` starts and stops that thread.
-- The routers (``server.http.health``, ``server.http.videos``, ``server.http.models``,
+- The routers (``server.http.health``, ``server.http.videos``, ``server.http.usage``, ``server.http.models``,
   ``server.http.playground``) are declared at module level; a route reaches the engine (``app.state.engine``, a
-  :class:`server.http.engine.Engine`) and this config (``app.state.config``) through the dependencies
-  :func:`server.http.engine.get_engine` and :func:`server.http.config.get_app_config`.
-- With an API key, one ASGI middleware in front of every route (FastAPI's own docs routes included) checks
-  the bearer token with ``hmac.compare_digest``; only ``/health`` is exempt, and the playground page's own static
-  files
-  (``server.http.playground.PageFiles``, in front of the guard and not routes). Bodies over the cap are refused with
-  413, from their Content-Length before they are read, and while streaming otherwise.
+  :class:`server.http.engine.Engine`), this config (``app.state.config``) and the request's tenant through the
+  dependencies :func:`server.http.engine.get_engine`, :func:`server.http.config.get_app_config` and
+  :func:`server.http.auth.get_tenant`.
+- One ASGI middleware in front of every route (FastAPI's own docs routes included), ``server.http.auth``'s guard,
+  authenticates the request (``--api-key`` or the job store's keys; none of either: open) and takes its tenant's
+  request token; bodies over the cap are refused with 413, from their Content-Length before they are read, and
+  while streaming otherwise.
 - A store that cannot be reached (``StoreUnavailable``: the job store's database, the output store) answers 503
   ``store_unavailable`` naming it, with ``Retry-After``.
 - Every error is a 4xx/5xx JSON ``{"error": {"code", "message", "param"}}``; nothing fails with 200. A request
@@ -23,7 +23,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from contextlib import asynccontextmanager
 
@@ -32,7 +31,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.http import health, models, playground, videos
+from server.http import health, models, playground, usage, videos
+from server.http.auth import GuardMiddleware, error_response
 from server.http.config import AppConfig
 from server.http.engine import Engine
 from server.http.openapi import install_openapi
@@ -45,45 +45,6 @@ _PUBLIC_PATHS = frozenset({"/health"})
 _STORE_RETRY_AFTER_S = 5
 
 
-def _error_response(status: int, code: str, message: str, param: str | None = None,
-                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(ApiError(status, code, message, param).body(), status_code=status, headers=headers)
-
-
-class _GuardMiddleware:
-    """Authentication and the body-size cap, as plain ASGI so that no route (or 404) can bypass them."""
-
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] not in _PUBLIC_PATHS:
-            auth = headers.get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                if scope["type"] == "websocket":
-                    await send({"type": "websocket.close", "code": 1008})
-                    return
-                response = _error_response(401, "invalid_api_key", "missing or wrong API key; send the header "
-                                           "'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        if scope["type"] == "http":
-            length = headers.get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-                response = _error_response(413, "request_too_large", f"the body is {length.decode(errors='replace')}"
-                                           f" bytes; the limit is {self.max_body_bytes} bytes")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -94,25 +55,25 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed"}
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        return _error_response(exc.status_code, codes.get(exc.status_code, "http_error"), detail,
-                               headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, codes.get(exc.status_code, "http_error"), detail,
+                              headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0]
         param = str(err["loc"][-1]) if err.get("loc") else None
         app.state.rejected[400] = app.state.rejected.get(400, 0) + 1
-        return _error_response(400, "invalid_value", f"{param}: {err['msg']}", param)
+        return error_response(400, "invalid_value", f"{param}: {err['msg']}", param)
 
     @app.exception_handler(StoreUnavailable)
     async def store_unavailable(_request: Request, exc: StoreUnavailable) -> JSONResponse:
         # Nothing was changed (a store's write either happened whole or not at all): the client may retry.
-        return _error_response(503, "store_unavailable", f"{exc}; retry later",
-                               headers={"Retry-After": str(_STORE_RETRY_AFTER_S)})
+        return error_response(503, "store_unavailable", f"{exc}; retry later",
+                              headers={"Retry-After": str(_STORE_RETRY_AFTER_S)})
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
-        return _error_response(500, "internal_error", f"{type(exc).__name__}: the server failed; see its log")
+        return error_response(500, "internal_error", f"{type(exc).__name__}: the server failed; see its log")
 
 
 def create_app(config: AppConfig, engine: Engine) -> FastAPI:
@@ -138,11 +99,12 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     _install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(videos.router)
+    app.include_router(usage.router)
     app.include_router(models.router)
     app.include_router(playground.router)
     install_openapi(app, engine, config, public=_PUBLIC_PATHS)
     # Routes cap their own bodies (those that carry media higher); the guard only stops what no route takes.
-    app.add_middleware(_GuardMiddleware, api_key=config.api_key,
+    app.add_middleware(GuardMiddleware, api_key=config.api_key, tenants=engine.store.tenants, public=_PUBLIC_PATHS,
                        max_body_bytes=config.max_body_bytes + 2 * config.max_upload_bytes)
     if config.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware

@@ -18,6 +18,7 @@ import numpy as np
 
 from cp_infer.request import Condition, GenerationLimits
 from server.group.jobs import Job, JobStore, valid_job_id
+from server.group.tenants import Tenant
 from server.http.media import MediaError, MediaLimits, decode_media, media_from_url
 from server.http.schemas import ApiError, ConditionParams, ImageReference, MediaRef, VideoCreateParams
 
@@ -41,10 +42,11 @@ def _api_error(exc: MediaError) -> ApiError:
     return ApiError(exc.status, exc.code, str(exc), exc.field)
 
 
-def completed_job(store: JobStore, job_id: str, *, field: str) -> Job:
-    """The completed job ``job_id`` names: 404 when there is none, 409 when it has not completed (naming ``field``)."""
+def completed_job(store: JobStore, job_id: str, *, field: str, viewer: Tenant) -> Job:
+    """The completed job ``job_id`` names: 404 when there is none or it is not ``viewer``'s to see, 409 when it has
+    not completed (naming ``field``)."""
     job = store.get(job_id) if valid_job_id(job_id) else None
-    if job is None:
+    if job is None or not viewer.sees(job.tenant):
         raise ApiError(404, "video_not_found", f"{field}: no video with id {job_id!r}", field)
     if job.status != "completed":
         raise ApiError(409, "video_not_ready", f"{field}: video {job_id} is {job.status}; use a completed video",
@@ -70,10 +72,10 @@ def job_frames(store: JobStore, job: Job, *, field: str, limits: MediaLimits) ->
 
 
 def load_media(ref: str | MediaRef | ImageReference, *, field: str, uploads: Mapping[str, bytes],
-               store: JobStore, limits: MediaLimits) -> np.ndarray:
-    """uint8 ``[F, H, W, 3]`` of one media reference."""
+               store: JobStore, limits: MediaLimits, viewer: Tenant) -> np.ndarray:
+    """uint8 ``[F, H, W, 3]`` of one media reference (a job's video: one ``viewer`` sees)."""
     if isinstance(ref, MediaRef):
-        return job_frames(store, completed_job(store, ref.id, field=field), field=field, limits=limits)
+        return job_frames(store, completed_job(store, ref.id, field=field, viewer=viewer), field=field, limits=limits)
     try:
         if isinstance(ref, ImageReference):
             return media_from_url(ref.image_url, field=f"{field}.image_url", limits=limits).frames
@@ -93,9 +95,10 @@ def _condition(item: ConditionParams, i: int, **kw) -> Condition:
 
 
 def resolve_media(params: VideoCreateParams, *, uploads: Mapping[str, bytes], store: JobStore,
-                  limits: MediaLimits) -> Resolved:
-    """Decode the media that ``params`` names (blocking: run it off the event loop)."""
-    kw = dict(uploads=uploads, store=store, limits=limits)
+                  limits: MediaLimits, viewer: Tenant) -> Resolved:
+    """Decode the media that ``params`` names (blocking: run it off the event loop); a job's video named as media
+    must be ``viewer``'s to see."""
+    kw = dict(uploads=uploads, store=store, limits=limits, viewer=viewer)
     if params.input_reference is not None and params.conditions:
         raise ApiError(400, "conflicting_parameters", "give input_reference or conditions, not both (the reference "
                        "image is conditions[0] at frame_index 0)", "input_reference")

@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 import anyio
@@ -17,6 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 
+from server.group.tenants import Tenant
+from server.http.auth import TenantDep
 from server.http.engine import Engine, EngineDep
 from server.http.schemas import ApiError, ErrorBody
 from server.outputs.store import StoreUnavailable
@@ -82,12 +85,13 @@ def _store_problem(engine: Engine) -> str | None:
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(request: Request, engine: EngineDep) -> PlainTextResponse:
-    """Prometheus text format."""
-    return PlainTextResponse(_metrics_text(engine, request.app.state.rejected), media_type="text/plain; version=0.0.4")
+async def metrics(request: Request, engine: EngineDep, tenant: TenantDep) -> PlainTextResponse:
+    """Prometheus text format; the per-tenant counters are every tenant's for an admin key, the key's own else."""
+    text = await asyncio.to_thread(_metrics_text, engine, request.app.state.rejected, tenant)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
-def _metrics_text(engine: Engine, rejected: dict[int, int]) -> str:
+def _metrics_text(engine: Engine, rejected: dict[int, int], tenant: Tenant) -> str:
     store = engine.store
     lines: list[str] = []
 
@@ -97,6 +101,17 @@ def _metrics_text(engine: Engine, rejected: dict[int, int]) -> str:
     metric("cp_infer_queue_depth", "gauge", "Jobs waiting to run.", [f"cp_infer_queue_depth {store.queue_depth()}"])
     metric("cp_infer_queue_oldest_age_seconds", "gauge", "How long the oldest queued job has waited (0: none).",
            [f"cp_infer_queue_oldest_age_seconds {store.oldest_queued_age():.3f}"])
+    usage = store.tenants.usage(None if tenant.admin else tenant.name)  # the fleet's, from the job store
+    metric("cp_infer_tenant_jobs_submitted_total", "counter", "Jobs each tenant queued.",
+           [f'cp_infer_tenant_jobs_submitted_total{{tenant="{u["tenant"]}"}} {u["jobs_submitted"]}' for u in usage])
+    metric("cp_infer_tenant_jobs_ended_total", "counter", "Jobs of each tenant that ended, by final state.",
+           [f'cp_infer_tenant_jobs_ended_total{{tenant="{u["tenant"]}",state="{s}"}} {n}'
+            for u in usage for s, n in u["jobs_ended"].items()])
+    metric("cp_infer_tenant_video_seconds_total", "counter", "Seconds of video made for each tenant.",
+           [f'cp_infer_tenant_video_seconds_total{{tenant="{u["tenant"]}"}} {u["video_seconds"]}' for u in usage])
+    metric("cp_infer_tenant_rank_seconds_total", "counter", "Rank-seconds of each tenant's completed jobs (time "
+           "from claim to end, times the ranks that ran them).",
+           [f'cp_infer_tenant_rank_seconds_total{{tenant="{u["tenant"]}"}} {u["rank_seconds"]}' for u in usage])
     metric("cp_infer_jobs", "gauge", "Jobs in the store by state.",
            [f'cp_infer_jobs{{state="{s}"}} {n}' for s, n in store.counts().items()])
     metric("cp_infer_jobs_finished_total", "counter", "Jobs this leader ended, by final state.",

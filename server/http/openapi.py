@@ -3,9 +3,11 @@ derived from the served model's option declaration, this deployment's limits and
 
 Invariants:
 - Every status an operation answers is in its ``responses``: the errors each route declares beside itself
-  (:func:`server.http.schemas.error_responses`), and 401 on every operation but the public ones when an API key is
-  set. Each error has the ``ErrorResponse`` schema. FastAPI's 422 is not there: a request that fails validation is
-  answered 400, as every other bad request is.
+  (:func:`server.http.schemas.error_responses`), and 401 and 429 (a tenant's requests a minute) on every operation
+  but the public ones when the server asks for a key (``--api-key``, or keys in its job store: the document is made
+  again when that changes). 404 is also what another tenant's video is answered. Each error has the
+  ``ErrorResponse`` schema. FastAPI's 422 is not there: a request that fails validation is answered 400, as every
+  other bad request is.
 - A body's schema refuses what the route's own checks refuse field by field: types, ranges, multiples, lengths,
   required fields, unknown fields, and the pairs of fields that exclude each other. What depends on more than the
   body (what a media file holds, the queue, a job's state, frame counts at a frame rate) or on another field's value
@@ -307,6 +309,7 @@ def openapi_document(app: FastAPI, engine: Engine, config: AppConfig, *, public:
     from fastapi.openapi.utils import get_openapi
 
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    keyed = config.api_key is not None or engine.store.tenants.any_keys()
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
@@ -328,13 +331,18 @@ def openapi_document(app: FastAPI, engine: Engine, config: AppConfig, *, public:
                 elif parameter["in"] == "query" and parameter["name"] == "after":
                     parameter["schema"] = {"anyOf": [{"type": "string", "pattern": JOB_ID_PATTERN},
                                                      {"type": "null"}]}
-            if config.api_key is not None and path not in public:
+            if keyed and path not in public:
                 operation["security"] = [{"bearer": []}]
                 operation["responses"]["401"] = {
-                    "description": "The API key is missing or wrong (send Authorization: Bearer <key>)",
+                    "description": "The API key is missing, wrong or revoked (send Authorization: Bearer <key>)",
                     "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}},
                     "content": {_JSON: {"schema": {"$ref": _REF + "ErrorResponse"}}}}
-    if config.api_key is not None:
+                operation["responses"].setdefault("429", {
+                    "description": "Over a limit of the key's tenant (the error's param names it: rpm, max_jobs, "
+                                   "seconds_per_day) or the queue is full; retry after Retry-After seconds",
+                    "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+                    "content": {_JSON: {"schema": {"$ref": _REF + "ErrorResponse"}}}})
+    if keyed:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return doc
 
@@ -344,7 +352,7 @@ def install_openapi(app: FastAPI, engine: Engine, config: AppConfig, *, public: 
     made: dict[object, dict[str, Any]] = {}
 
     def openapi() -> dict[str, Any]:
-        key = engine.geometry
+        key = (engine.geometry, config.api_key is not None or engine.store.tenants.any_keys())
         if key not in made:
             made.clear()
             made[key] = openapi_document(app, engine, config, public=public)

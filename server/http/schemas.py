@@ -225,6 +225,8 @@ class VideoJob(BaseModel):
     num_inference_steps: int
     guidance_scale: float
     seed: int
+    tenant: str | None = None
+    """The tenant whose key made it (``cp-infer keys``); ``None``: made while the server needed no key."""
     input_reference: bool = False
     """Whether the video was made from a reference image."""
     extends: bool = False

@@ -5,6 +5,9 @@ Invariants:
   unknown fields) and turned into a request only by :func:`server.http.schemas.build_request`; the route then only
   queues it. Nothing here talks to the worker group.
 - Ids in URLs are checked against the server's own id format before any lookup or file access.
+- Every job is its tenant's (``server.http.auth``): another tenant's job is answered 404 exactly as one that does
+  not exist (in a URL, or named as a source or as media), a list holds the tenant's own jobs only, and a new job is
+  the requesting tenant's, within its limits (429 naming the limit). An admin sees and manages every job.
 - ``stream=true``: every check above runs (and fails as JSON) before the job is queued; then the ``200`` and its
   headers (``X-Video-Id``) go out at once, and the body is the job's MP4 as the leader writes it (see
   ``server.outputs.streaming``), from the first decoded piece on. A job that ends other than completed ends the body
@@ -32,6 +35,8 @@ from fastapi.responses import FileResponse, StreamingResponse
 
 from cp_infer.request import EXTEND_TAIL, Condition, check_request
 from server.group.jobs import TERMINAL, Job, QueueFull, valid_job_id
+from server.group.tenants import Tenant, TenantLimit
+from server.http.auth import TenantDep, limit_error
 from server.http.conditions import (
     UPLOAD_PREFIX,
     Resolved,
@@ -205,9 +210,9 @@ def _create_params(body: _Body, engine) -> VideoCreateParams:
     return params_from_form(body.data, **kw) if body.form else params_from_json(body.data, **kw)
 
 
-def _job_or_404(engine, video_id: str) -> Job:
+def _job_or_404(engine, video_id: str, tenant: Tenant) -> Job:
     job = engine.store.get(video_id) if valid_job_id(video_id) else None
-    if job is None:
+    if job is None or not tenant.sees(job.tenant):
         raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
     return job
 
@@ -270,11 +275,13 @@ class _MP4StreamResponse(StreamingResponse):
             return False
 
 
-def _submit(engine, generation, *, streamed: bool = False, lead: np.ndarray | None = None):
+def _submit(engine, generation, *, tenant: Tenant, streamed: bool = False, lead: np.ndarray | None = None):
     try:
         if streamed:
-            return engine.submit_streamed(generation, model=engine.served_model)
-        return engine.store.submit(generation, model=engine.served_model, lead=lead), None
+            return engine.submit_streamed(generation, model=engine.served_model, tenant=tenant)
+        return engine.store.submit(generation, model=engine.served_model, lead=lead, tenant=tenant), None
+    except TenantLimit as exc:
+        raise limit_error(exc) from None
     except QueueFull as exc:
         raise ApiError(429, "queue_full", f"{exc}; retry later", headers={
             "Retry-After": str(engine.retry_after_s())}) from None
@@ -334,8 +341,10 @@ _CREATED = {200: {"description": "The job; with stream=true, the MP4 itself (fra
 
 
 @router.post("", response_model=VideoJob, responses={**_CREATED, **_BODY_ERRORS})
-async def create_video(request: Request, engine: EngineDep, config: ConfigDep, stream: bool | None = Query(
-        None, description="respond with the MP4 itself, sent while it is made (or give stream in the body)")):
+async def create_video(request: Request, engine: EngineDep, config: ConfigDep, tenant: TenantDep,
+                       stream: bool | None = Query(
+                           None, description="respond with the MP4 itself, sent while it is made (or give stream in "
+                                             "the body)")):
     """Queue a text-to-video job (JSON, urlencoded, or multipart when python-multipart is installed)."""
     body = await _read_media_body(request, **_body_caps(config))
     params = _create_params(body, engine)
@@ -345,15 +354,17 @@ async def create_video(request: Request, engine: EngineDep, config: ConfigDep, s
     streamed = bool(stream or params.stream)
     _require_ready(engine)
     resolved = await anyio.to_thread.run_sync(lambda: resolve_media(
-        params, uploads=body.uploads, store=engine.store, limits=media_limits(config.max_upload_bytes, engine.limits)))
-    job, handle = _submit(engine, _build(engine, params, resolved), streamed=streamed)
+        params, uploads=body.uploads, store=engine.store, limits=media_limits(config.max_upload_bytes, engine.limits),
+        viewer=tenant))
+    job, handle = _submit(engine, _build(engine, params, resolved), streamed=streamed, tenant=tenant)
     if streamed:
         return _MP4StreamResponse(handle, engine=engine, headers={
             "X-Video-Id": job.id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return job.public()
 
 
-async def _source_video(data: dict, body: _Body, engine, config: AppConfig) -> tuple[np.ndarray, Job | None]:
+async def _source_video(data: dict, body: _Body, engine, config: AppConfig,
+                        tenant: Tenant) -> tuple[np.ndarray, Job | None]:
     """The ``video`` an edit or an extension starts from (taken out of ``data``): its frames, and the completed job
     it names (``None`` for an upload or a data URL)."""
     if "video" not in data:
@@ -362,11 +373,11 @@ async def _source_video(data: dict, body: _Body, engine, config: AppConfig) -> t
     ref = data.pop("video")
     store, limits = engine.store, media_limits(config.max_upload_bytes, engine.limits)
     if isinstance(ref, dict) and set(ref) == {"id"} and isinstance(ref["id"], str):
-        source = completed_job(store, ref["id"], field="video")  # one lookup: its frames and its settings
+        source = completed_job(store, ref["id"], field="video", viewer=tenant)  # its frames and its settings
         return await anyio.to_thread.run_sync(lambda: job_frames(store, source, field="video", limits=limits)), source
     if isinstance(ref, str):
         return await anyio.to_thread.run_sync(lambda: load_media(
-            ref, field="video", uploads=body.uploads, store=store, limits=limits)), None
+            ref, field="video", uploads=body.uploads, store=store, limits=limits, viewer=tenant)), None
     raise ApiError(400, "invalid_value", "video must be an uploaded file, a data URL or {\"id\": video id}",
                    "video")
 
@@ -378,7 +389,7 @@ def _not_streamed(data: dict, what: str) -> None:
 
 
 @router.post("/edits", response_model=VideoJob, responses=_BODY_ERRORS)
-async def edit_video(request: Request, engine: EngineDep, config: ConfigDep) -> dict:
+async def edit_video(request: Request, engine: EngineDep, config: ConfigDep, tenant: TenantDep) -> dict:
     """A new job that redoes a video with a new prompt: ``video`` (an upload, a data URL, or ``{"id": ...}`` of
     a completed job) conditions every frame from frame 0 at ``strength`` (default 0.6: how much of the source
     is kept; 1 returns it unchanged), as LTXConditionPipeline(video=..., strength=...). Other fields as for
@@ -386,7 +397,7 @@ async def edit_video(request: Request, engine: EngineDep, config: ConfigDep) -> 
     _require_ready(engine)
     body = await _read_media_body(request, **_body_caps(config))
     data = dict(body.data)
-    frames, source = await _source_video(data, body, engine, config)
+    frames, source = await _source_video(data, body, engine, config, tenant)
     _not_streamed(data, "an edit")
     strength = data.pop("strength", 0.6)
     if body.form:
@@ -407,12 +418,12 @@ async def edit_video(request: Request, engine: EngineDep, config: ConfigDep) -> 
             exc.message = exc.message.replace("conditions[0].media", "video").replace(
                 "conditions[0].strength", "strength")
         raise
-    job, _ = _submit(engine, generation)
+    job, _ = _submit(engine, generation, tenant=tenant)
     return job.public()
 
 
 @router.post("/extensions", response_model=VideoJob, responses=_BODY_ERRORS)
-async def extend_video(request: Request, engine: EngineDep, config: ConfigDep) -> dict:
+async def extend_video(request: Request, engine: EngineDep, config: ConfigDep, tenant: TenantDep) -> dict:
     """A new job: ``video`` (an upload, a data URL, or ``{"id": ...}`` of a completed job) followed by ``seconds``
     more (the nearest multiple of the model's frame step; or ``num_frames - 1`` frames), made window by window from
     its last frames (the ``openai`` SDK's ``videos.extend``). Size and frame rate are the source's (an upload's size
@@ -420,7 +431,7 @@ async def extend_video(request: Request, engine: EngineDep, config: ConfigDep) -
     _require_ready(engine)
     body = await _read_media_body(request, **_body_caps(config))
     data = dict(body.data)
-    frames, source = await _source_video(data, body, engine, config)
+    frames, source = await _source_video(data, body, engine, config, tenant)
     if len(frames) < EXTEND_TAIL:
         raise ApiError(400, "invalid_value", f"video has {len(frames)} frames; an extension continues from the "
                        f"last {EXTEND_TAIL}: extend a longer video", "video")
@@ -438,7 +449,7 @@ async def extend_video(request: Request, engine: EngineDep, config: ConfigDep) -
         check_request(generation, geometry=engine.geometry, limits=engine.limits, options=engine.options)
     except ValueError as exc:
         raise ApiError(400, "invalid_value", str(exc), "video") from None
-    job, _ = _submit(engine, generation, lead=lead)
+    job, _ = _submit(engine, generation, lead=lead, tenant=tenant)
     return job.public()
 
 
@@ -452,10 +463,11 @@ def _fit(frames: np.ndarray, width: int, height: int) -> np.ndarray:
 
 
 @router.post("/{video_id}/remix", response_model=VideoJob, responses=_BODY_ERRORS)
-async def remix_video(video_id: str, request: Request, engine: EngineDep, config: ConfigDep) -> dict:
+async def remix_video(video_id: str, request: Request, engine: EngineDep, config: ConfigDep,
+                      tenant: TenantDep) -> dict:
     """A new job with the settings and media of ``video_id`` and a new ``prompt``; an extension's is the video it
     extended, extended again (so ``video_id`` must then have completed)."""
-    source = _job_or_404(engine, video_id)
+    source = _job_or_404(engine, video_id, tenant)
     body = await _body(request, await _read_body(request, config.max_body_bytes))
     if set(body.data) - {"prompt"}:
         extra = sorted(set(body.data) - {"prompt"})[0]
@@ -478,22 +490,31 @@ async def remix_video(video_id: str, request: Request, engine: EngineDep, config
     lead = None
     if source.lead_frames:  # the video it extended: the start of its own
         store = engine.store
-        completed_job(store, video_id, field="video_id")
+        completed_job(store, video_id, field="video_id", viewer=tenant)
         limits = media_limits(config.max_upload_bytes, engine.limits)
         frames = await anyio.to_thread.run_sync(lambda: job_frames(store, source, field="video_id", limits=limits))
         lead = np.ascontiguousarray(frames[:source.lead_frames])
-    job, _ = _submit(engine, generation, lead=lead)
+    job, _ = _submit(engine, generation, lead=lead, tenant=tenant)
     return job.public()
 
 
 @router.get("", response_model=VideoList, responses=error_responses(400))
-async def list_videos(engine: EngineDep, limit: int = Query(20, ge=1, le=100), after: str | None = None,
-                      order: Literal["asc", "desc"] = "desc") -> dict:
-    """Jobs, newest first by default; ``after`` is the last id of the previous page."""
+async def list_videos(engine: EngineDep, tenant: TenantDep, limit: int = Query(20, ge=1, le=100),
+                      after: str | None = None, order: Literal["asc", "desc"] = "desc",
+                      tenant_filter: str | None = Query(None, alias="tenant", description=(
+                          "an admin key: only this tenant's videos (another key lists its own videos only)"))) -> dict:
+    """Jobs, newest first by default; ``after`` is the last id of the previous page. A tenant's own jobs; an
+    admin's: every tenant's, or ``tenant``'s."""
     if after is not None and not valid_job_id(after):
         raise ApiError(400, "invalid_value", f"after={after!r} is not a video id", "after")
+    if tenant_filter is not None and not tenant.admin and tenant_filter != tenant.name:
+        raise ApiError(400, "invalid_value", "tenant: only an admin key lists another tenant's videos; remove it",
+                       "tenant")
+    owner = tenant_filter if tenant.admin else tenant.name
+    if after is not None and (job := engine.store.get(after)) is not None and not tenant.sees(job.tenant):
+        raise ApiError(400, "invalid_value", f"after={after!r}: no such video", "after")
     try:
-        jobs, has_more = engine.store.list(limit=limit, after=after, order=order)
+        jobs, has_more = engine.store.list(limit=limit, after=after, order=order, tenant=owner)
     except KeyError:
         raise ApiError(400, "invalid_value", f"after={after!r}: no such video", "after") from None
     data = [j.public() for j in jobs]
@@ -502,14 +523,14 @@ async def list_videos(engine: EngineDep, limit: int = Query(20, ge=1, le=100), a
 
 
 @router.get("/{video_id}", response_model=VideoJob, responses=error_responses(404))
-async def get_video(video_id: str, engine: EngineDep) -> dict:
-    return _job_or_404(engine, video_id).public()
+async def get_video(video_id: str, engine: EngineDep, tenant: TenantDep) -> dict:
+    return _job_or_404(engine, video_id, tenant).public()
 
 
 @router.delete("/{video_id}", response_model=VideoDeleted, responses=error_responses(404))
-async def delete_video(video_id: str, engine: EngineDep) -> dict:
+async def delete_video(video_id: str, engine: EngineDep, tenant: TenantDep) -> dict:
     """Delete a job; a running one is first cancelled on every rank at the next step boundary."""
-    _job_or_404(engine, video_id)
+    _job_or_404(engine, video_id, tenant)
     store = engine.store
     job, running = store.delete(video_id)
     if job is None:
@@ -522,9 +543,9 @@ async def delete_video(video_id: str, engine: EngineDep) -> dict:
 
 
 @router.post("/{video_id}/cancel", response_model=VideoJob, responses=error_responses(404))
-async def cancel_video(video_id: str, engine: EngineDep) -> dict:
+async def cancel_video(video_id: str, engine: EngineDep, tenant: TenantDep) -> dict:
     """Extension: stop a job but keep its record (status ``cancelled``); a finished job is unchanged."""
-    _job_or_404(engine, video_id)
+    _job_or_404(engine, video_id, tenant)
     job = engine.store.cancel(video_id)
     if job is None:
         raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
@@ -535,10 +556,11 @@ async def cancel_video(video_id: str, engine: EngineDep) -> dict:
     200: {"description": "The file of the variant", "content": {
         "video/mp4": _MP4, "image/jpeg": _MP4, "application/octet-stream": _MP4}},
     **error_responses(400, 404, 409)})
-async def download_video(video_id: str, request: Request, engine: EngineDep, variant: str = "video") -> FileResponse:
+async def download_video(video_id: str, request: Request, engine: EngineDep, tenant: TenantDep,
+                         variant: str = "video") -> FileResponse:
     """The MP4 (``variant=video``), a JPEG of the middle frame (``thumbnail``), or, when the server keeps
     them, the raw uint8 frames as ``.npy`` (``frames``, lossless)."""
-    job = _job_or_404(engine, video_id)
+    job = _job_or_404(engine, video_id, tenant)
     allowed = [v for v in _CONTENT if v != "frames" or engine.keep_frames]
     if variant not in allowed:
         raise ApiError(400, "invalid_value", f"variant={variant!r} is not available; use one of {allowed}",
@@ -568,14 +590,14 @@ async def download_video(video_id: str, request: Request, engine: EngineDep, var
                              "data": {"type": "string", "contentMediaType": "application/json",
                                       "contentSchema": {"$ref": "#/components/schemas/VideoJob"}}}}}}},
     **error_responses(404)})
-async def video_events(video_id: str, request: Request, engine: EngineDep) -> StreamingResponse:
+async def video_events(video_id: str, request: Request, engine: EngineDep, tenant: TenantDep) -> StreamingResponse:
     """Server-sent events: the job's history so far (or what follows ``Last-Event-ID``), then every change of
     status or progress, ending with the final state (``event: video.<status>``, ``data``: the job object)."""
     if not valid_job_id(video_id):
         raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
     store = engine.store
     seq, job = store.snapshot(video_id)
-    if job is None:
+    if job is None or not tenant.sees(job.tenant):
         raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
     last_id = request.headers.get("last-event-id", "0")
     last_id = int(last_id) if last_id.isdigit() else 0

@@ -276,9 +276,17 @@ def test_the_schema_is_versioned_and_an_old_sqlite_file_migrates(tmp_path, pg_ur
                 "NULL, progress INTEGER NOT NULL DEFAULT 0, created_at INTEGER NOT NULL, completed_at INTEGER, model "
                 "TEXT NOT NULL, request TEXT NOT NULL, error_code TEXT, error_message TEXT, cancel_requested INTEGER "
                 "NOT NULL DEFAULT 0, deleting INTEGER NOT NULL DEFAULT 0)")
+    from server.group.job_record import request_to_json
+
+    earlier = "video_" + "e" * 32  # a job of that release: no tenant's (the server was open or had one key)
+    old.execute("INSERT INTO jobs (id, status, created_at, model, request) VALUES (?, 'completed', 1, 'm', ?)",
+                (earlier, request_to_json(_request("earlier"))))
     old.commit()
     old.close()
     store = JobStore(tmp_path, max_queue=4)
+    assert store.get(earlier).tenant == "" and store.list(limit=5, after=None, order="asc")[0][0].id == earlier
+    assert store.list(limit=5, after=None, order="asc", tenant="someone")[0] == []
+    store._db.execute("DELETE FROM jobs WHERE id = ?", (earlier,))
     job = store.submit(_request("kept"), model="m")
     assert store.claim_next(timeout=0).attempts == 1 and store.get(job.id).output_attempt is None
     store.close()

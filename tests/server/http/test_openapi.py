@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from cp_infer.request import GenerationRequest, resolve_request
 from models.registry import model_options
+from server.group.tenants import OPEN
 from server.http.app import AppConfig, create_app
 from server.outputs.streaming import VideoStream
 
@@ -47,8 +48,8 @@ class FuzzEngine(StubEngine):
         self._streams = data_dir / "streams"
         self._streams.mkdir()
 
-    def submit_streamed(self, request, *, model: str):
-        job = self.store.submit(request, model=model)
+    def submit_streamed(self, request, *, model: str, tenant=OPEN):
+        job = self.store.submit(request, model=model, tenant=tenant)
         path = self._streams / job.id
         path.write_bytes(b"\0\0\0\x18ftypisom\0\0\0\0isom")
         stream = VideoStream(job.id)
@@ -111,6 +112,7 @@ def test_the_document_passes_an_openapi_validator(tmp_path, family, api_key):
         # The statuses each route answers (server/http/videos.py), 401 everywhere but /health with a key.
         if api_key is not None and path != "/health":
             assert "401" in responses and operation["security"] == [{"bearer": []}], (method, path)
+            assert "Retry-After" in responses["429"]["headers"], (method, path)  # a tenant's rpm, on any route
         else:
             assert "401" not in responses and "security" not in operation, (method, path)
         if "{video_id}" in path:
@@ -299,7 +301,7 @@ def test_schemathesis_finds_no_undocumented_answer(tmp_path):
     for label in sorted(statuses):
         print(f"  {label}: {dict(sorted(statuses[label].items()))}")
     assert not failures, "\n\n".join(f"{label}:\n{found[0]}" for label, found in failures.items())
-    assert len(operations) == 17 and set(ran) == {op.label for op in operations}, sorted(ran)
+    assert len(operations) == 18 and set(ran) == {op.label for op in operations}, sorted(ran)
     # The checks do catch an answer the document leaves out (what the issue found): their silence above means something.
     for label, status in (("GET /v1/videos/{video_id}", "404"), ("GET /v1/videos", "400")):
         method, path = label.split(" ")

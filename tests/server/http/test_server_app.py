@@ -15,6 +15,7 @@ from cp_infer.shapes import VideoGeometry
 from models.ltx_video.options import ltx_video_options
 from server.group.jobs import JobStore
 from server.group.leader import GroupLeader, Histogram, LeaderConfig
+from server.group.tenants import OPEN
 from server.http.app import AppConfig, create_app
 from server.http.engine import Engine
 from server.http.schemas import frames_for_seconds
@@ -59,8 +60,8 @@ class StubEngine:
         if loras:
             raise ValueError("loras: this deployment has no adapters (it was started without --lora-dir DIR)")
 
-    def submit_streamed(self, request, *, model: str):
-        job = self.store.submit(request, model=model)
+    def submit_streamed(self, request, *, model: str, tenant=OPEN):
+        job = self.store.submit(request, model=model, tenant=tenant)
         return job, VideoStream(job.id)
 
     def release_stream(self, job_id: str) -> None:
