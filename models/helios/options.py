@@ -120,6 +120,11 @@ def _chunk_frames(values: Mapping[str, Any]) -> int:
     return chunks_of(values).chunk_frames
 
 
+def _live_frames(values: Mapping[str, Any], count: int) -> int:
+    """Video frames of ``count`` whole chunks: a chunk's plan and draws do not depend on how many follow it."""
+    return Chunks(count, values["num_latent_frames_per_chunk"]).video_frames
+
+
 def helios_options() -> ModelOptions:
     """``HeliosPipeline``'s options (text- and image-to-video)."""
     standard = {o.name: o for o in standard_options(
@@ -157,4 +162,5 @@ def helios_options() -> ModelOptions:
     )
     # An image is the first frame: the first latent frame every chunk's short history starts with.
     return ModelOptions("Helios", options, takes_media=True, check=_check, window_media=("image",),
-                        window_frames=_chunk_frames, window_tile_causal=True)
+                        window_frames=_chunk_frames, window_tile_causal=True,
+                        live_frames=_live_frames)
