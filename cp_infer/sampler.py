@@ -403,7 +403,7 @@ def sample(
             continue
         final_box: list[int | None] = []
 
-        def finished(index=index, full=full, prepared=prepared, final_box=final_box) -> None:
+        def finished(index=index, full=full, prepared=prepared, final_box=final_box, plan=plan) -> None:
             final_box.append(finish(full, prepared))
             arrays = model.checkpoint(prepared.state)
             if arrays is not None and control.on_checkpoint and state.delivers and index + 1 < len(plan.passes):
@@ -438,10 +438,7 @@ def _directed(model: DenoiseModel, control: SampleControl, passes_done: int, req
     while True:
         answer: Any = None
         if state.rank == state.replica_ranks[0]:
-            asked: list[Any] = []
-            status, message = _run_hook(lambda: asked.append(control.extend(passes_done, request)
-                                                             if control.extend else None))
-            answer = ("ok", asked[0]) if status == StepStatus.OK else ("error", message)
+            answer = _ask(control, passes_done, request)
         kind, value = broadcast_object(answer, state=state)
         if kind == "error":
             lead = state.rank == state.replica_ranks[0]
@@ -468,6 +465,14 @@ def _directed(model: DenoiseModel, control: SampleControl, passes_done: int, req
 
     _agree(*_run_hook(check), state=state)
     return box[0]
+
+
+def _ask(control: SampleControl, passes_done: int, request: GenerationRequest) -> tuple[str, Any]:
+    """The replica group's first rank: ``extend``'s answer, or its error's message."""
+    asked: list[Any] = []
+    status, message = _run_hook(lambda: asked.append(control.extend(passes_done, request) if control.extend
+                                                     else None))
+    return ("ok", asked[0]) if status == StepStatus.OK else ("error", message)
 
 
 def _go_on(model: DenoiseModel, control: SampleControl, full: dict[str, torch.Tensor], prepared: Prepared,

@@ -57,6 +57,8 @@ _MIGRATIONS: list[tuple[list[str], list[str]]] = [
      [f"CREATE TABLE IF NOT EXISTS jobs (seq BIGSERIAL PRIMARY KEY, id TEXT UNIQUE NOT NULL,{_V1_COLUMNS})",
       "CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq)"]),
     ([s.format(real="REAL") for s in _V2], [s.format(real="DOUBLE PRECISION") for s in _V2]),
+    # A live video's directions (JSON: server.group.job_record.Live), NULL for any other job.
+    (["ALTER TABLE jobs ADD COLUMN live TEXT"], ["ALTER TABLE jobs ADD COLUMN live TEXT"]),
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 

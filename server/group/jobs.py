@@ -57,12 +57,12 @@ import numpy as np
 
 from cp_infer.request import GenerationRequest
 from server.group.database import open_database
-from server.group.job_record import TERMINAL, Job, mp4_complete, request_to_json, row_to_job, valid_job_id
+from server.group.job_record import TERMINAL, Job, Live, mp4_complete, request_to_json, row_to_job, valid_job_id
 from server.group.job_record import mp4_complete as _mp4_complete  # noqa: F401 -- the tests' name for it
 from server.group.job_record import request_from_json as _request_from_json  # noqa: F401 -- as above
 from server.outputs.store import StoreUnavailable, open_outputs
 
-__all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
+__all__ = ["Job", "JobStore", "Live", "LiveRefused", "QueueFull", "valid_job_id", "TERMINAL"]
 
 log = logging.getLogger("cp_infer.jobs")
 
@@ -78,6 +78,14 @@ class QueueFull(Exception):
     def __init__(self, depth: int):
         super().__init__(f"the queue holds {depth} jobs, its limit")
         self.depth = depth
+
+
+class LiveRefused(Exception):
+    """A direction a job does not take (not live, ended, or over a limit): ``code`` and a message naming the fix."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 def _fence(attempt: int | None) -> tuple[str, tuple]:
@@ -363,11 +371,11 @@ class JobStore:
 
     # -- the HTTP side -----------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, *, model: str, lead: np.ndarray | None = None,
-               pinned: bool = False) -> Job:
+               pinned: bool = False, live: Live | None = None) -> Job:
         """Queue a validated request; raises :class:`QueueFull` past ``max_queue`` queued jobs. ``lead``: frames
         the video starts with before the ones made (an extension's: the video it extends), kept beside the job's
         outputs until it ends. ``pinned``: only this server may run it (a streamed job, whose client reads it
-        here)."""
+        here). ``live``: a live video's first direction(s)."""
         job_id = f"video_{secrets.token_hex(16)}"
         with self._lock:
             depth = self._queued()
@@ -379,14 +387,42 @@ class JobStore:
                 np.save(buffer, np.ascontiguousarray(lead, dtype=np.uint8))
                 self.outputs.put_bytes(job_id, ".lead.npy", buffer.getvalue(), attempt=0)
             self._db.execute(
-                "INSERT INTO jobs (id, status, created_at, model, request, lead_frames, pinned_node) "
-                "VALUES (?, 'queued', ?, ?, ?, ?, ?)",
+                "INSERT INTO jobs (id, status, created_at, model, request, lead_frames, pinned_node, live) "
+                "VALUES (?, 'queued', ?, ?, ?, ?, ?, ?)",
                 (job_id, int(time.time()), model, request_to_json(request), 0 if lead is None else len(lead),
-                 self.node if pinned else None))
+                 self.node if pinned else None, None if live is None else live.to_json()))
             job = self._get(job_id)
             self._log(job)
             self._work.notify_all()
         return job
+
+    def direct(self, job_id: str, change: Callable[[Job, Live], Live]) -> Job | None:
+        """Change a live job's directions: ``change(job, live)`` gives the new ones (or raises ``LiveRefused``),
+        written only over the directions it read (another server's direction in between: read again), so
+        concurrent directions never interleave, and stored with the job, so a job resumed after a crash has every
+        direction it took. ``None``: no such job."""
+        while True:
+            with self._lock:
+                job = self._get(job_id)
+                if job is None or job.deleting:
+                    return None
+                if job.live is None:
+                    raise LiveRefused("not_live", f"video {job_id} is not live; create it with \"live\": true to "
+                                      "direct it")
+                if job.terminal or job.live.ended:
+                    raise LiveRefused("video_ended", f"video {job_id} has ended ({job.status}"
+                                      f"{', its end directed' if job.live.ended else ''}); create another to go on")
+                live = change(job, job.live)
+                cur = self._db.execute("UPDATE jobs SET live = ? WHERE id = ? AND live = ? AND status IN ('queued', "
+                                       "'in_progress')", (live.to_json(), job_id, job.live.to_json()))
+                if cur.rowcount:
+                    job = self._get(job_id)
+                    self._log(job)
+                    return job
+
+    def set_live_request(self, job_id: str, request: GenerationRequest, *, attempt: int | None = None) -> None:
+        """A live job's request as it has grown (its frames and prompt_segments: the one-request video so far)."""
+        self._running_update(job_id, attempt, "request = ?", (request_to_json(request),))
 
     def delete(self, job_id: str) -> tuple[Job | None, bool]:
         """Delete a job. Returns ``(job, running)``: a running job is only marked (hidden, cancel requested);

@@ -32,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.http import health, models, playground, videos
+from server.http import health, live, models, playground, videos
 from server.http.config import AppConfig
 from server.http.engine import Engine
 from server.http.openapi import install_openapi
@@ -138,6 +138,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     _install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(videos.router)
+    app.include_router(live.router)
     app.include_router(models.router)
     app.include_router(playground.router)
     install_openapi(app, engine, config, public=_PUBLIC_PATHS)

@@ -43,6 +43,7 @@ from server.http.conditions import (
 )
 from server.http.config import AppConfig, ConfigDep
 from server.http.engine import EngineDep
+from server.http.live import check_live, live_job
 from server.http.ranges import ranged_response
 from server.http.schemas import (
     ApiError,
@@ -270,11 +271,11 @@ class _MP4StreamResponse(StreamingResponse):
             return False
 
 
-def _submit(engine, generation, *, streamed: bool = False, lead: np.ndarray | None = None):
+def _submit(engine, generation, *, streamed: bool = False, lead: np.ndarray | None = None, live=None):
     try:
         if streamed:
             return engine.submit_streamed(generation, model=engine.served_model)
-        return engine.store.submit(generation, model=engine.served_model, lead=lead), None
+        return engine.store.submit(generation, model=engine.served_model, lead=lead, live=live), None
     except QueueFull as exc:
         raise ApiError(429, "queue_full", f"{exc}; retry later", headers={
             "Retry-After": str(engine.retry_after_s())}) from None
@@ -346,7 +347,12 @@ async def create_video(request: Request, engine: EngineDep, config: ConfigDep, s
     _require_ready(engine)
     resolved = await anyio.to_thread.run_sync(lambda: resolve_media(
         params, uploads=body.uploads, store=engine.store, limits=media_limits(config.max_upload_bytes, engine.limits)))
-    job, handle = _submit(engine, _build(engine, params, resolved), streamed=streamed)
+    if params.live:
+        check_live(params, options=engine.options, streamed=streamed)
+    generation, live = _build(engine, params, resolved), None
+    if params.live:
+        generation, live = live_job(params, generation, options=engine.options, max_seconds=config.live_max_seconds)
+    job, handle = _submit(engine, generation, streamed=streamed, live=live)
     if streamed:
         return _MP4StreamResponse(handle, engine=engine, headers={
             "X-Video-Id": job.id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -375,6 +381,9 @@ def _not_streamed(data: dict, what: str) -> None:
     if "stream" in data:
         raise ApiError(400, "unknown_parameter", f"stream: {what} is not streamed; remove stream and follow "
                        "GET /v1/videos/{video_id}/events", "stream")
+    if "live" in data:
+        raise ApiError(400, "unknown_parameter", f"live: {what} is not live; remove live (POST /v1/videos makes a "
+                       "live video)", "live")
 
 
 @router.post("/edits", response_model=VideoJob, responses=_BODY_ERRORS)
