@@ -125,13 +125,33 @@ def _direction(data: Any, job: Job, live: Live, options, max_seconds: float, max
     return Live((*live.directions, Direction(prompt, windows)))
 
 
-@router.post("/{video_id}/directions", response_model=VideoJob, responses=error_responses(400, 404, 409, 413))
+_DIRECTION_BODY = {"required": True, "description": "The next windows' prompt and how many (or seconds), or the end.",
+                   "content": {"application/json": {"schema": {"oneOf": [
+                       {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
+                           "prompt": {"type": "string", "minLength": 1, "pattern": "\\S",
+                                      "description": "What the next windows show."},
+                           "windows": {"type": "integer", "minimum": 1, "maximum": MAX_WINDOWS, "default": 1,
+                                       "description": "How many windows it directs. Excludes seconds."},
+                           "seconds": {"type": "number", "exclusiveMinimum": 0, "description": "How much longer "
+                                       "the video gets, rounded up to whole windows. Excludes windows."}},
+                        "not": {"required": ["windows", "seconds"]}},
+                       {"type": "object", "required": ["end"], "additionalProperties": False,
+                        "properties": {"end": {"const": True, "description": "End the video after what is "
+                                                                             "directed."}}}]}}}}
+
+
+@router.post("/{video_id}/directions", response_model=VideoJob, responses=error_responses(400, 404, 409, 413, 415),
+             openapi_extra={"requestBody": _DIRECTION_BODY})
 async def direct_video(video_id: str, request: Request, engine: EngineDep, config: ConfigDep) -> dict:
     """A live video's next direction: ``{"prompt": "...", "windows": k}`` (or ``"seconds"``) appends windows with
     that prompt, from the first window not yet started; ``{"end": true}`` ends the video after what is directed."""
     job = engine.store.get(video_id) if valid_job_id(video_id) else None
     if job is None:
         raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if ctype not in ("application/json", "text/json") and not ctype.endswith("+json"):
+        raise ApiError(415, "unsupported_media_type", f"Content-Type {ctype!r} is not accepted; send a direction as "
+                       "application/json")
     body = await request.body()
     if len(body) > config.max_body_bytes:
         raise ApiError(413, "request_too_large", f"the body is over the limit of {config.max_body_bytes} bytes")
