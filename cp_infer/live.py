@@ -23,8 +23,8 @@ from typing import Any
 from .options import ModelOptions
 from .request import GenerationRequest
 
-__all__ = ["MAX_WINDOWS", "WAIT", "Direction", "directed_windows", "live_request", "windows_for_frames",
-           "windows_for_seconds"]
+__all__ = ["MAX_WINDOWS", "WAIT", "Direction", "directed_windows", "first_windows", "live_request",
+           "windows_for_frames", "windows_for_seconds"]
 
 MAX_WINDOWS = 10_000
 """Windows of a live video at most (``prompt_segments``' window indices stop there)."""
@@ -89,15 +89,32 @@ def live_request(request: GenerationRequest, directions: Sequence[Direction],
     return replace(request, prompt=directions[0].prompt, num_frames=frames, options=values)
 
 
+def first_windows(request: GenerationRequest, options: ModelOptions) -> tuple[int, str]:
+    """The fewest windows a live video of the model starts with (its ``live_frames`` refuses fewer), and why."""
+    live_frames = _live_frames(options)
+    values = {"num_frames": request.num_frames, **request.options}
+    why = ""
+    for k in range(1, MAX_WINDOWS + 1):
+        try:
+            live_frames(values, k)
+            return k, why
+        except ValueError as exc:
+            why = str(exc)
+    raise ValueError(f"live: {why}")
+
+
 def windows_for_frames(request: GenerationRequest, options: ModelOptions) -> int:
     """How many whole windows make the request's ``num_frames``; raises naming the nearest counts when none do."""
     live_frames = _live_frames(options)
     values = {"num_frames": request.num_frames, **request.options}
-    k = 1
+    first, why = first_windows(request, options)
+    if request.num_frames < live_frames(values, first):
+        raise ValueError(f"num_frames={request.num_frames}: {why}")
+    k = first
     while live_frames(values, k) < request.num_frames and k < MAX_WINDOWS:
         k += 1
     if live_frames(values, k) != request.num_frames:
-        near = sorted({live_frames(values, max(1, k - 1)), live_frames(values, k)})
+        near = sorted({live_frames(values, max(first, k - 1)), live_frames(values, k)})
         raise ValueError(f"num_frames={request.num_frames}: a live video is whole windows; try "
                          f"{' or '.join(map(str, near))}")
     return k

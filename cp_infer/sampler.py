@@ -173,6 +173,10 @@ class Decoder:
     """For a plan whose passes make the latents final a part at a time: ``feed(state, final)`` gives the decoder the
     latent frames ``[0, final)`` of a pass's ``Prepared.state`` (called after each such pass, in order, before the
     decode of what they allow; the decoder was made from the first)."""
+    rounds_alone: bool = False
+    """Each round of ``split`` is decoded on its own (no state carried over from the rounds before it), so a live
+    video's decoder, made again for the longer video, may start at the first round not yet decoded where its rounds
+    so far are the shorter video's; otherwise it decodes the video again from the start."""
     skip: int = 0
     """Decoded video frames that are not delivered, at the start (an extension's: the frames of the video it
     extends, decoded again only as the decoder's context)."""
@@ -525,9 +529,9 @@ class _Delivery:
             self.before = None
             new = decoder.split
             # NOTE(live): the new decode goes on where the old one stopped only where its rounds so far are the old
-            # ones, each decoded alone (one active rank: no frames relayed across rounds); otherwise it decodes the
-            # video again from its first frame, and the frames already delivered are dropped.
-            if split.active == new.active == 1 and rounds <= new.rounds and all(
+            # ones, each decoded alone (``Decoder.rounds_alone``, one active rank: no frames relayed across rounds);
+            # otherwise it decodes the video again from its first frame, and the frames already delivered are dropped.
+            if decoder.rounds_alone and split.active == new.active == 1 and rounds <= new.rounds and all(
                     split.latent_range(0, k) == new.latent_range(0, k) for k in range(rounds)):
                 self.stream.rounds_done = rounds
             else:

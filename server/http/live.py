@@ -21,6 +21,7 @@ from cp_infer.live import (
     MAX_WINDOWS,
     Direction,
     directed_windows,
+    first_windows,
     live_request,
     windows_for_frames,
     windows_for_seconds,
@@ -46,7 +47,7 @@ def _check_length(request: GenerationRequest, options, windows: int, max_seconds
     """A 400 naming ``field`` when ``windows`` windows are longer than the server makes a live video."""
     if windows <= MAX_WINDOWS and _seconds(request, options, windows) <= max_seconds:
         return
-    k = 1
+    k = first_windows(request, options)[0]
     while k < MAX_WINDOWS and _seconds(request, options, k + 1) <= max_seconds:
         k += 1
     length = f"over {MAX_WINDOWS} windows" if windows > MAX_WINDOWS else f"{_seconds(request, options, windows):.3g} s"
