@@ -213,7 +213,8 @@ def test_prompt_segments_give_each_range_of_chunks_its_prompt(folder, one_rank):
 def test_a_live_video_equals_the_one_request_video(folder, one_rank):
     """A live video (``cp_infer.live``) directed one chunk at a time, waiting between directions, makes the video and
     latents of the one request with the same prompt_segments, bit for bit, streaming each chunk's frames once (the
-    decode goes on where it stopped when the video grows)."""
+    decode goes on where it stopped when the video grows); going on from the checkpoint taken as it grew makes it
+    too."""
     from cp_infer import single_process_state
     from cp_infer.live import WAIT, Direction, live_request
     from cp_infer.request import resolve_request
@@ -250,3 +251,6 @@ def test_a_live_video_equals_the_one_request_video(folder, one_rank):
     assert firsts == sorted(set(firsts)) and sum(n for _, n, _ in delivered) == 33, delivered
     np.testing.assert_array_equal(latents["latents"], expected["latents"], err_msg=f"seed={seed}")
     np.testing.assert_array_equal(frames, frames_whole, err_msg=f"seed={seed}")
+    # A live job restarted after a crash: its last checkpoint (taken as the video grew) with every direction it took.
+    resumed = one_thread(sample, model, whole, state=state, control=SampleControl(resume=(3, checkpoints[3])))
+    np.testing.assert_array_equal(resumed, frames_whole, err_msg=f"seed={seed}")
