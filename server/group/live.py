@@ -7,7 +7,8 @@ Invariants:
   goes on with every direction it had taken, and its request grows in the store with the video
   (``JobStore.set_live_request``), so ``GET /v1/videos/{id}`` shows its frames and prompt segments so far.
 - Waiting (everything directed made, no end directed) lasts at most ``idle_s`` without a new direction: the video
-  then ends there, completed. Each ask returns within ``_ASK_S``, so a cancel (the sampler's poll between asks)
+  then ends there, completed, its directions marked ended in the store first (a direction that comes later is
+  refused, never taken and lost). Each ask returns within ``_ASK_S``, so a cancel (the sampler's poll between asks)
   stops a waiting job at once.
 """
 
@@ -20,6 +21,8 @@ from typing import Any
 from cp_infer.live import WAIT, directed_windows, live_request
 from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationRequest
+from server.group.job_record import Live
+from server.group.jobs import LiveRefused
 
 __all__ = ["LiveDirector"]
 
@@ -67,7 +70,30 @@ class LiveDirector:
                 # Every directed window made: window == windows shows the wait.
                 self.store.set_window(job.id, self.directed, self.directed, attempt=self.job.attempts)
             if now - self._idle_since >= self.idle_s:
-                return None
+                return self._end()
             if now >= deadline:
                 return WAIT
             time.sleep(0.05)
+
+    def _end(self) -> Any:
+        """End the video after the idle time: its directions marked ended in the same guarded write that checks no
+        direction came in since they were read (one that did is made: WAIT, and the next ask takes it), so a
+        direction is either made or refused (409), never taken and lost."""
+        directed = self.directed
+
+        def close(_job, live: Live) -> Live:
+            if directed_windows(live.directions) > directed:
+                raise _Grew
+            return Live(live.directions, ended=True)
+
+        try:
+            self.store.direct(self.job.id, close)
+        except _Grew:
+            return WAIT
+        except LiveRefused:
+            pass  # ended already (its end directed, or the job is ending): nothing more comes
+        return None
+
+
+class _Grew(Exception):
+    """A direction came in between the read and the end."""

@@ -136,7 +136,9 @@ def test_a_live_video_left_alone_ends_after_the_idle_time(helios_server):
     final = s.wait_job(job["id"])
     assert final["status"] == "completed" and final["num_frames"] == 9, final
     assert time.monotonic() - started > IDLE_S - 1, (waiting, final)
-    assert final["live"]["ended"] is False and final["live"]["windows_made"] == 1, final
+    assert final["live"]["ended"] is True and final["live"]["windows_made"] == 1, final
+    r = s.client.post(f"/v1/videos/{job['id']}/directions", json={"prompt": "too late"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "video_ended", r.text
 
 
 @pytest.mark.parametrize("body, param, words", [
