@@ -20,6 +20,10 @@ Invariants:
   An audio-video model's soundtrack goes before the frames: piece by piece, each window's before that window's
   frames (``SampleControl.on_audio_piece``, ``Decoder.audio_piece``), or whole (``on_audio``), in which case the
   frames wait for the last window. Which of the two is the delivering rank's choice, agreed on by the whole mesh.
+- A live video's plan grows (``SampleControl.extend``, ``cp_infer.live``): once its passes are all made, the replica
+  group's first rank is asked for more and its answer is broadcast, so every rank takes the same decision; a longer
+  request must keep the passes made (checked on every rank), and the pass just made goes on as a resumed job of the
+  longer request does (finished, checkpointed, restored), its decode made again for the longer video.
 - Running out of device memory (``torch.OutOfMemoryError``) in a step, in preparing or in a hook is a failure of
   that job alone, agreed on like any other (``JobOutOfMemory``, code ``out_of_memory``), with the allocator's cache
   emptied on CUDA: the group keeps serving.
