@@ -358,12 +358,12 @@ class GroupLeader:
                         "jobs_finished": dict(lane.jobs_done)})
         return out
 
-    def submit_streamed(self, request, *, model: str) -> tuple[Job, VideoStream]:
-        """Queue ``request`` as a streamed job: the returned handle reads its MP4 while it is made. Raises
-        ``QueueFull`` as ``store.submit`` does."""
+    def submit_streamed(self, request, *, model: str, live=None) -> tuple[Job, VideoStream]:
+        """Queue ``request`` as a streamed job (``live``: a live video's first directions): the returned handle reads
+        its MP4 while it is made. Raises ``QueueFull`` as ``store.submit`` does."""
         # Under the lock that the leader takes after claiming a job, so it cannot run the job unstreamed.
         with self._streams_lock:
-            job = self.store.submit(request, model=model, pinned=True)  # its client reads it from this server
+            job = self.store.submit(request, model=model, pinned=True, live=live)  # its client reads it here
             stream = self._streams[job.id] = VideoStream(job.id)
         return job, stream
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from cp_infer.options import ModelOptions
     from cp_infer.request import GenerationLimits, GenerationRequest, LoraWeight
     from cp_infer.shapes import VideoGeometry
-    from server.group.jobs import Job, JobStore
+    from server.group.jobs import Job, JobStore, Live
     from server.group.leader import Histogram
     from server.outputs.streaming import VideoStream
 
@@ -41,9 +41,11 @@ class Engine(Protocol):
     def store(self) -> JobStore:
         """The job queue and records: routes submit, list, cancel and delete jobs and read their files here."""
 
-    def submit_streamed(self, request: GenerationRequest, *, model: str) -> tuple[Job, VideoStream]:
-        """Queue ``request`` as a streamed job and return it with the handle its MP4 is read from while it is made;
-        raises ``server.group.jobs.QueueFull`` as ``store.submit`` does."""
+    def submit_streamed(self, request: GenerationRequest, *, model: str, live: Live | None = None
+                        ) -> tuple[Job, VideoStream]:
+        """Queue ``request`` as a streamed job (``live``: a live video's first directions) and return it with the
+        handle its MP4 is read from while it is made; raises ``server.group.jobs.QueueFull`` as ``store.submit``
+        does."""
 
     def release_stream(self, job_id: str) -> None:
         """The HTTP side is done with a streamed job's handle (one not yet running then runs unstreamed)."""

@@ -56,14 +56,11 @@ def _check_length(request: GenerationRequest, options, windows: int, max_seconds
                    f"{_seconds(request, options, k):.3g} s", field)
 
 
-def check_live(params, *, options, streamed: bool) -> None:
+def check_live(params, *, options) -> None:
     """What a create request with ``"live": true`` may not also ask for (checked before the request is built)."""
     if options.live_frames is None:
         raise ApiError(400, "invalid_value", f"live: {options.model} does not make live videos (they are made "
                        "window by window); leave live out", "live")
-    if streamed:
-        raise ApiError(400, "invalid_value", "stream: a live video is not streamed in the response; leave stream "
-                       "out, follow GET /v1/videos/{video_id}/events and download the video when it ends", "stream")
     if getattr(params, "prompt_segments", None):
         raise ApiError(400, "invalid_value", "prompt_segments: a live video's prompts are its directions (POST "
                        "/v1/videos/{video_id}/directions); leave prompt_segments out", "prompt_segments")

@@ -180,7 +180,7 @@ class _Bodies:
                                                                "while it is made (also a query parameter)."}),
             "live": maybe({"type": "boolean", "description": "A live video: made window by window as it is "
                            "directed (POST /v1/videos/{video_id}/directions), its first windows from the prompt; "
-                           "its length (seconds or num_frames) whole windows. Excludes stream."}),
+                           "its length (seconds or num_frames) whole windows."}),
             "input_reference": self._media(form=form, files=files, ref="ImageReference", what=(
                 "The first frame (image-to-video); a video clip conditions from frame 0 on. Excludes conditions")),
         }

@@ -274,7 +274,7 @@ class _MP4StreamResponse(StreamingResponse):
 def _submit(engine, generation, *, streamed: bool = False, lead: np.ndarray | None = None, live=None):
     try:
         if streamed:
-            return engine.submit_streamed(generation, model=engine.served_model)
+            return engine.submit_streamed(generation, model=engine.served_model, live=live)
         return engine.store.submit(generation, model=engine.served_model, lead=lead, live=live), None
     except QueueFull as exc:
         raise ApiError(429, "queue_full", f"{exc}; retry later", headers={
@@ -348,7 +348,7 @@ async def create_video(request: Request, engine: EngineDep, config: ConfigDep, s
     resolved = await anyio.to_thread.run_sync(lambda: resolve_media(
         params, uploads=body.uploads, store=engine.store, limits=media_limits(config.max_upload_bytes, engine.limits)))
     if params.live:
-        check_live(params, options=engine.options, streamed=streamed)
+        check_live(params, options=engine.options)
     generation, live = _build(engine, params, resolved), None
     if params.live:
         generation, live = live_job(params, generation, options=engine.options, max_seconds=config.live_max_seconds)

@@ -93,10 +93,26 @@ def _frames(s, job_id: str, path: Path):
 def test_a_live_video_equals_the_one_request_video(helios_server, tmp_path: Path):
     """Directions sent early (before the first chunk is made), during a chunk (applied from the next, not yet
     started) and late (once the group waits with everything made), then the end: the live video is the one request
-    with the same prompt_segments, frame for frame; its directions are shown with where each stands."""
+    with the same prompt_segments, frame for frame; its directions are shown with where each stands, and its MP4
+    streams in the create request's response as it grows (stream=true), the bytes of its file."""
+    import queue
+    import threading
+
     s = helios_server
-    job = s.submit({"prompt": "a slow red fox in fresh snow", "num_frames": 9, "live": True, **_LIVE})
-    assert job["live"]["windows_directed"] == 1 and job["live"]["directions"][0]["state"] == "queued", job
+    started, streamed = queue.Queue(), []
+
+    def watch() -> None:  # the MP4 as it grows, in the create request's response (stream=true)
+        with s.client.stream("POST", "/v1/videos", json={"prompt": "a slow red fox in fresh snow", "num_frames": 9,
+                                                         "live": True, "stream": True, **_LIVE}) as r:
+            started.put((r.status_code, r.headers.get("x-video-id")))
+            streamed.extend(r.iter_bytes())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    status, job_id = started.get(timeout=30)
+    assert status == 200, status
+    job = s.client.get(f"/v1/videos/{job_id}").json()
+    assert job["live"]["windows_directed"] == 1 and job["live"]["directions"][0]["state"] != "made", job
     direct = f"/v1/videos/{job['id']}/directions"
     early = s.client.post(direct, json={"prompt": "the fox jumps", "windows": 1})
     assert early.status_code == 200 and early.json()["live"]["windows_directed"] == 2, early.text
@@ -123,6 +139,8 @@ def test_a_live_video_equals_the_one_request_video(helios_server, tmp_path: Path
     live, expected = _frames(s, job["id"], tmp_path / "live.mp4"), _frames(s, whole["id"], tmp_path / "whole.mp4")
     assert live.shape == (33, HEIGHT, WIDTH, 3) and live.std() > 1
     np.testing.assert_array_equal(live, expected)
+    watcher.join(30)
+    assert b"".join(streamed) == (tmp_path / "live.mp4").read_bytes()  # the stream is the video's file
 
 
 @pytest.mark.timeout(120)
@@ -144,7 +162,6 @@ def test_a_live_video_left_alone_ends_after_the_idle_time(helios_server):
 @pytest.mark.parametrize("body, param, words", [
     ({"live": "yes"}, "live", "true or false"),
     ({"num_frames": 61}, "num_frames", "at most 2 s (--live-max-seconds): 5 windows"),
-    ({"stream": True}, "stream", "not streamed"),
     ({"prompt_segments": [{"text": "x"}]}, "prompt_segments", "directions"),
 ])
 def test_a_live_request_is_checked_at_the_front_end(helios_server, body, param, words):

@@ -47,8 +47,8 @@ class FuzzEngine(StubEngine):
         self._streams = data_dir / "streams"
         self._streams.mkdir()
 
-    def submit_streamed(self, request, *, model: str):
-        job = self.store.submit(request, model=model)
+    def submit_streamed(self, request, *, model: str, live=None):
+        job = self.store.submit(request, model=model, live=live)
         path = self._streams / job.id
         path.write_bytes(b"\0\0\0\x18ftypisom\0\0\0\0isom")
         stream = VideoStream(job.id)

@@ -59,8 +59,8 @@ class StubEngine:
         if loras:
             raise ValueError("loras: this deployment has no adapters (it was started without --lora-dir DIR)")
 
-    def submit_streamed(self, request, *, model: str):
-        job = self.store.submit(request, model=model)
+    def submit_streamed(self, request, *, model: str, live=None):
+        job = self.store.submit(request, model=model, live=live)
         return job, VideoStream(job.id)
 
     def release_stream(self, job_id: str) -> None:
