@@ -195,3 +195,9 @@ def test_a_direction_is_checked_at_the_front_end(helios_server):
         cancelled = s.client.post(f"/v1/videos/{job['id']}/cancel").json()
         assert cancelled["status"] in ("cancelled", "in_progress"), cancelled
         assert s.wait_job(job["id"])["status"] == "cancelled"
+    # A live video waiting for directions is deleted as any running job is: stopped on every rank, then gone.
+    waiting = s.submit({"prompt": "a fox", "num_frames": 9, "live": True, **_LIVE})
+    _until(s, waiting["id"], lambda j: j["live"]["waiting"])
+    assert s.client.delete(f"/v1/videos/{waiting['id']}").json()["deleted"] is True
+    assert s.client.get(f"/v1/videos/{waiting['id']}").status_code == 404
+    assert s.client.get("/ready").status_code == 200  # the group goes on serving
