@@ -220,6 +220,10 @@ class ModelOptions:
     """For a model that makes long videos window by window: the video frames of the longest sequence a request's
     plan denoises at once (the resolved values; the deployment's token limit applies to it). ``None``: the whole
     video is one sequence."""
+    live_frames: Callable[[Mapping[str, Any], int], int] | None = field(default=None, compare=False)
+    """For a model that can make a live video (``cp_infer.live``): ``(values, k)`` -> the video frames of a video of
+    ``k`` whole windows (chunks) under the resolved values, whose plan's first passes are those of any shorter such
+    video's. ``None``: the model makes no live video."""
 
     def __post_init__(self) -> None:
         names = [o.name for o in self.options] + [a for o in self.options for a in o.aliases]

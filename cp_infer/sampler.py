@@ -20,6 +20,10 @@ Invariants:
   An audio-video model's soundtrack goes before the frames: piece by piece, each window's before that window's
   frames (``SampleControl.on_audio_piece``, ``Decoder.audio_piece``), or whole (``on_audio``), in which case the
   frames wait for the last window. Which of the two is the delivering rank's choice, agreed on by the whole mesh.
+- A live video's plan grows (``SampleControl.extend``, ``cp_infer.live``): once its passes are all made, the replica
+  group's first rank is asked for more and its answer is broadcast, so every rank takes the same decision; a longer
+  request must keep the passes made (checked on every rank), and the pass just made goes on as a resumed job of the
+  longer request does (finished, checkpointed, restored), its decode made again for the longer video.
 - Running out of device memory (``torch.OutOfMemoryError``) in a step, in preparing or in a hook is a failure of
   that job alone, agreed on like any other (``JobOutOfMemory``, code ``out_of_memory``), with the allocator's cache
   emptied on CUDA: the group keeps serving.
@@ -173,6 +177,10 @@ class Decoder:
     """For a plan whose passes make the latents final a part at a time: ``feed(state, final)`` gives the decoder the
     latent frames ``[0, final)`` of a pass's ``Prepared.state`` (called after each such pass, in order, before the
     decode of what they allow; the decoder was made from the first)."""
+    rounds_alone: bool = False
+    """Each round of ``split`` is decoded on its own (no state carried over from the rounds before it), so a live
+    video's decoder, made again for the longer video, may start at the first round not yet decoded where its rounds
+    so far are the shorter video's; otherwise it decodes the video again from the start."""
     skip: int = 0
     """Decoded video frames that are not delivered, at the start (an extension's: the frames of the video it
     extends, decoded again only as the decoder's context)."""
@@ -227,6 +235,15 @@ class SampleControl:
     the video is decoded from its first frame."""
     collect: bool = True
     """Also return the whole video; a streaming caller sets False so no rank ever holds every frame."""
+    live: bool = False
+    """A live video (``cp_infer.live``): once its plan's last pass is made, it goes on as long as ``extend`` directs
+    it. Set on every rank of the replica group."""
+    extend: Callable[[int, GenerationRequest], Any] | None = None
+    """A live video's directions, on the replica group's first rank (the others take its answer): called once every
+    pass of the plan is made (before the last one is finished: whether it is the video's last depends on the answer),
+    with the passes made and the request so far; returns the request that goes on (the same video with more windows,
+    ``cp_infer.live.live_request``), ``None`` (the video ends here) or ``cp_infer.live.WAIT`` (nothing new yet: asked
+    again after a ``poll``, so a cancel ends the wait). It should return within a second or so."""
 
 
 def _agree(status: StepStatus, message: str, *, state: ParallelState) -> None:
@@ -370,7 +387,9 @@ def sample(
         control.on_phase("denoise")
     finish = getattr(model, "finish_pass", None)
     cached = _CacheTotals()
-    for index in range(start, len(plan.passes)):
+    index = start - 1
+    while index + 1 < len(plan.passes):
+        index += 1
         pass_ = plan.passes[index]
         if control.on_pass:
             control.on_pass(index, plan)
@@ -378,11 +397,21 @@ def sample(
                                    done=done, total=total, limits=limits, control=control, state=state,
                                    cached=cached)
         done += pass_.steps
+        if control.live and index + 1 == len(plan.passes):
+            grown = _directed(model, control, index + 1, request, done, limits=limits, state=state)
+            if grown is not None:
+                request, plan = grown
+                total = plan.steps
+                prepared, final = _go_on(model, control, full, prepared, request, index + 1, state=state)
+                full = {}
+                video.restart()
+                video.progress(full, prepared, final)
+                continue
         if finish is None:
             continue
         final_box: list[int | None] = []
 
-        def finished(index=index, full=full, prepared=prepared, final_box=final_box) -> None:
+        def finished(index=index, full=full, prepared=prepared, final_box=final_box, plan=plan) -> None:
             final_box.append(finish(full, prepared))
             arrays = model.checkpoint(prepared.state)
             if arrays is not None and control.on_checkpoint and state.delivers and index + 1 < len(plan.passes):
@@ -407,6 +436,74 @@ def sample(
     return np.concatenate(video.pieces) if control.collect else None
 
 
+def _directed(model: DenoiseModel, control: SampleControl, passes_done: int, request: GenerationRequest, done: int,
+              *, limits: GenerationLimits, state: ParallelState) -> tuple[GenerationRequest, Plan] | None:
+    """A live video's next request and plan once its plan is made (``SampleControl.extend``, asked on the replica
+    group's first rank until it answers, its answer broadcast), checked on every rank alike; ``None``: it ends."""
+    from .collectives import broadcast_object
+    from .live import WAIT
+
+    while True:
+        answer: Any = None
+        if state.rank == state.replica_ranks[0]:
+            answer = _ask(control, passes_done, request)
+        kind, value = broadcast_object(answer, state=state)
+        if kind == "error":
+            lead = state.rank == state.replica_ranks[0]
+            _agree(StepStatus.ERROR if lead else StepStatus.OK, value if lead else "", state=state)
+        if value is not WAIT:
+            break
+        # Nothing new yet: a cancel ends the wait on every rank alike.
+        _agree(*_poll(control, done), state=state)
+    if value is None:
+        return None
+    box: list[tuple[GenerationRequest, Plan]] = []
+
+    def check() -> None:
+        grown = resolve_request(value, model.options, limits=limits, geometry=model.geometry)
+        check_request(grown, geometry=model.geometry, limits=limits, options=model.options)
+        plan = model.plan(grown)
+        old = model.plan(request)
+        same = [(p.kind, p.window, p.steps, p.request.prompt) for p in old.passes]
+        if len(plan.passes) <= passes_done or \
+                [(p.kind, p.window, p.steps, p.request.prompt) for p in plan.passes[:passes_done]] != same:
+            raise ValueError("a live video's next request must go on from its passes made (the same first passes "
+                             "and more)")
+        box.append((grown, plan))
+
+    _agree(*_run_hook(check), state=state)
+    return box[0]
+
+
+def _ask(control: SampleControl, passes_done: int, request: GenerationRequest) -> tuple[str, Any]:
+    """The replica group's first rank: ``extend``'s answer, or its error's message."""
+    asked: list[Any] = []
+    status, message = _run_hook(lambda: asked.append(control.extend(passes_done, request) if control.extend
+                                                     else None))
+    return ("ok", asked[0]) if status == StepStatus.OK else ("error", message)
+
+
+def _go_on(model: DenoiseModel, control: SampleControl, full: dict[str, torch.Tensor], prepared: Prepared,
+           request: GenerationRequest, passes_done: int, *, state: ParallelState) -> tuple[Prepared, int | None]:
+    """The pass just made, finished as one that more follow in the longer ``request``: finished, checkpointed and
+    restored as a resumed job of that request is (the model's ``restore`` makes its state the longer video's)."""
+    box: list[tuple[Prepared, int | None]] = []
+
+    def go_on() -> None:
+        finish, restore = getattr(model, "finish_pass", None), getattr(model, "restore", None)
+        if finish is None or restore is None:
+            raise ValueError("a live video needs a model whose plan is made window by window, with checkpoints")
+        finish(full, prepared)
+        arrays = model.checkpoint(prepared.state)
+        restored, final = restore(request, arrays)
+        if control.on_checkpoint and state.delivers:
+            control.on_checkpoint(passes_done, arrays)
+        box.append((Prepared(latents={}, timesteps=(), state=restored), final))
+
+    _agree(*_run_hook(go_on), state=state)
+    return box[0]
+
+
 class _Delivery:
     """The video's decode and delivery: once at the end, or, for a plan whose passes make the latents final a part at
     a time (a long video's windows: ``DenoiseModel.finish_pass``), streamed as they become final. The soundtrack of
@@ -421,12 +518,34 @@ class _Delivery:
         self.delivered = self.skipped = self.samples = 0
         self.hold = False
         """The frames wait for the end: the soundtrack goes first, whole."""
+        self.before: tuple[TemporalSplit, int] | None = None
+        """A live video grown (:meth:`restart`): the decode's split and rounds done before it grew."""
+        self.replay = self.replayed = 0
+        """Frames delivered before a live video grew that its new decode makes again (not delivered twice)."""
 
     def _start(self, full: dict[str, torch.Tensor], prepared: Prepared) -> None:
         decoder = self.model.decoder(full, prepared)
         self.decoder = decoder
         self.stream = ProgressiveDecode(decoder.split, decoder.decode_range, frame_shape=decoder.frame_shape,
                                         state=self.state.decoding, reads=decoder.reads)
+        if self.before is not None:
+            split, rounds = self.before
+            self.before = None
+            new = decoder.split
+            # NOTE(live): the new decode goes on where the old one stopped only where its rounds so far are the old
+            # ones, each decoded alone (``Decoder.rounds_alone``, one active rank: no frames relayed across rounds);
+            # otherwise it decodes the video again from its first frame, and the frames already delivered are dropped.
+            if decoder.rounds_alone and split.active == new.active == 1 and rounds <= new.rounds and all(
+                    split.latent_range(0, k) == new.latent_range(0, k) for k in range(rounds)):
+                self.stream.rounds_done = rounds
+            else:
+                self.replay, self.replayed = self.delivered, 0
+
+    def restart(self) -> None:
+        """A live video grew (more windows): the decoder is made again, for the longer video, when next fed."""
+        if self.stream is not None:
+            self.before = (self.stream.split, self.stream.rounds_done)
+        self.decoder = self.stream = None
 
     def _audio_mode(self) -> int:
         """What the delivering rank's caller takes: 0 no soundtrack, 1 pieces, 2 the whole waveform."""
@@ -487,6 +606,11 @@ class _Delivery:
             if self.skipped < skip:
                 dropped = min(skip - self.skipped, frames.shape[0])
                 self.skipped, frames = self.skipped + dropped, frames[dropped:]
+                if not frames.shape[0]:
+                    continue
+            if self.replayed < self.replay:
+                dropped = min(self.replay - self.replayed, frames.shape[0])
+                self.replayed, frames = self.replayed + dropped, frames[dropped:]
                 if not frames.shape[0]:
                     continue
             if self.control.on_frames:

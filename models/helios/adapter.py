@@ -546,7 +546,7 @@ class HeliosModel:
             made["history"] = state.history
 
         return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
-                       reads=lambda a, b: b, feed=feed)
+                       reads=lambda a, b: b, feed=feed, rounds_alone=True)
 
 
 def _check_scheduler(scheduler, pyramid: Pyramid | None) -> None:

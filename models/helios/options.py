@@ -165,6 +165,11 @@ def _chunk_frames(values: Mapping[str, Any]) -> int:
     return chunks_of(values).chunk_frames
 
 
+def _live_frames(values: Mapping[str, Any], count: int) -> int:
+    """Video frames of ``count`` whole chunks: a chunk's plan and draws do not depend on how many follow it."""
+    return Chunks(count, values["num_latent_frames_per_chunk"]).video_frames
+
+
 def _check_pyramid(values: Mapping[str, Any]) -> None:
     steps = values["pyramid_num_inference_steps_list"]
     if values["num_inference_steps"] != sum(steps):
@@ -247,4 +252,5 @@ def helios_options(pyramid: Pyramid | None = None) -> ModelOptions:
     # An image is the first frame: the first latent frame every chunk's short history starts with. A video (one clip
     # as conditions[0]) is the video the chunks continue: its latents are the first chunk's history.
     return ModelOptions("Helios", options, takes_media=True, check=check, window_media=("image", "conditions"),
-                        window_frames=_chunk_frames, window_tile_causal=True, check_media=_check_media)
+                        window_frames=_chunk_frames, window_tile_causal=True, check_media=_check_media,
+                        live_frames=_live_frames)

@@ -108,7 +108,10 @@ def wan_options(layout: WanLayout = WanLayout()) -> ModelOptions:
     # The image is the first window's first frame (TI2V-5B, and image-to-video folders, whose later windows chain).
     return ModelOptions("Wan", tuple(options), takes_media=layout.takes_image, needs_image=layout.image, check=check,
                         window_media=("image",) if layout.takes_image else (), window_frames=_window_frames,
-                        window_tile_causal=True)
+                        window_tile_causal=True,
+                        # Chained windows (image-to-video folders) finish their last window without the frame the next
+                        # would start from: no live video of theirs.
+                        live_frames=None if layout.image else _live_frames)
 
 
 def wan_windows_of(values: GenerationRequest | Mapping[str, Any]) -> Windows | None:
@@ -126,6 +129,18 @@ def wan_windows_of(values: GenerationRequest | Mapping[str, Any]) -> Windows | N
         return None
     overlap = values.get("temporal_overlap")
     return Windows(latent, tile, CHAINED if overlap is None else overlap // t)
+
+
+def _live_frames(values: Mapping[str, Any], count: int) -> int:
+    """Video frames of ``count`` whole windows (the windows' tail-conditioned plan: a window's pass and draws do not
+    depend on how many follow it). A video of one window is not made in windows, so a live one starts with two."""
+    t = WAN_TEMPORAL_COMPRESSION
+    tile = (values["temporal_tile_size"] - 1) // t + 1
+    stride = tile - values["temporal_overlap"] // t
+    if count < 2:
+        raise ValueError(f"a live Wan video starts with 2 windows or more: num_frames={(tile + stride - 1) * t + 1} "
+                         "or more at this temporal_tile_size and temporal_overlap")
+    return (tile + (count - 1) * stride - 1) * t + 1
 
 
 def _window_frames(values: Mapping[str, Any]) -> int:

@@ -92,6 +92,13 @@ def build_parser(argv: list[str] | None = None, options: ModelOptions | None = N
                           help="an .mp4 file, a folder (existing, or ending in '/') of lossless PNG frames and the "
                                "final latents (latents.npy), or '-': a fragmented MP4 on stdout, written while the "
                                "video is decoded")
+    generate.add_argument("--live", action="store_true",
+                          help="a live video: its first windows (--frames: whole windows) from --prompt, then one "
+                               "direction a line from standard input ('3 | the fox jumps': 3 more windows; a prompt "
+                               "alone: one; 'end' or the input's end: the video ends after what is directed)")
+    generate.add_argument("--live-idle-s", type=float, default=120.0, metavar="S",
+                          help="with --live: once every directed window is made, end the video after S seconds "
+                               "without a new line (default 120)")
     add_batch_parser(commands, options)
     add_memory_parser(commands)
     add_keys_parser(commands)
@@ -207,6 +214,15 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     if image is not None or conditions:
         request = attach_media(request, image=image, conditions=conditions)
         check(request)
+    live = None
+    if args.live:  # the first direction, checked here as every later one is (server.cli.live_stdin)
+        from cp_infer.live import Direction, live_request, windows_for_frames
+
+        if request.options.get("prompt_segments"):
+            raise ValueError("--prompt-segments: a live video's prompts are its directions (lines of standard "
+                             "input); leave --prompt-segments out")
+        live = [Direction(request.prompt, windows_for_frames(request, info.options))]
+        request = check(live_request(request, live, info.options))
     # Every rank runs these checks on the same request, so each picks the same layout.
     config = guidance_first(config, args, info, [request])
     if not under_launcher():  # the launcher's own process fetched it for its ranks
@@ -229,7 +245,17 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         return (f"{leader.runtime.state.world_size} rank(s); {_cache_note(result)}load {t_loaded - started:.1f} s, "
                 f"{phase_s}, total {now - args.t0:.1f} s")
 
+    def extend():
+        """With --live: rank 0's directions from standard input (made once the group is up)."""
+        if live is None:
+            return None
+        from server.cli.live_stdin import StdinDirections
+
+        return StdinDirections(request, list(live), options=info.options, check=check,
+                               idle_s=args.live_idle_s).extend
+
     def lead(leader: Leader) -> int:
+        leader.extend = extend()
         if video_out is not None:
             return lead_to_stdout(leader)
         from cp_infer.sampler import JobFailed

@@ -86,6 +86,8 @@ class Leader:
 
     group: GroupDriver
     replicas: tuple[Leader, ...] = ()
+    extend: Callable[..., Any] | None = None
+    """A live video's directions (``SampleControl.extend``; ``generate --live``): its jobs are live."""
 
     @property
     def runtime(self) -> Runtime:
@@ -116,6 +118,8 @@ class Leader:
                                                on_cache=keep_cache))
         if on_audio_piece is not None:
             control = replace(control, on_audio_piece=on_audio_piece)
+        if self.extend is not None:
+            control = replace(control, live=True, extend=self.extend)
         if on_frames is not None:
             def both(frames, first: int, total: int) -> None:
                 on_frames(frames, first, total)

@@ -95,6 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model "
                        "as written for a hub id, else the folder's name or the file's stem, or "
                        f"{default_model_name()})")
+    group.add_argument("--live-idle-s", type=float, default=120.0,
+                       help="a live video whose every directed window is made ends there, completed, after this "
+                       "long without a new direction (default 120 s)")
+    group.add_argument("--live-max-seconds", type=float, default=600.0,
+                       help="the longest live video a request or its directions may ask for (default 600 s)")
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
     limits = parser.add_argument_group("request limits (a value a request gives past one gets a 400 naming it; a "
                                        "default past one is lowered to it)")
@@ -128,9 +133,11 @@ def _configs(args: argparse.Namespace):
                             weights=args.weights, offload=args.offload)
     leader = LeaderConfig(runtime=runtime, data_dir=args.data_dir, heartbeat_s=args.heartbeat_s,
                           max_queue=args.max_queue, keep_frames=args.keep_frames, model_name=args.served_model_name,
-                          job_store=args.job_store, output_store=args.output_store, lease_s=args.lease_s)
+                          job_store=args.job_store, output_store=args.output_store, lease_s=args.lease_s,
+                          live_idle_s=args.live_idle_s)
     app = AppConfig(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
-                    max_upload_bytes=args.max_upload_bytes, cors_origins=tuple(args.cors_origin))
+                    max_upload_bytes=args.max_upload_bytes, cors_origins=tuple(args.cors_origin),
+                    live_max_seconds=args.live_max_seconds)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} must be in [1, 65535]")
     restarts = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)

@@ -71,6 +71,8 @@ _MIGRATIONS: list[tuple[list[str], list[str]]] = [
       "CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status, seq)"]),
     ([s.format(real="REAL") for s in _V2], [s.format(real="DOUBLE PRECISION") for s in _V2]),
     ([s.format(real="REAL") for s in _V3], [s.format(real="DOUBLE PRECISION") for s in _V3]),
+    # A live video's directions (JSON: server.group.job_record.Live), NULL for any other job.
+    (["ALTER TABLE jobs ADD COLUMN live TEXT"], ["ALTER TABLE jobs ADD COLUMN live TEXT"]),
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 

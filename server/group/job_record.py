@@ -20,9 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from cp_infer.live import Direction, directed_windows
 from cp_infer.request import Condition, GenerationRequest, loras_from
 
-__all__ = ["Job", "TERMINAL", "valid_job_id", "mp4_complete", "request_to_json", "request_from_json", "row_to_job"]
+__all__ = ["Job", "Live", "TERMINAL", "valid_job_id", "mp4_complete", "request_to_json", "request_from_json",
+           "row_to_job"]
 
 TERMINAL = ("completed", "failed", "cancelled")
 _ID_RE = re.compile(r"^video_[0-9a-f]{32}$")
@@ -65,6 +67,45 @@ def mp4_complete(path: Path) -> bool:
 
 
 @dataclass(frozen=True)
+class Live:
+    """A live video's directions (``cp_infer.live``) as received, in order: the first is the request's own prompt and
+    windows; ``ended``: no more will come (the video ends once they are made)."""
+
+    directions: tuple[Direction, ...]
+    ended: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps({"directions": [d.to_json() for d in self.directions], "ended": self.ended})
+
+    @classmethod
+    def from_json(cls, text: str | None) -> Live | None:
+        if text is None:
+            return None
+        data = json.loads(text)
+        return cls(tuple(Direction.from_json(d) for d in data["directions"]), bool(data["ended"]))
+
+    def public(self, job: Job) -> dict[str, Any]:
+        """The directions with their windows and where each stands: ``made``, ``in_progress`` or ``queued``."""
+        directed = directed_windows(self.directions)
+        if job.status == "completed":
+            made = directed
+        elif job.window is None:
+            made = 0
+        else:
+            made = min(job.window, directed)  # window == windows: all made, waiting for more
+        current = job.window if job.status == "in_progress" and job.window is not None and made < directed else None
+        items, start = [], 0
+        for d in self.directions:
+            end = start + d.windows - 1
+            state = "made" if end < made else "in_progress" if current is not None and start <= current else "queued"
+            items.append({"prompt": d.prompt, "windows": d.windows, "start_window": start, "end_window": end,
+                          "state": state})
+            start = end + 1
+        return {"directions": items, "ended": self.ended, "windows_directed": directed, "windows_made": made,
+                "waiting": job.status == "in_progress" and job.window is not None and made == directed}
+
+
+@dataclass(frozen=True)
 class Job:
     seq: int
     id: str
@@ -91,6 +132,8 @@ class Job:
     """A completed job: the attempt whose files are its outputs (the one that completed it)."""
     tenant: str = ""
     """The tenant that owns it (``server.group.tenants``); ``''``: made while the server was open."""
+    live: Live | None = None
+    """A live video's directions; ``None`` for any other job."""
 
     @property
     def terminal(self) -> bool:
@@ -117,6 +160,7 @@ class Job:
                             "num_frames": int(c.frames.shape[0])} for c in r.conditions] or None,
             "loras": [{"name": lora.name, "scale": lora.scale} for lora in r.loras],
             "tenant": self.tenant or None,
+            "live": None if self.live is None else self.live.public(self),
         }
 
 
@@ -171,4 +215,5 @@ def row_to_job(row: Any) -> Job:
         window=row["window"], windows=row["windows"], attempts=row["attempts"], lead_frames=row["lead_frames"],
         steps_computed=row["steps_computed"], steps_skipped=row["steps_skipped"], output_attempt=row["output_attempt"],
         tenant=row["tenant"],
+        live=Live.from_json(row["live"]),
     )

@@ -60,13 +60,13 @@ import numpy as np
 
 from cp_infer.request import GenerationRequest
 from server.group.database import open_database
-from server.group.job_record import TERMINAL, Job, mp4_complete, request_to_json, row_to_job, valid_job_id
+from server.group.job_record import TERMINAL, Job, Live, mp4_complete, request_to_json, row_to_job, valid_job_id
 from server.group.job_record import mp4_complete as _mp4_complete  # noqa: F401 -- the tests' name for it
 from server.group.job_record import request_from_json as _request_from_json  # noqa: F401 -- as above
 from server.group.tenants import OPEN, Tenant, TenantLimit, Tenants
 from server.outputs.store import StoreUnavailable, open_outputs
 
-__all__ = ["Job", "JobStore", "QueueFull", "valid_job_id", "TERMINAL"]
+__all__ = ["Job", "JobStore", "Live", "LiveRefused", "QueueFull", "valid_job_id", "TERMINAL"]
 
 log = logging.getLogger("cp_infer.jobs")
 
@@ -84,6 +84,14 @@ class QueueFull(Exception):
     def __init__(self, depth: int):
         super().__init__(f"the queue holds {depth} jobs, its limit")
         self.depth = depth
+
+
+class LiveRefused(Exception):
+    """A direction a job does not take (not live, ended, or over a limit): ``code`` and a message naming the fix."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 def _fence(attempt: int | None) -> tuple[str, tuple]:
@@ -408,11 +416,12 @@ class JobStore:
 
     # -- the HTTP side -----------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, *, model: str, lead: np.ndarray | None = None,
-               pinned: bool = False, tenant: Tenant = OPEN) -> Job:
+               pinned: bool = False, tenant: Tenant = OPEN, live: Live | None = None) -> Job:
         """Queue a validated request as ``tenant``'s; raises :class:`QueueFull` past ``max_queue`` queued jobs,
         ``server.group.tenants.TenantLimit`` past one of the tenant's limits. ``lead``: frames the video starts with
         before the ones made (an extension's: the video it extends), kept beside the job's outputs until it ends.
-        ``pinned``: only this server may run it (a streamed job, whose client reads it here)."""
+        ``pinned``: only this server may run it (a streamed job, whose client reads it here). ``live``: a live
+        video's first direction(s)."""
         job_id = f"video_{secrets.token_hex(16)}"
         with self._lock:
             if lead is not None:
@@ -431,10 +440,12 @@ class JobStore:
                         raise QueueFull(depth)
                     self.tenants.admit_locked(tenant, request.num_frames / request.fps)
                     job = row_to_job(self._db.execute(
-                        "INSERT INTO jobs (id, status, created_at, model, request, lead_frames, pinned_node, tenant) "
-                        "VALUES (?, 'queued', ?, ?, ?, ?, ?, ?) RETURNING *",
+                        "INSERT INTO jobs (id, status, created_at, model, request, lead_frames, pinned_node, tenant, "
+                        "live) "
+                        "VALUES (?, 'queued', ?, ?, ?, ?, ?, ?, ?) RETURNING *",
                         (job_id, int(time.time()), model, request_to_json(request),
-                         0 if lead is None else len(lead), self.node if pinned else None, tenant.name)).fetchall()[0])
+                         0 if lead is None else len(lead), self.node if pinned else None, tenant.name,
+                         None if live is None else live.to_json())).fetchall()[0])
             except (QueueFull, TenantLimit):
                 if lead is not None:
                     self._remove_files(job_id)
@@ -442,6 +453,34 @@ class JobStore:
             self._log(job)
             self._work.notify_all()
         return job
+
+    def direct(self, job_id: str, change: Callable[[Job, Live], Live]) -> Job | None:
+        """Change a live job's directions: ``change(job, live)`` gives the new ones (or raises ``LiveRefused``),
+        written only over the directions it read (another server's direction in between: read again), so
+        concurrent directions never interleave, and stored with the job, so a job resumed after a crash has every
+        direction it took. ``None``: no such job."""
+        while True:
+            with self._lock:
+                job = self._get(job_id)
+                if job is None or job.deleting:
+                    return None
+                if job.live is None:
+                    raise LiveRefused("not_live", f"video {job_id} is not live; create it with \"live\": true to "
+                                      "direct it")
+                if job.terminal or job.live.ended:
+                    raise LiveRefused("video_ended", f"video {job_id} has ended ({job.status}"
+                                      f"{', its end directed' if job.live.ended else ''}); create another to go on")
+                live = change(job, job.live)
+                cur = self._db.execute("UPDATE jobs SET live = ? WHERE id = ? AND live = ? AND status IN ('queued', "
+                                       "'in_progress')", (live.to_json(), job_id, job.live.to_json()))
+                if cur.rowcount:
+                    job = self._get(job_id)
+                    self._log(job)
+                    return job
+
+    def set_live_request(self, job_id: str, request: GenerationRequest, *, attempt: int | None = None) -> None:
+        """A live job's request as it has grown (its frames and prompt_segments: the one-request video so far)."""
+        self._running_update(job_id, attempt, "request = ?", (request_to_json(request),))
 
     def delete(self, job_id: str) -> tuple[Job | None, bool]:
         """Delete a job. Returns ``(job, running)``: a running job is only marked (hidden, cancel requested);

@@ -47,6 +47,7 @@ from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationLimits, check_request, resolve_request
 from server.group import phases
 from server.group.jobs import Job, JobStore
+from server.group.live import LiveDirector
 from server.group.tenants import OPEN, Tenant
 from server.outputs.store import StoreUnavailable
 from server.outputs.streaming import StreamedOutputs, VideoStream
@@ -86,6 +87,9 @@ class LeaderConfig:
     """The output store's URL (``s3://BUCKET/PREFIX``); ``None``: ``data_dir/videos``."""
     lease_s: float = 30.0
     """With a shared job store: how long a running job's claim holds without renewal."""
+    live_idle_s: float = 120.0
+    """A live video whose every directed window is made ends there (completed) after this long without a new
+    direction (``server.group.live``)."""
 
     def __post_init__(self) -> None:
         if self.job_store is not None and not self.job_store.startswith(("postgresql://", "postgres://",
@@ -100,6 +104,8 @@ class LeaderConfig:
                              "give them a shared --output-store s3://BUCKET/PREFIX too")
         if not self.lease_s > 0:
             raise ValueError(f"--lease-s {self.lease_s} must be > 0")
+        if not self.live_idle_s >= 0:
+            raise ValueError(f"--live-idle-s {self.live_idle_s} must be >= 0")
         if not 0 < self.heartbeat_s < self.runtime.timeout_s / 2:
             raise ValueError(f"heartbeat_s={self.heartbeat_s} must be > 0 and under half the collective timeout "
                              f"({self.runtime.timeout_s} s)")
@@ -353,13 +359,13 @@ class GroupLeader:
                         "jobs_finished": dict(lane.jobs_done)})
         return out
 
-    def submit_streamed(self, request, *, model: str, tenant: Tenant = OPEN) -> tuple[Job, VideoStream]:
-        """Queue ``request`` as a streamed job: the returned handle reads its MP4 while it is made. Raises
-        ``QueueFull`` as ``store.submit`` does."""
+    def submit_streamed(self, request, *, model: str, tenant: Tenant = OPEN, live=None) -> tuple[Job, VideoStream]:
+        """Queue ``request`` as ``tenant``'s streamed job (``live``: a live video's first directions): the returned
+        handle reads its MP4 while it is made. Raises ``QueueFull`` as ``store.submit`` does."""
         # Under the lock that the leader takes after claiming a job, so it cannot run the job unstreamed.
         with self._streams_lock:
             # Pinned: its client reads it from this server.
-            job = self.store.submit(request, model=model, pinned=True, tenant=tenant)
+            job = self.store.submit(request, model=model, pinned=True, tenant=tenant, live=live)
             stream = self._streams[job.id] = VideoStream(job.id)
         return job, stream
 
@@ -480,14 +486,16 @@ class GroupLeader:
             if isinstance(lead, StoreUnavailable):
                 self._finish(lane, job, "failed", "output_store_unavailable", f"the video it extends: {lead}")
                 return
-            if stream is not None or lead is not None or self._made_in_windows(lane.driver, job):
+            if stream is not None or lead is not None or job.live is not None or self._made_in_windows(lane.driver,
+                                                                                                      job):
                 # Streamed, or long enough to be made window by window: encoded as the frames come, so that rank 0
                 # never holds the whole video.
                 try:
                     # An extension's video: the lead, then the num_frames - 1 frames made after its last.
                     frames = None if lead is None else len(lead) + job.request.num_frames - 1
-                    outputs = StreamedOutputs(self.store, job.id, job.request, keep_frames=self.config.keep_frames,
-                                              stream=stream, frames=frames)
+                    # A live video's raw frames are not kept: their file's header holds a length known at its end.
+                    outputs = StreamedOutputs(self.store, job.id, job.request, stream=stream, frames=frames,
+                                              keep_frames=self.config.keep_frames and job.live is None)
                 except (OSError, ValueError) as exc:
                     self._finish(lane, job, "failed", "encode_failed", f"{type(exc).__name__}: {exc}")
                     return
@@ -525,6 +533,11 @@ class GroupLeader:
             check_request(request, geometry=runtime.model.geometry, limits=self.config.limits,
                           options=runtime.model.options)
             self.check_loras(request.loras)
+            director = None
+            if job.live is not None:
+                director = LiveDirector(self.store, job, options=runtime.model.options, idle_s=self.config.live_idle_s,
+                                        contact=lambda: setattr(lane, "last_contact_at", time.monotonic()))
+                request = director.request(request)
         except ValueError as exc:
             self._finish(lane, job, "failed", "invalid_request", f"no longer valid under this server's limits: {exc}")
             return
@@ -569,6 +582,8 @@ class GroupLeader:
                 for a in range(0, offset, 16):  # the video extended, a few frames at a time (memory-mapped)
                     outputs.write(np.asarray(lead[a:a + 16]), a)
             first += offset
+            if outputs is not None and director is not None:
+                outputs.set_frames(offset + total)  # a live video's length so far
             if outputs is not None:
                 # NOTE(timeout): the ranks whose pieces come later wait in their send while this encodes; that
                 # wait (about the encode time of the pieces before theirs) must stay under the collective timeout.
@@ -615,7 +630,8 @@ class GroupLeader:
         control = SampleControl(poll=poll, on_step=on_step, on_cache=on_cache, on_phase=on_phase, on_frames=on_frames,
                                 on_audio=on_audio, on_audio_piece=None if outputs is None else outputs.add_audio,
                                 on_pass=on_pass, on_checkpoint=on_checkpoint, resume=resume,
-                                collect=outputs is None)
+                                collect=outputs is None, live=director is not None,
+                                extend=None if director is None else director.extend)
         if lane.driver.local:
             control = with_faults(control, request, rank=runtime.state.rank, rules=self._faults, model=runtime.model)
         control = replace(control, on_step=deferred(control.on_step), on_cache=deferred(control.on_cache),

@@ -12,10 +12,10 @@ Invariants:
   it (rank 0: that replica's lane thread in ``server.group.leader``; the replica's leader: its main thread), and the two
   strictly take turns: rank 0 sends a command, then only answers what the replica sends until the job's end
   message (``done``, ``cancelled``, ``failed`` or ``fatal``) or the heartbeat's ``pong``.
-- The replica's sampler hooks run on rank 0: every hook rank 0's control sets is forwarded (its name and
-  arguments); ``poll`` is a round trip, so cancel, progress, checkpoints, streamed frames and the soundtrack reach
-  the front end as they do from the first replica. Rank 0's hooks never raise into the protocol: an exception in
-  one is kept and fails that job (``JobFailed``) once the replica has left it, and the replica goes on.
+- The replica's sampler hooks run on rank 0: every hook rank 0's control sets is forwarded (its name and arguments);
+  ``poll`` and a live video's ``extend`` are round trips, so cancel, progress, checkpoints, streamed frames and the
+  soundtrack reach the front end as they do from the first replica. Rank 0's hooks never raise into the protocol: an
+  exception in one is kept and fails that job (``JobFailed``) once the replica has left it, and the replica goes on.
 - A job's agreed failure or cancel (``JobFailed`` / ``JobCancelled`` on every rank of its replica) ends that job
   only; no other replica is involved. Anything else escaping a replica's leader (its group may be out of step) is
   reported as ``fatal`` and the process exits, as rank 0 does for its own replica: torchrun then restarts the
@@ -87,8 +87,8 @@ class RemoteDriver:
         from server.group.runtime import Command
 
         control = control or SampleControl()
-        self.link.send(("generate", Command("generate", request=request, job_id=job_id, resume=control.resume),
-                        _hooks(control), control.collect))
+        self.link.send(("generate", Command("generate", request=request, job_id=job_id, resume=control.resume,
+                                            live=control.live), _hooks(control), control.collect))
         self.jobs_sent += 1
         hook_error: str | None = None
         while True:
@@ -97,6 +97,11 @@ class RemoteDriver:
                 try:
                     status = control.poll(args[0]) if control.poll else StepStatus.OK
                     self.link.send(("status", int(status)))
+                except Exception as exc:  # noqa: BLE001 -- the replica's sampler agrees on it as an error
+                    self.link.send(("raise", f"{type(exc).__name__}: {exc}"))
+            elif kind == "extend":  # a live video's directions: a round trip, as poll
+                try:
+                    self.link.send(("answer", control.extend(*args) if control.extend else None))
                 except Exception as exc:  # noqa: BLE001 -- the replica's sampler agrees on it as an error
                     self.link.send(("raise", f"{type(exc).__name__}: {exc}"))
             elif kind == "hook":
@@ -146,6 +151,13 @@ def replica_loop(runtime: Runtime) -> None:
             raise RuntimeError(value)
         return StepStatus(value)
 
+    def extend(passes_done: int, request: GenerationRequest):
+        link.send(("extend", passes_done, request))
+        kind, value = link.recv()
+        if kind == "raise":
+            raise RuntimeError(value)
+        return value
+
     def forward(name: str):
         return lambda *args: link.send(("hook", name, args))
 
@@ -159,7 +171,8 @@ def replica_loop(runtime: Runtime) -> None:
             link.send(("pong",))
             continue
         command, hooks, collect = args
-        control = SampleControl(poll=poll, resume=command.resume, collect=collect)
+        control = SampleControl(poll=poll, resume=command.resume, collect=collect, live=command.live,
+                                extend=extend if command.live else None)
         control = replace(control, **{name: forward(name) for name in hooks})
         control = with_faults(control, command.request, rank=state.rank, rules=faults, model=group.runtime.model)
         try:

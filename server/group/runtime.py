@@ -142,6 +142,8 @@ class Command:
     job_id: str | None = None
     resume: tuple[int, dict[str, np.ndarray]] | None = None
     """``generate``: the checkpoint the job goes on from (``SampleControl.resume``; saved by an earlier run)."""
+    live: bool = False
+    """``generate``: a live video (``SampleControl.live``): every rank takes part in asking for its directions."""
 
 
 @dataclass
@@ -177,7 +179,8 @@ class GroupDriver:
         :meth:`Runtime.generate`; ``JobCancelled`` and ``JobFailed`` leave every rank in step. ``control.resume``
         goes to every rank with the command."""
         resume = None if control is None else control.resume
-        broadcast_object(Command("generate", request=request, job_id=job_id, resume=resume),
+        live = control is not None and control.live
+        broadcast_object(Command("generate", request=request, job_id=job_id, resume=resume, live=live),
                          state=self.runtime.state)
         self.jobs_sent += 1
         return self.runtime.generate(request, control)
@@ -361,6 +364,8 @@ def worker_loop(runtime: Runtime, *, control_for: Callable[[Command], SampleCont
         control = control_for(command) if control_for else None
         if command.resume is not None:
             control = replace(control or SampleControl(), resume=command.resume)
+        if command.live:
+            control = replace(control or SampleControl(), live=True)
         control = with_faults(control, command.request, rank=runtime.state.rank, rules=faults, model=runtime.model)
         try:
             runtime.generate(command.request, control)

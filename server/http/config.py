@@ -21,12 +21,16 @@ class AppConfig:
     """Largest uploaded media file (or data URL's content); a body may be this much larger (twice: base64)."""
     cors_origins: tuple[str, ...] = ()
     """Origins allowed by CORS; empty: no CORS headers at all."""
+    live_max_seconds: float = 600.0
+    """The longest live video (``"live": true``) a request or its directions may ask for, in seconds."""
 
     def __post_init__(self) -> None:
         if self.api_key is not None and len(self.api_key) < 8:
             raise ValueError("api_key is shorter than 8 characters; use a long random token")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1024")
+        if not self.live_max_seconds > 0:
+            raise ValueError(f"live_max_seconds={self.live_max_seconds} must be > 0")
         if self.max_upload_bytes < 1024:
             raise ValueError(f"max_upload_bytes={self.max_upload_bytes} must be >= 1024")
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from cp_infer.options import ModelOptions
     from cp_infer.request import GenerationLimits, GenerationRequest, LoraWeight
     from cp_infer.shapes import VideoGeometry
-    from server.group.jobs import Job, JobStore
+    from server.group.jobs import Job, JobStore, Live
     from server.group.leader import Histogram
     from server.group.tenants import Tenant
     from server.outputs.streaming import VideoStream
@@ -42,9 +42,11 @@ class Engine(Protocol):
     def store(self) -> JobStore:
         """The job queue and records: routes submit, list, cancel and delete jobs and read their files here."""
 
-    def submit_streamed(self, request: GenerationRequest, *, model: str, tenant: Tenant) -> tuple[Job, VideoStream]:
-        """Queue ``request`` as ``tenant``'s streamed job and return it with the handle its MP4 is read from while it
-        is made; raises ``server.group.jobs.QueueFull`` and ``server.group.tenants.TenantLimit`` as ``store.submit``
+    def submit_streamed(self, request: GenerationRequest, *, model: str, tenant: Tenant,
+                        live: Live | None = None) -> tuple[Job, VideoStream]:
+        """Queue ``request`` as ``tenant``'s streamed job (``live``: a live video's first directions) and return it
+        with the handle its MP4 is read from while it is made; raises ``server.group.jobs.QueueFull`` and
+        ``server.group.tenants.TenantLimit`` as ``store.submit``
         does."""
 
     def release_stream(self, job_id: str) -> None:

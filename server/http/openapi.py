@@ -42,7 +42,7 @@ _FORM_LISTS = {int: "^[0-9]{1,6}(,[0-9]{1,6})*$",
 _REF = "#/components/schemas/"
 _JSON, _FORM, _MULTIPART = "application/json", "application/x-www-form-urlencoded", "multipart/form-data"
 _MAX_CONDITIONS = 16
-_EDIT_DROPS = ("stream", "input_reference", "input_reference[image_url]", "conditions")
+_EDIT_DROPS = ("stream", "live", "input_reference", "input_reference[image_url]", "conditions")
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -180,6 +180,9 @@ class _Bodies:
                            "description": "Noise seed (unset: a random one, reported in the job)."}),
             "stream": maybe({"type": "boolean", "description": "Respond with the MP4 itself (video/mp4), sent "
                                                                "while it is made (also a query parameter)."}),
+            "live": maybe({"type": "boolean", "description": "A live video: made window by window as it is "
+                           "directed (POST /v1/videos/{video_id}/directions), its first windows from the prompt; "
+                           "its length (seconds or num_frames) whole windows."}),
             "input_reference": self._media(form=form, files=files, ref="ImageReference", what=(
                 "The first frame (image-to-video); a video clip conditions from frame 0 on. Excludes conditions")),
         }

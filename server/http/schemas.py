@@ -152,6 +152,8 @@ class VideoCreateParams(BaseModel):
     """Noise seed (unset: a random one, reported in the job)."""
     stream: bool | None = None
     """Extension: respond with the MP4 itself, sent while it is made (also a query parameter)."""
+    live: bool | None = None
+    """Extension: a live video, made window by window as it is directed (``POST /v1/videos/{id}/directions``)."""
     input_reference: str | ImageReference | None = None
     """The first frame (image-to-video): an uploaded file (multipart), a data URL or ``{"image_url": data URL}``. A
     video clip here conditions from frame 0 on."""
@@ -236,6 +238,10 @@ class VideoJob(BaseModel):
     """The conditioning items (``frame_index``, ``strength``, ``num_frames`` of the media), without their pixels."""
     loras: list[LoraParams] = []
     """The adapters applied, in order, with their scales (empty: the base weights)."""
+    live: dict | None = None
+    """A live video: its ``directions`` (each its ``prompt``, ``windows``, ``start_window``, ``end_window`` and
+    ``state``: ``made``, ``in_progress`` or ``queued``), ``ended`` (its end directed), ``windows_directed``,
+    ``windows_made`` and ``waiting`` (every directed window made, waiting for more); ``None`` for any other video."""
 
 
 class VideoList(BaseModel):
@@ -270,6 +276,7 @@ def _field_hint(name: str, limits: GenerationLimits, geometry: VideoGeometry | N
         "height": f"an integer multiple of {step} in [{smallest}, {limits.max_side}]",
         "seed": f"an integer in [0, {2**63 - 1}]",
         "stream": "true or false",
+        "live": "true or false",
         "input_reference": "an uploaded image (multipart), a data URL, or {\"image_url\": data URL}",
         "loras": f"a list of at most {MAX_LORAS} {{\"name\": an adapter of GET /v1/models, \"scale\": a number in "
                  f"[{LORA_SCALE[0]:g}, {LORA_SCALE[1]:g}]}}",

@@ -48,6 +48,7 @@ from server.http.conditions import (
 )
 from server.http.config import AppConfig, ConfigDep
 from server.http.engine import EngineDep
+from server.http.live import check_live, live_job
 from server.http.ranges import ranged_response
 from server.http.schemas import (
     ApiError,
@@ -275,11 +276,12 @@ class _MP4StreamResponse(StreamingResponse):
             return False
 
 
-def _submit(engine, generation, *, tenant: Tenant, streamed: bool = False, lead: np.ndarray | None = None):
+def _submit(engine, generation, *, tenant: Tenant, streamed: bool = False, lead: np.ndarray | None = None,
+            live=None):
     try:
         if streamed:
-            return engine.submit_streamed(generation, model=engine.served_model, tenant=tenant)
-        return engine.store.submit(generation, model=engine.served_model, lead=lead, tenant=tenant), None
+            return engine.submit_streamed(generation, model=engine.served_model, tenant=tenant, live=live)
+        return engine.store.submit(generation, model=engine.served_model, lead=lead, tenant=tenant, live=live), None
     except TenantLimit as exc:
         raise limit_error(exc) from None
     except QueueFull as exc:
@@ -356,7 +358,12 @@ async def create_video(request: Request, engine: EngineDep, config: ConfigDep, t
     resolved = await anyio.to_thread.run_sync(lambda: resolve_media(
         params, uploads=body.uploads, store=engine.store, limits=media_limits(config.max_upload_bytes, engine.limits),
         viewer=tenant))
-    job, handle = _submit(engine, _build(engine, params, resolved), streamed=streamed, tenant=tenant)
+    if params.live:
+        check_live(params, options=engine.options)
+    generation, live = _build(engine, params, resolved), None
+    if params.live:
+        generation, live = live_job(params, generation, options=engine.options, max_seconds=config.live_max_seconds)
+    job, handle = _submit(engine, generation, streamed=streamed, tenant=tenant, live=live)
     if streamed:
         return _MP4StreamResponse(handle, engine=engine, headers={
             "X-Video-Id": job.id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -386,6 +393,9 @@ def _not_streamed(data: dict, what: str) -> None:
     if "stream" in data:
         raise ApiError(400, "unknown_parameter", f"stream: {what} is not streamed; remove stream and follow "
                        "GET /v1/videos/{video_id}/events", "stream")
+    if "live" in data:
+        raise ApiError(400, "unknown_parameter", f"live: {what} is not live; remove live (POST /v1/videos makes a "
+                       "live video)", "live")
 
 
 @router.post("/edits", response_model=VideoJob, responses=_BODY_ERRORS)

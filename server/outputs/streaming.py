@@ -164,11 +164,17 @@ class StreamedOutputs:
 
                 Image.fromarray(frames[middle - first]).save(self._thumb[0], format="JPEG", quality=90,
                                                              subsampling=0)
-                self._files.append(self._thumb)
+                if self._thumb not in self._files:  # a live video's middle moves on as it grows
+                    self._files.append(self._thumb)
             self.frames_written += len(frames)
         except Exception as exc:  # noqa: BLE001 -- kept for commit(); see the module docstring
             log.exception("job %s: encoding the stream failed", self.job_id)
             self.error = f"{type(exc).__name__}: {exc}"
+
+    def set_frames(self, frames: int) -> None:
+        """How many frames the video has, now that it is longer (a live video's, as it is directed)."""
+        assert self._raw is None, "a raw frames file's header holds its length"
+        self._shape = (frames, *self._shape[1:])
 
     def stop(self) -> None:
         """Encode nothing more (the job will end cancelled: nobody wants the rest)."""

@@ -218,3 +218,49 @@ def test_prompt_segments_give_each_range_of_chunks_its_prompt(folder, one_rank):
     split = latents_of([{"start_window": 0, "text": request.prompt}, {"start_window": 1, "text": "a city at night"}])
     np.testing.assert_array_equal(split[:, :, :3], ours[0][1][:, :, :3], err_msg=f"seed={seed}")
     assert np.abs(split[:, :, 3:] - ours[0][1][:, :, 3:]).max() > 1e-3, "the second chunk's prompt changed nothing"
+
+
+def test_a_live_video_equals_the_one_request_video(folder, one_rank):
+    """A live video (``cp_infer.live``) directed one chunk at a time, waiting between directions, makes the video and
+    latents of the one request with the same prompt_segments, bit for bit, streaming each chunk's frames once (the
+    decode goes on where it stopped when the video grows); going on from the checkpoint taken as it grew makes it
+    too."""
+    from cp_infer import single_process_state
+    from cp_infer.live import WAIT, Direction, live_request
+    from cp_infer.request import resolve_request
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    seed, _ = one_rank
+    state = single_process_state()
+    model = HeliosModel(load_helios(folder), state=state)
+    base = resolve_request(GenerationRequest(
+        prompt="a red fox runs through fresh snow", num_frames=9, height=32, width=32, num_inference_steps=2,
+        guidance_scale=4.0, seed=seed, options={"num_latent_frames_per_chunk": 3}), model.options)
+    directions = [Direction(base.prompt, 1), Direction("the fox jumps", 2), Direction("night falls", 1)]
+    whole = live_request(base, directions, model.options)
+    assert whole.num_frames == 33 and len(whole.options["prompt_segments"]) == 3
+    latents, expected = {}, {}
+    frames_whole = one_thread(sample, model, whole, state=state, control=SampleControl(on_latents=expected.update))
+    # The hook's answers: nothing yet twice, then each direction; the end once the last is made.
+    answers = [WAIT, WAIT, live_request(base, directions[:2], model.options), WAIT,
+               live_request(base, directions, model.options), None]
+    asked, delivered, checkpoints = [], [], {}
+
+    def extend(passes_done, request):
+        asked.append((passes_done, request.num_frames))
+        return answers.pop(0)
+
+    control = SampleControl(live=True, extend=extend, on_latents=latents.update, on_checkpoint=checkpoints.__setitem__,
+                            on_frames=lambda f, first, total: delivered.append((first, len(f), total)))
+    frames = one_thread(sample, model, live_request(base, directions[:1], model.options), state=state,
+                        control=control)
+    assert asked == [(1, 9), (1, 9), (1, 9), (3, 25), (3, 25), (4, 33)], asked
+    assert sorted(checkpoints) == [1, 2, 3]  # after every chunk but the last
+    firsts = [first for first, _, _ in delivered]
+    assert firsts == sorted(set(firsts)) and sum(n for _, n, _ in delivered) == 33, delivered
+    np.testing.assert_array_equal(latents["latents"], expected["latents"], err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(frames, frames_whole, err_msg=f"seed={seed}")
+    # A live job restarted after a crash: its last checkpoint (taken as the video grew) with every direction it took.
+    resumed = one_thread(sample, model, whole, state=state, control=SampleControl(resume=(3, checkpoints[3])))
+    np.testing.assert_array_equal(resumed, frames_whole, err_msg=f"seed={seed}")

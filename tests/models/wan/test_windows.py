@@ -407,3 +407,40 @@ def test_long_requests_take_what_the_model_windows():
     with pytest.raises(ValueError, match="does not extend videos"):
         check_request(resolve_request(request, options), geometry=geometry, limits=GenerationLimits(),
                       options=options)
+
+
+@pytest.mark.parametrize("frames_per_rank", [2, 3])
+def test_a_live_video_equals_the_one_request_video(folders, frames_per_rank):
+    """A live Wan video (``cp_infer.live``) of two windows, directed a window at a time with waits between, makes the
+    frames and latents of the one request with the same prompt_segments, bit for bit. Wan's decode carries its causal
+    cache from piece to piece, so when the video grows it is decoded again from the start for the longer video (whose
+    pieces differ from the shorter one's with 2 latent frames a piece and are its first ones with 3), the frames
+    already delivered not delivered twice."""
+    from cp_infer import single_process_state
+    from cp_infer.live import WAIT, Direction, live_request
+    from cp_infer.request import resolve_request
+    from models.wan.adapter import WanModel
+    from models.wan.loading import load_wan
+
+    seed = random.randrange(2**31)
+    state = single_process_state()
+    model = WanModel(load_wan(folders["t2v"]), state=state)
+    model.decode_frames_per_rank = frames_per_rank
+    base = resolve_request(GenerationRequest(prompt="a red fox runs", negative_prompt="blurry", num_frames=29,
+                                             height=16, width=80, num_inference_steps=3, guidance_scale=4.0,
+                                             seed=seed, options=dict(WINDOWS)), model.options)
+    directions = [Direction(base.prompt, 2), Direction("the fox jumps", 1), Direction("snow falls", 1)]
+    whole = live_request(base, directions, model.options)
+    assert whole.num_frames == 53, whole
+    expected = {}
+    frames_whole = one_thread(sample, model, whole, state=state, control=SampleControl(on_latents=expected.update))
+    answers = [WAIT, live_request(base, directions[:2], model.options), live_request(base, directions, model.options),
+               WAIT, None]
+    latents, delivered = {}, []
+    control = SampleControl(live=True, extend=lambda done, request: answers.pop(0), on_latents=latents.update,
+                            on_frames=lambda f, first, total: delivered.append((first, len(f))))
+    frames = one_thread(sample, model, live_request(base, directions[:1], model.options), state=state,
+                        control=control)
+    assert not answers and [first for first, _ in delivered] == sorted({first for first, _ in delivered})
+    np.testing.assert_array_equal(latents["latents"], expected["latents"], err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(frames, frames_whole, err_msg=f"seed={seed}")

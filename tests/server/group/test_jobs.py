@@ -253,3 +253,46 @@ def test_a_store_killed_mid_write_opens_intact_with_every_acknowledged_change(tm
             assert store.path(job_id, ".mp4").read_bytes() == mp4
         if job is not None and job.terminal:
             assert not store.path(job_id, ".resume.npz").exists()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["sqlite", "postgresql"])
+def test_a_live_jobs_directions_are_stored_with_it_and_seen_after_a_restart(tmp_path, shared, request):
+    """Directions are written with the job (one guarded write each: two stores directing the same job both land), shown
+    with where each stands, and read back by a store opened after a crash; an ended or non-live job refuses one."""
+    from cp_infer.live import Direction
+    from server.group.jobs import Live, LiveRefused
+
+    urls = dict(job_store=request.getfixturevalue("pg_url"),
+                output_store=request.getfixturevalue("s3_url")) if shared else {}
+    store = JobStore(tmp_path / "a", max_queue=8, **urls)
+    other = JobStore(tmp_path / "b", max_queue=8, **urls) if shared else store
+    job = store.submit(_request("a fox"), model="m", live=Live((Direction("a fox", 2),)))
+    plain = store.submit(_request("not live"), model="m")
+
+    def add(prompt: str, windows: int):
+        return lambda job, live: Live((*live.directions, Direction(prompt, windows)))
+
+    store.direct(job.id, add("it jumps", 1))
+    seen = other.direct(job.id, add("night falls", 3))
+    assert [d["prompt"] for d in seen.public()["live"]["directions"]] == ["a fox", "it jumps", "night falls"]
+    claimed = store.claim_next(timeout=1)
+    assert claimed.id == job.id and claimed.live.directions[1] == Direction("it jumps", 1)
+    store.set_window(job.id, 2, 3, attempt=claimed.attempts)  # making window 2: "it jumps"
+    shown = store.get(job.id).public()["live"]
+    assert [d["state"] for d in shown["directions"]] == ["made", "in_progress", "queued"], shown
+    assert shown["windows_directed"] == 6 and shown["windows_made"] == 2 and not shown["waiting"], shown
+    if not shared:  # the group dies; the embedded store's next server requeues the job with every direction
+        store = _reopen(store, tmp_path / "a")
+        assert store.recover() == [job.id]
+    resumed = store.get(job.id)
+    assert resumed.live.directions == (Direction("a fox", 2), Direction("it jumps", 1), Direction("night falls", 3))
+    ended = store.direct(job.id, lambda job, live: Live(live.directions, ended=True))
+    assert ended.public()["live"]["ended"] is True
+    with pytest.raises(LiveRefused, match="has ended") as refused:
+        store.direct(job.id, add("more", 1))
+    assert refused.value.code == "video_ended"
+    with pytest.raises(LiveRefused, match="not live") as refused:
+        store.direct(plain.id, add("more", 1))
+    assert refused.value.code == "not_live" and store.direct("video_" + "0" * 32, add("x", 1)) is None
+    for s in {store, other}:
+        s.close()

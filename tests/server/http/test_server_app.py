@@ -60,8 +60,8 @@ class StubEngine:
         if loras:
             raise ValueError("loras: this deployment has no adapters (it was started without --lora-dir DIR)")
 
-    def submit_streamed(self, request, *, model: str, tenant=OPEN):
-        job = self.store.submit(request, model=model, tenant=tenant)
+    def submit_streamed(self, request, *, model: str, tenant=OPEN, live=None):
+        job = self.store.submit(request, model=model, tenant=tenant, live=live)
         return job, VideoStream(job.id)
 
     def release_stream(self, job_id: str) -> None:

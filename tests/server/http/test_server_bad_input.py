@@ -77,6 +77,8 @@ BODIES = [
      "[1, 1024]"),
     ("decode-timestep-as-string", tiny(decode_timestep="0.05"), 400, "invalid_type", "decode_timestep",
      "a number in [0, 1]"),
+    # A live video of a model whose options declare no live_frames (LTX-Video): refused naming `live`.
+    ("live-on-ltx-video", tiny(live=True), 400, "invalid_value", "live", "LTX-Video does not make live videos"),
     # A step cache the model cannot honour: refused naming `cache`, with the ones it can.
     ("unknown-cache", tiny(cache="teacache"), 400, "invalid_value", "cache",
      "cache='teacache' is not a step cache of LTX-Video models; use one of none, first_block, taylorseer"),
