@@ -4,10 +4,10 @@ prompt for the next windows.
 Invariants:
 - A live video with directions ``d_0 .. d_n`` (each a prompt and a number of windows) is the one-request video of
   :func:`live_request`: the request's other fields, the frames of ``sum(windows)`` whole windows
-  (``ModelOptions.live_frames``) and a ``prompt_segments`` range per direction, in order. Its plan's passes are
-  the first passes of any longer live video's (the model promises it by declaring ``live_frames``), so the sampler
-  goes on from the last pass made when directions arrive (``SampleControl.extend``): the video is the same whatever
-  the directions' timing.
+  (``ModelOptions.live_frames``) and a range of its ``ModelOptions.live_prompts`` per direction, in order. Its
+  plan's passes are the first passes of any longer live video's (the model promises it by declaring
+  ``live_frames``), so the sampler goes on from the last pass made when directions arrive
+  (``SampleControl.extend``): the video is the same whatever the directions' timing.
 - A direction applies from the first window not yet started: directions only append windows after those directed,
   and the group asks for more only once every directed window is made.
 - Pure arithmetic on requests: no torch, no model, so front ends use it to check directions before any rank sees
@@ -27,7 +27,7 @@ __all__ = ["MAX_WINDOWS", "WAIT", "Direction", "directed_windows", "first_window
            "windows_for_frames", "windows_for_seconds"]
 
 MAX_WINDOWS = 10_000
-"""Windows of a live video at most (``prompt_segments``' window indices stop there)."""
+"""Windows of a live video at most (the window indices of a model's ``live_prompts`` stop there)."""
 
 
 class _Wait:
@@ -85,7 +85,7 @@ def live_request(request: GenerationRequest, directions: Sequence[Direction],
     for d in directions:
         segments.append({"start_window": start, "end_window": start + d.windows - 1, "text": d.prompt})
         start += d.windows
-    values = {**request.options, "prompt_segments": tuple(segments) if count > 1 else None}
+    values = {**request.options, options.live_prompts: tuple(segments) if count > 1 else None}
     return replace(request, prompt=directions[0].prompt, num_frames=frames, options=values)
 
 

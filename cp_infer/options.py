@@ -224,6 +224,9 @@ class ModelOptions:
     """For a model that can make a live video (``cp_infer.live``): ``(values, k)`` -> the video frames of a video of
     ``k`` whole windows (chunks) under the resolved values, whose plan's first passes are those of any shorter such
     video's. ``None``: the model makes no live video."""
+    live_prompts: str = ""
+    """With ``live_frames``: the declared option a live video's directions become, a prompt per range of windows
+    (``[{"start_window", "end_window", "text"}]``), so that the live video is the one request with that option."""
 
     def __post_init__(self) -> None:
         names = [o.name for o in self.options] + [a for o in self.options for a in o.aliases]

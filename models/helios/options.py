@@ -253,4 +253,4 @@ def helios_options(pyramid: Pyramid | None = None) -> ModelOptions:
     # as conditions[0]) is the video the chunks continue: its latents are the first chunk's history.
     return ModelOptions("Helios", options, takes_media=True, check=check, window_media=("image", "conditions"),
                         window_frames=_chunk_frames, window_tile_causal=True, check_media=_check_media,
-                        live_frames=_live_frames)
+                        live_frames=_live_frames, live_prompts="prompt_segments")

@@ -111,7 +111,8 @@ def wan_options(layout: WanLayout = WanLayout()) -> ModelOptions:
                         window_tile_causal=True,
                         # Chained windows (image-to-video folders) finish their last window without the frame the next
                         # would start from: no live video of theirs.
-                        live_frames=None if layout.image else _live_frames)
+                        live_frames=None if layout.image else _live_frames,
+                        live_prompts="prompt_segments")
 
 
 def wan_windows_of(values: GenerationRequest | Mapping[str, Any]) -> Windows | None:

@@ -87,7 +87,7 @@ class ErrorResponse(BaseModel):
 
 _STATUS_TEXT = {
     400: "A parameter is missing, malformed, out of range or conflicts with another (``param`` names it)",
-    401: "The API key is missing or wrong (send ``Authorization: Bearer <key>``)",
+    401: "The API key is missing, wrong or revoked (send ``Authorization: Bearer <key>``)",
     404: "No such video (or its file is missing on the server)",
     409: "The video exists but has not completed",
     413: "The body (or one of its media) is over the server's limit",

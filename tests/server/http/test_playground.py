@@ -143,7 +143,7 @@ def test_page_loads_asks_for_the_key_once_and_shows_the_models_options(server, b
     assert "invalid_api_key" in by_id(browser, "error").text  # the API's own 401, as it returned it
     by_id(browser, "api-key").send_keys("not-the-key-at-all")
     by_id(browser, "key-save").click()
-    wait_for(lambda: "missing or wrong API key" in by_id(browser, "error").text, 10, "the 401 of a wrong key")
+    wait_for(lambda: "missing, wrong or revoked API key" in by_id(browser, "error").text, 10, "the 401 of a wrong key")
     assert not by_id(browser, "generate").is_enabled()
     by_id(browser, "api-key").send_keys(API_KEY)
     by_id(browser, "key-save").click()
