@@ -5,7 +5,8 @@ over the same modules, plus the paths diffusers has no one-call peer for. Prints
     python bench/gpu_check.py                        # CUDA: real-size transformers (sized for < 8 min on one H200)
     python bench/gpu_check.py --device cpu --quick   # the CPU smoke mode (tests/test_gpu_check.py runs it)
 
-Rows: LTX-Video, LTX-2 and Wan 2.1 text-to-video against ``LTXPipeline``, ``LTX2Pipeline`` and ``WanPipeline``;
+Rows: LTX-Video, LTX-2, Wan 2.1 and Helios text-to-video against ``LTXPipeline``, ``LTX2Pipeline``, ``WanPipeline``
+and ``HeliosPipeline`` (two chunks, so the second reads the first's history);
 LTX-Video image-to-video against ``LTXImageToVideoPipeline`` (conditioning); an LTX-Video long video in windows,
 two stages (half size, the latent upsampler, a refine) and ``--offload transformer_blocks,text_encoder,vae`` (against
 the same request without offload), ours only. Columns: our median step and diffusers' (each step ends in a device
@@ -29,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,6 +47,7 @@ PROMPT = "a red fox runs through fresh snow at dawn, cinematic tracking shot"
 NEGATIVE = "blurry, low quality"
 SEED = 1234
 LTX2_CONFIG = Path(__file__).resolve().parent / "configs" / "ltx2" / "transformer" / "config.json"
+HELIOS_CONFIG = Path(__file__).resolve().parent / "configs" / "helios" / "transformer" / "config.json"
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.08, torch.float16: 0.08}
 """The largest latent difference, relative to the reference's largest value, that passes (module docstring)."""
 
@@ -59,12 +62,17 @@ class Sizes:
     """LTX-2 at 2 heads x 16 (audio 2 x 8) instead of its config's widths (the CPU smoke mode)."""
     wan: dict[str, int]
     """``WanTransformer3DModel``'s shape (Wan 2.1 T2V 1.3B: 30 layers, 12 heads x 128, feed-forward 8960)."""
+    helios: dict[str, Any]
+    """Changes to ``HeliosTransformer3DModel``'s config (``bench/configs/helios``, Helios-Base: 40 x 40 x 128)."""
     frames: int
     height: int
     width: int
     wan_frames: int
     wan_height: int
     wan_width: int
+    helios_frames: int
+    helios_height: int
+    helios_width: int
     long_frames: int
     tile: int
     overlap: int
@@ -73,11 +81,15 @@ class Sizes:
 
 FULL = Sizes(ltx=dict(num_layers=28, num_attention_heads=32, attention_head_dim=64), ltx2_layers=None,
              ltx2_narrow=False, wan=dict(num_layers=30, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960),
+             helios={},
              frames=121, height=512, width=768, wan_frames=81, wan_height=480, wan_width=832,
+             helios_frames=65, helios_height=384, helios_width=640,
              long_frames=249, tile=120, overlap=24, steps=8)
 QUICK = Sizes(ltx=dict(num_layers=1, num_attention_heads=2, attention_head_dim=16), ltx2_layers=1,
               ltx2_narrow=True, wan=dict(num_layers=1, num_attention_heads=2, attention_head_dim=16, ffn_dim=64),
+              helios=dict(num_layers=1, num_attention_heads=2, attention_head_dim=12, ffn_dim=64, rope_dim=(4, 4, 4)),
               frames=9, height=128, width=192, wan_frames=9, wan_height=64, wan_width=96,
+              helios_frames=65, helios_height=64, helios_width=96,
               long_frames=65, tile=40, overlap=24, steps=2)
 
 
@@ -300,6 +312,39 @@ def _wan_rows(sizes: Sizes, dev: _Device) -> list[dict[str, Any]]:
     return [_row(f"{label}: text-to-video", ours, theirs, "WanPipeline")]
 
 
+def _helios_rows(sizes: Sizes, dev: _Device) -> list[dict[str, Any]]:
+    from diffusers import HeliosPipeline, HeliosTransformer3DModel
+
+    from models.helios.adapter import HeliosModel
+    from models.helios.default import build_helios_pipeline
+    from models.helios.loading import HeliosComponents
+
+    tiny = build_helios_pipeline()
+    config = {k: v for k, v in json.loads(HELIOS_CONFIG.read_text()).items() if not k.startswith("_")}
+    config.update(in_channels=tiny.vae.config.z_dim, out_channels=tiny.vae.config.z_dim,
+                  text_dim=tiny.text_encoder.config.d_model, **sizes.helios)
+    transformer = dev.build(lambda: HeliosTransformer3DModel(**config))
+    # Helios's VAE in float32, as models.helios.loading and HeliosPipeline's example keep it.
+    components = HeliosComponents(transformer=transformer, vae=dev.place(tiny.vae, torch.float32),
+                                  scheduler=tiny.scheduler, text_encoder=dev.place(tiny.text_encoder),
+                                  tokenizer=tiny.tokenizer, path=Path("."), dtype=dev.dtype, device=dev.device)
+    label = _label("Helios", transformer)
+    values = dict(num_frames=sizes.helios_frames, height=sizes.helios_height, width=sizes.helios_width,
+                  num_inference_steps=sizes.steps, guidance_scale=5.0)
+    theirs = _theirs(HeliosPipeline(transformer=transformer, vae=components.vae, text_encoder=components.text_encoder,
+                                    tokenizer=tiny.tokenizer, scheduler=tiny.scheduler), dev, prompt=PROMPT,
+                     negative_prompt=NEGATIVE, **values)
+    model = HeliosModel(components, state=_state(dev))
+    ours = _ours(model, _request(model, **values), dev)
+    return [_row(f"{label}: text-to-video, {sizes.helios_frames} frames in 2 chunks", ours, theirs, "HeliosPipeline")]
+
+
+def _failed(family: str, error: BaseException) -> dict[str, Any]:
+    """A family whose rows raised: one row that says so (its traceback went to stderr), so the others still run."""
+    message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    return dict(case=f"{family}: FAILED", reference="-", note=message, failed=True)
+
+
 def _state(dev: _Device) -> Any:
     from cp_infer import single_process_state
 
@@ -334,7 +379,7 @@ def table(rows: list[dict[str, Any]], *, dtype: torch.dtype) -> list[str]:
              "| reference peak (GiB) |", "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
     for r in rows:
         diff = r.get("difference")
-        ok = "-" if diff is None else ("yes" if diff <= tolerance else "NO")
+        ok = "NO" if r.get("failed") else "-" if diff is None else ("yes" if diff <= tolerance else "NO")
         lines.append(f"| {r['case']} | {r['reference']} | {_cell(r.get('ours_step_s'), '.3f')} | "
                      f"{_cell(r.get('theirs_step_s'), '.3f')} | {_cell(diff, '.2e')} | {ok} | "
                      f"{_cell(r.get('ours_peak_gib'), '.2f')} | {_cell(r.get('theirs_peak_gib'), '.2f')} |"
@@ -347,29 +392,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="tiny transformers and videos (the CPU smoke mode)")
     ap.add_argument("--layers", type=int, default=None, help="cut every transformer to this many layers")
-    ap.add_argument("--families", default="ltx-video,ltx2,wan", help="comma-separated subset")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                    help="the transformer's and text encoder's dtype (default: the device's, cp_infer.devices)")
+    ap.add_argument("--families", default="ltx-video,wan,helios,ltx2", help="comma-separated subset, in order")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available here; use --device cpu --quick")
     sizes = QUICK if args.quick else FULL
     if args.layers is not None:
-        sizes = replace(sizes, ltx={**sizes.ltx, "num_layers": args.layers}, ltx2_layers=args.layers,
-                        wan={**sizes.wan, "num_layers": args.layers})
+        cut = {"num_layers": args.layers}
+        sizes = replace(sizes, ltx={**sizes.ltx, **cut}, ltx2_layers=args.layers, wan={**sizes.wan, **cut},
+                        helios={**sizes.helios, **cut})
     defaults = apply_device_defaults(args.device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[device_defaults(args.device).dtype]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or device_defaults(args.device).dtype]
     dev = _Device(args.device, dtype)
     started, rows = time.perf_counter(), []
-    builders = {"ltx-video": _ltx_video_rows, "ltx2": _ltx2_rows, "wan": _wan_rows}
+    builders = {"ltx-video": _ltx_video_rows, "ltx2": _ltx2_rows, "wan": _wan_rows, "helios": _helios_rows}
     for family in args.families.split(","):
         began = time.perf_counter()
-        rows.extend(builders[family](sizes, dev))
+        try:
+            made = builders[family](sizes, dev)
+        except Exception as error:  # noqa: BLE001 - one family's failure is a row; the others still run
+            traceback.print_exc()
+            made = [_failed(family, error)]
+        rows.extend(made)
+        if dev.cuda:
+            torch.cuda.empty_cache()
         print(f"[gpu_check] {family}: {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+        print("\n".join(table(made, dtype=dtype)[2:]), file=sys.stderr, flush=True)
     name = torch.cuda.get_device_name(dev.device) if dev.cuda else "cpu"
     print(f"bench/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}: {name}, 1 rank, "
           f"{str(dtype).removeprefix('torch.')}, TF32 {'on' if defaults.tf32 else 'off'}, torch {torch.__version__}; "
           f"{sizes.steps} steps; {time.perf_counter() - started:.0f} s in all")
     print("\n".join(table(rows, dtype=dtype)))
-    failed = [r["case"] for r in rows if r.get("difference") is not None and r["difference"] > TOLERANCE[dtype]]
+    failed = [r["case"] for r in rows
+              if r.get("failed") or (r.get("difference") is not None and r["difference"] > TOLERANCE[dtype])]
     return 1 if failed else 0
 
 

@@ -9,26 +9,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_smoke_mode_runs_every_case_and_agrees(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_smoke_mode_runs_every_case_and_agrees(tmp_path, dtype):
+    """bf16 too, the CUDA default: a path that mixes dtypes fails on the CPU as it would on a GPU."""
     env = dict(os.environ, PYTHONPATH=str(REPO), CP_INFER_CACHE=str(tmp_path))
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu", "--quick"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
+                          "--dtype", dtype], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     lines = run.stdout.splitlines()
-    assert "cpu, 1 rank, float32, TF32 off" in lines[0], lines[0]
-    cells = [line.split(" | ") for line in lines if line.startswith(("| LTX", "| Wan"))]
+    name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    assert f"cpu, 1 rank, {name}, TF32 off" in lines[0], lines[0]
+    cells = [line.split(" | ") for line in lines if line.startswith(("| LTX", "| Wan", "| Helios"))]
     rows = {cell[0][2:].split(" ", 1)[0] + ": " + cell[0].split(": ", 1)[1]: cell for cell in cells}
     compared = {"LTX-Video: text-to-video": "LTXPipeline", "LTX-Video: image-to-video": "LTXImageToVideoPipeline",
                 "LTX-2: text-to-video, audio": "LTX2Pipeline", "Wan: text-to-video": "WanPipeline",
+                "Helios: text-to-video, 65 frames in 2 chunks": "HeliosPipeline",
                 "LTX-Video: --offload transformer_blocks,text_encoder,vae": "ours without offload"}
     for case, reference in compared.items():
         assert rows[case][1] == reference and rows[case][5] == "yes", rows[case]
-        assert float(rows[case][4]) <= 1e-3 and float(rows[case][2]) > 0, rows[case]
+        assert float(rows[case][4]) <= (1e-3 if dtype == "fp32" else 0.08) and float(rows[case][2]) > 0, rows[case]
     assert "LTX-Video: 65 frames in 3 windows" in rows, list(rows)
     assert float(rows["LTX-Video: 65 frames in 3 windows"][2]) > 0
     assert float(rows["LTX-Video: two stages (half size, upsampler, refine)"][2]) > 0
@@ -43,3 +48,16 @@ def test_a_disagreement_is_marked_and_fails_the_run():
     lines = table(rows, dtype=torch.float32)
     assert "| NO |" in lines[2] and "| yes |" in lines[3]
     assert "| yes |" in table(rows[:1], dtype=torch.bfloat16)[2]  # bf16's bound is wider
+
+
+def test_a_family_that_raises_is_a_failed_row_and_the_others_still_run(monkeypatch, capsys):
+    import bench.gpu_check as check
+
+    def broken(sizes, dev):
+        raise RuntimeError("Expected query, key, and value to have the same dtype")
+
+    monkeypatch.setattr(check, "_wan_rows", broken)
+    assert check.main(["--device", "cpu", "--quick", "--families", "wan,helios"]) == 1
+    out = capsys.readouterr().out
+    assert "| wan: FAILED | - |" in out and "| NO |" in out and "RuntimeError: Expected query" in out
+    assert "| Helios " in out and "HeliosPipeline" in out

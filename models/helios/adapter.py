@@ -151,6 +151,18 @@ class _RequestState:
     """DMD: the stage's start latents, whole, in the token layout."""
 
 
+def _history_key_scales_in_model_dtype(transformer: torch.nn.Module) -> None:
+    """Each self-attention's ``history_key_scale`` in the transformer's dtype. ``from_pretrained`` keeps it in float32
+    (``_keep_in_fp32_modules``), and with ``is_amplify_history`` the scaled history keys then reach SDPA in float32
+    beside bf16 queries, which it refuses (diffusers' ``HeliosAttnProcessor`` and ours alike). A float32 model is
+    untouched."""
+    dtype = transformer.dtype
+    for block in transformer.blocks:
+        scale = getattr(block.attn1, "history_key_scale", None)
+        if scale is not None and scale.dtype != dtype:
+            scale.data = scale.data.to(dtype)
+
+
 class HeliosModel:
     """A Helios pipeline's components, parallelised, behind the sampler's ``DenoiseModel`` interface."""
 
@@ -173,6 +185,7 @@ class HeliosModel:
                                       patch_size=self.patch[1], patch_size_t=self.patch[0])
         self._ctx = HeliosShardContext(state=state)
         parallelize_helios_transformer(components.transformer, self._ctx)
+        _history_key_scales_in_model_dtype(components.transformer)
         self.options = helios_options(self.pyramid)
 
     lora_spec = LORA

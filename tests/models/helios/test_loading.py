@@ -30,6 +30,27 @@ def test_loads_and_describes_the_embedded_default(folder):
     assert (geometry.temporal_compression, geometry.spatial_compression, geometry.patch_size, layers) == (4, 8, 2, 2)
 
 
+def test_a_bf16_model_with_amplified_history_keys_runs_two_chunks(folder):
+    """bf16 as on CUDA, with ``is_amplify_history`` (the embedded default has it): ``history_key_scale`` is kept in
+    float32 by ``from_pretrained`` and would hand SDPA float32 history keys beside bf16 queries, which it refuses
+    (found by bench/gpu_check.py on an H200); the model runs it in its own dtype."""
+    from cp_infer import single_process_state
+    from cp_infer.request import GenerationRequest
+    from cp_infer.sampler import SampleControl, sample
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    model = HeliosModel(load_helios(folder, dtype=torch.bfloat16), state=single_process_state())
+    assert model.components.transformer.config.is_amplify_history
+    request = GenerationRequest(prompt="a red fox runs through fresh snow", negative_prompt="blurry", num_frames=17,
+                                height=32, width=32, num_inference_steps=2, guidance_scale=4.0, seed=5,
+                                options={"num_latent_frames_per_chunk": 3})
+    latents = {}
+    frames = sample(model, request, state=single_process_state(), control=SampleControl(on_latents=latents.update))
+    assert frames.shape == (17, 32, 32, 3)
+    assert torch.isfinite(torch.as_tensor(latents["latents"]).float()).all()
+
+
 def test_a_broken_folder_is_refused_naming_the_subfolder(folder, tmp_path):
     from models.helios.loading import load_helios
 
