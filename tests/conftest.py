@@ -34,9 +34,6 @@ def pytest_configure(config: pytest.Config) -> None:
         cache = os.path.abspath(given)
     else:
         cache = _made_cache = tempfile.mkdtemp(prefix="cp-infer-test-cache-")
-        # pytest-xdist's workers start after this, from this environment: they share this session's cache (a build
-        # is flock-guarded, models.common.embedded) rather than each build every model again.
-        os.environ[TEST_CACHE_ENV] = cache
     # Not models.common.embedded.CACHE_ENV: importing models here would import torch before pytest has configured.
     os.environ["CP_INFER_CACHE"] = cache
     os.environ["HF_HUB_OFFLINE"] = "1"
