@@ -161,8 +161,7 @@ class LTXVideoModel:
             spatial_compression=self.pipe.vae_spatial_compression_ratio,
             patch_size=cfg.patch_size, patch_size_t=cfg.patch_size_t,
         )
-        # Spatial tiles for large frames (diffusers' own tiling, only above 512 px): bounds decode memory.
-        components.vae.enable_tiling()
+        _tile_decode_only(components.vae)
         self._ctx = _ShardContext(state=state)
         parallelize_ltx_transformer(components.transformer, self._ctx)
         self._decode_ctx = DecodeContext(state=state.decoding)
@@ -506,6 +505,22 @@ class LTXVideoModel:
     def decode_split(self, split: TemporalSplit) -> contextlib.AbstractContextManager[None]:
         """Inside this block, ``decode_round(vae, ..., a, b)`` decodes one round's piece of ``split``."""
         return scoped(self._decode_ctx, "split", split)
+
+
+def _tile_decode_only(vae: torch.nn.Module) -> None:
+    """diffusers' spatial tiles for the decode of frames above 512 px (they bound its memory), while media is encoded
+    whole, as the pipelines encode their conditioning images and clips: a tiled encode gives other latents."""
+    vae.enable_tiling()
+    encode = vae._encode
+
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        tiling, vae.use_tiling = vae.use_tiling, False
+        try:
+            return encode(x)
+        finally:
+            vae.use_tiling = tiling
+
+    vae._encode = whole
 
 
 def _pil(frame: np.ndarray) -> Image.Image:

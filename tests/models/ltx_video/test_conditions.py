@@ -182,3 +182,26 @@ def test_n_ranks_equal_one_rank(cache_dir, one_rank, groups, world):
         assert diff.max() <= 1 and diff.mean() < 0.01, \
             f"world={world} seed={seed} shape={exp.shape}: max {diff.max()} mean {diff.mean()}"
         np.testing.assert_allclose(got_latents, exp_latents, rtol=0, atol=1e-4)
+
+
+def test_media_in_frames_wider_than_512_px_is_encoded_whole(cache_dir):
+    """The model tiles its VAE's decode above 512 px (memory) but encodes media whole, as the pipelines do: a tiled
+    encode gives other conditioning latents (0.2 of the range after 8 bf16 steps of LTX-Video 2B at 768 x 512)."""
+    from cp_infer import single_process_state
+    from models.ltx_video.adapter import LTXVideoModel
+
+    seed = random.randrange(2**31)
+    rng = np.random.default_rng(seed)
+    base = dict(prompt="a red fox runs through fresh snow", negative_prompt="blurry", num_inference_steps=2,
+                guidance_scale=3.0, fps=24, num_frames=9, height=32, width=544)
+    requests = [GenerationRequest(**base, seed=seed, image=Condition(_media(rng, 1, 32, 544))),
+                GenerationRequest(**base, seed=seed + 1, conditions=(Condition(_media(rng, 9, 32, 544), 0, 0.7),))]
+    state = single_process_state()
+    model = LTXVideoModel(_components(cache_dir, dynamic_shift=False), state=state)
+    assert model.components.vae.use_tiling, "the decode of large frames is tiled"
+    for request in requests:
+        latents = {}
+        sample(model, request, state=state, control=SampleControl(on_latents=latents.update))
+        expected = _reference(cache_dir, request, "latent").float().numpy()
+        np.testing.assert_array_equal(latents["latents"], expected, err_msg=f"seed={seed}")
+    assert model.components.vae.use_tiling
