@@ -6,7 +6,9 @@ over the same modules, plus the paths diffusers has no one-call peer for. Prints
     python bench/gpu_check.py --device cpu --quick   # the CPU smoke mode (tests/test_gpu_check.py runs it)
 
 Rows: LTX-Video, LTX-2, Wan 2.1 and Helios text-to-video against ``LTXPipeline``, ``LTX2Pipeline``, ``WanPipeline``
-and ``HeliosPipeline`` (two chunks, so the second reads the first's history);
+and ``HeliosPipeline`` (two chunks, so the second reads the first's history); Helios's long videos of 1, 4 and 16
+chunks streamed, a medium model (8 of its 40 layers): seconds per chunk, the first chunk's and the last's, and the
+peak memory against the one-chunk video's (#40's targets: 1.10x and 1.1x);
 LTX-Video image-to-video against ``LTXImageToVideoPipeline`` (conditioning); an LTX-Video long video in windows,
 two stages (half size, the latent upsampler, a refine) and ``--offload transformer_blocks,text_encoder,vae`` (against
 the same request without offload), ours only. Columns: our median step and diffusers' (each step ends in a device
@@ -25,6 +27,7 @@ latents' range is expected in bf16 and 1e-3 in fp32 (``--quick``); the ``ok`` co
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -73,6 +76,10 @@ class Sizes:
     helios_frames: int
     helios_height: int
     helios_width: int
+    helios_chunks: tuple[int, ...]
+    """The long videos' chunk counts (Helios's long-video row: seconds per chunk, peak memory, #40's targets)."""
+    helios_long_layers: int | None
+    """The long-video row's layer count (``None``: the parity row's): a medium Helios, so 16 chunks fit the check."""
     long_frames: int
     tile: int
     overlap: int
@@ -83,13 +90,13 @@ FULL = Sizes(ltx=dict(num_layers=28, num_attention_heads=32, attention_head_dim=
              ltx2_narrow=False, wan=dict(num_layers=30, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960),
              helios={},
              frames=121, height=512, width=768, wan_frames=81, wan_height=480, wan_width=832,
-             helios_frames=65, helios_height=384, helios_width=640,
+             helios_frames=65, helios_height=384, helios_width=640, helios_chunks=(1, 4, 16), helios_long_layers=8,
              long_frames=249, tile=120, overlap=24, steps=8)
 QUICK = Sizes(ltx=dict(num_layers=1, num_attention_heads=2, attention_head_dim=16), ltx2_layers=1,
               ltx2_narrow=True, wan=dict(num_layers=1, num_attention_heads=2, attention_head_dim=16, ffn_dim=64),
               helios=dict(num_layers=1, num_attention_heads=2, attention_head_dim=12, ffn_dim=64, rope_dim=(4, 4, 4)),
               frames=9, height=128, width=192, wan_frames=9, wan_height=64, wan_width=96,
-              helios_frames=65, helios_height=64, helios_width=96,
+              helios_frames=65, helios_height=64, helios_width=96, helios_chunks=(1, 2), helios_long_layers=None,
               long_frames=65, tile=40, overlap=24, steps=2)
 
 
@@ -336,7 +343,55 @@ def _helios_rows(sizes: Sizes, dev: _Device) -> list[dict[str, Any]]:
                      negative_prompt=NEGATIVE, **values)
     model = HeliosModel(components, state=_state(dev))
     ours = _ours(model, _request(model, **values), dev)
-    return [_row(f"{label}: text-to-video, {sizes.helios_frames} frames in 2 chunks", ours, theirs, "HeliosPipeline")]
+    rows = [_row(f"{label}: text-to-video, {sizes.helios_frames} frames in 2 chunks", ours, theirs, "HeliosPipeline")]
+    if sizes.helios_long_layers is not None:
+        # The parity row's transformer goes before the medium one is built (the peaks are the long videos' own).
+        del model, ours, theirs, transformer
+        components = replace(components, transformer=None)
+        gc.collect()
+        dev.reset_peak()
+        config["num_layers"] = sizes.helios_long_layers
+        transformer = dev.build(lambda: HeliosTransformer3DModel(**config))
+        model = HeliosModel(replace(components, transformer=transformer), state=_state(dev))
+        label = _label("Helios", transformer)
+    return rows + _helios_long_rows(model, label, values, sizes, dev)
+
+
+def _helios_long_rows(model: Any, label: str, values: dict[str, Any], sizes: Sizes,
+                      dev: _Device) -> list[dict[str, Any]]:
+    """Helios's long videos as the server makes them (streamed: ``collect=False``, frames dropped as they come):
+    seconds per chunk from one chunk's start to the next's (its steps, history update and streamed decode), the
+    first chunk's and the last's, and the peak memory, against the one-chunk video's (#40: within 1.10x and 1.1x)."""
+    from cp_infer.sampler import SampleControl, sample
+
+    runs = {}
+    for chunks in sizes.helios_chunks:
+        marks: list[float] = []
+
+        def mark(*_args: Any, marks: list[float] = marks) -> None:
+            dev.sync()
+            marks.append(time.perf_counter())
+
+        dev.reset_peak()
+        request = _request(model, **dict(values, num_frames=_helios_frames(chunks)))
+        sample(model, request, state=_state(dev), control=SampleControl(on_pass=mark, collect=False))
+        mark()
+        runs[chunks] = dict(seconds=np.diff(marks).tolist(), peak_gib=dev.peak_gib())
+    first = runs[sizes.helios_chunks[0]]
+    rows = []
+    for chunks, run in runs.items():
+        seconds = run["seconds"]
+        note = f"chunk 1 {seconds[0]:.2f} s, chunk {chunks} {seconds[-1]:.2f} s ({seconds[-1] / seconds[0]:.2f}x)"
+        if run["peak_gib"] is not None and chunks != sizes.helios_chunks[0]:
+            note += f"; peak {run['peak_gib'] / first['peak_gib']:.2f}x the first video's"
+        case = f"{label}: {_helios_frames(chunks)} frames in {chunks} chunk{'s' * (chunks > 1)}, streamed"
+        rows.append(dict(case=case, reference="-", ours_peak_gib=run["peak_gib"], note=note))
+    return rows
+
+
+def _helios_frames(chunks: int) -> int:
+    """The frames of ``chunks`` whole Helios chunks (33 frames each, the video cut to 4k + 1 frames)."""
+    return 33 * chunks - (33 * chunks - 1) % 4
 
 
 def _failed(family: str, error: BaseException) -> dict[str, Any]:

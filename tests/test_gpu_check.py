@@ -38,6 +38,8 @@ def test_the_smoke_mode_runs_every_case_and_agrees(tmp_path, dtype):
     assert float(rows["LTX-Video: 65 frames in 3 windows"][2]) > 0
     assert float(rows["LTX-Video: two stages (half size, upsampler, refine)"][2]) > 0
     assert "needs a replica group of >= 2 ranks" in rows["LTX-Video: --weights sharded"][-1]
+    for case in ("Helios: 33 frames in 1 chunk, streamed", "Helios: 65 frames in 2 chunks, streamed"):
+        assert rows[case][-1].startswith("chunk 1 "), rows[case]
 
 
 def test_a_disagreement_is_marked_and_fails_the_run():
