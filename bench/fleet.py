@@ -11,8 +11,8 @@ round trips and S3 requests (the cleanup's included), which the machine's load d
 the sum of its store calls'). The second: where a job's time goes, part by part. The third: claim latency (p50,
 p99) with one and with two servers' stores claiming from one queue at once (two claimer threads each).
 
-Not measured here: jobs per minute of one real server against two (their groups' time dominates; see
-``tests/server/group/test_server_fleet.py`` for two real servers on one queue).
+The fourth (``bench/fleet_servers.py``; ``--server-jobs 0`` leaves it out): jobs per minute of real ``cp-infer
+serve`` processes on the two stores given, one server against two, the same jobs submitted at once.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from bench.fleet_servers import servers_table  # noqa: E402
 from bench.harness import command_line, load_average, print_report, progress, table_head, table_row  # noqa: E402
 from cp_infer.request import GenerationRequest, resolve_request  # noqa: E402
 from models.ltx_video.options import ltx_video_options  # noqa: E402
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=40, help="jobs per setup per round (default 40)")
     parser.add_argument("--steps", type=int, default=20, help="denoising steps per job (default 20)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--server-jobs", type=int, default=12,
+                        help="jobs per setup per round for real servers, one against two (default 12; 0: none)")
     parser.add_argument("--out", default=None, help="also write the report here")
     args = parser.parse_args(argv)
     request = resolve_request(GenerationRequest(prompt="a red fox runs through fresh snow", num_frames=9, width=96,
@@ -188,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
              "", *table_head(["servers claiming", "claims", "claim p50 ms", "claim p99 ms"]),
              *[table_row([n, len(v), f"{_p(v, 0.5) * 1e3:.2f}", f"{_p(v, 0.99) * 1e3:.2f}"])
                for n, v in claims.items()]]
+    if args.server_jobs:
+        lines += ["", *servers_table(job_store=args.job_store, output_store=args.output_store, jobs=args.server_jobs,
+                                     steps=args.steps, rounds=args.rounds)]
     return print_report(lines, args.out)
 
 
