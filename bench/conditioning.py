@@ -43,8 +43,7 @@ Measured, per generation the slowest rank, then the median over the timed rounds
   ``model.prepare`` (text encode, media preprocessing and VAE encode, noise, schedule), then the shard; diffusers:
   ``__call__`` up to its first step (the same work).
 - of which VAE encode: wall time inside ``vae.encode``, the conditioning encode (one image), wrapped on the instance
-  in both (the same ``AutoencoderKLLTXVideo``; both encode on every rank, ours as diffusers does). Ours enables VAE
-  tiling, which starts above 512 px and so leaves this encode untouched.
+  in both (the same ``AutoencoderKLLTXVideo``; both encode on every rank, ours as diffusers does; neither tiles).
 - step: one denoising step, the conditioned cases' re-noise included on both sides (transformer with CFG, scheduler
   step); median over all timed steps. "/ t2v" divides by the same configuration's text-to-video step.
 - collectives / step: tensor all-to-alls and all-gathers per step (rank 0), counted as in ``bench/generate.py``.

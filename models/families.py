@@ -61,6 +61,8 @@ class Family(Protocol):
     """What ``--model``'s help says about that default."""
     has_audio: bool
     """Whether its videos carry a soundtrack."""
+    vae_tiling: bool
+    """Whether its adapter can run its VAE in diffusers' spatial tiles (``--vae-tiling``: ``enable_vae_tiling()``)."""
     float32_components: tuple[str, ...]
     """Components loaded in float32 whatever ``--dtype`` (where its diffusers examples keep them there)."""
     transformer_subfolders: tuple[str, ...]

@@ -146,11 +146,18 @@ def lora_catalog(info: ModelInfo, lora_dir: str | os.PathLike | None, *, slot_ra
                        slot_rank=slot_rank)
 
 
+def check_vae_tiling(name: str, vae_tiling: bool) -> None:
+    """``--vae-tiling`` for a model of family ``name``: a ``ValueError`` naming it where the family has no tiled VAE."""
+    if vae_tiling and not family(name).vae_tiling:
+        raise ValueError(f"--vae-tiling: {family(name).title} models decode without diffusers' spatial tiles (their "
+                         "streamed decode bounds the memory); leave it out")
+
+
 def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | torch.dtype, state: ParallelState,
                config: str | os.PathLike | None = None, upsampler: str | os.PathLike | None = None,
                compile_blocks: bool = False, lora_dir: str | os.PathLike | None = None,
                max_lora_bytes: int | None = None, weights: str = "auto", offload: Sequence[str] = (),
-               stage_2_loras: Sequence = (), max_lora_rank: int | None = None):
+               stage_2_loras: Sequence = (), max_lora_rank: int | None = None, vae_tiling: bool = False):
     """Load ``model`` (with ``config`` and ``upsampler`` as :func:`describe_model` takes them) on ``state.device`` and
     return its parallel adapter (``LTXVideoModel``, ``LTX2Model`` or ``WanModel``); ``compile_blocks``:
     :func:`compile_transformer_blocks` on its transformer; ``lora_dir``: the adapters requests may apply
@@ -158,20 +165,24 @@ def open_model(model: str | os.PathLike | ModelFiles | None, *, dtype: str | tor
     ``stage_2_loras`` those stage 2 of two-stage generation adds (``models.common.lora.pass_loras``); with both
     ``compile_blocks`` and ``lora_dir`` the adapters are copied into slots of rank ``max_lora_rank`` (unset: the
     default) made before the compile (``models.common.lora_slots``), so the blocks compile once for every adapter;
-    ``weights`` and ``offload``: where the components go (``models.common.placement``; the adapter's ``placement``)."""
+    ``weights`` and ``offload``: where the components go (``models.common.placement``; the adapter's ``placement``);
+    ``vae_tiling``: its VAE in diffusers' spatial tiles (a family whose ``vae_tiling`` is false refuses it)."""
     from models.common.placement import apply_offload, offloaded_components, resolve_placement, sharded_loaders
 
     files = resolve_files(model, config=config, upsampler=upsampler)
     name = detect_family(files.folder)
     dtype = parse_dtype(dtype)
+    chosen = family(name)
+    check_vae_tiling(name, vae_tiling)
     placement = resolve_placement(files.folder, dtype=dtype, state=state, weights=weights, offload=offload)
     loaders = sharded_loaders(name, placement)
     offloaded = offloaded_components(placement)
-    chosen = family(name)
     components = chosen.load(files, dtype=dtype, device=state.device, loaders=loaders, offloaded=offloaded)
     adapter = chosen.wrap(components, state=state)
     apply_offload(adapter.components, placement)
     adapter.placement = placement
+    if vae_tiling:
+        adapter.enable_vae_tiling()
     if lora_dir is not None:
         from models.common.lora import DEFAULT_MAX_LORA_BYTES, LoadedLoras, LoraDirectory, adapted_modules
 

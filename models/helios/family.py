@@ -21,6 +21,7 @@ class HeliosFamily:
     # As HeliosPipeline's example keeps it (models.helios.loading).
     float32_components = ("vae",)
     has_audio = False
+    vae_tiling = False
     transformer_subfolders = ("transformer",)
 
     default_name = DEFAULT_NAME

@@ -21,6 +21,7 @@ class LTX2Family:
     loader = "load_ltx2"
     float32_components = ()
     has_audio = True
+    vae_tiling = False
     transformer_subfolders = ("transformer",)
 
     default_name = DEFAULT_NAME

@@ -161,7 +161,6 @@ class LTXVideoModel:
             spatial_compression=self.pipe.vae_spatial_compression_ratio,
             patch_size=cfg.patch_size, patch_size_t=cfg.patch_size_t,
         )
-        _tile_decode_only(components.vae)
         self._ctx = _ShardContext(state=state)
         parallelize_ltx_transformer(components.transformer, self._ctx)
         self._decode_ctx = DecodeContext(state=state.decoding)
@@ -177,6 +176,12 @@ class LTXVideoModel:
     @property
     def transformer(self):
         return self.components.transformer
+
+    def enable_vae_tiling(self) -> None:
+        """diffusers' spatial tiles for frames above 512 px, as ``pipe.vae.enable_tiling()`` (``--vae-tiling``): they
+        bound the VAE's memory at large frames. The encode of media is tiled too, as the pipelines' is with tiling
+        on: the video is then the pipelines' with tiling on (by default, untiled, it is their default's)."""
+        self.components.vae.enable_tiling()
 
     lora_spec = LORA
     loras: LoadedLoras | None = None
@@ -505,22 +510,6 @@ class LTXVideoModel:
     def decode_split(self, split: TemporalSplit) -> contextlib.AbstractContextManager[None]:
         """Inside this block, ``decode_round(vae, ..., a, b)`` decodes one round's piece of ``split``."""
         return scoped(self._decode_ctx, "split", split)
-
-
-def _tile_decode_only(vae: torch.nn.Module) -> None:
-    """diffusers' spatial tiles for the decode of frames above 512 px (they bound its memory), while media is encoded
-    whole, as the pipelines encode their conditioning images and clips: a tiled encode gives other latents."""
-    vae.enable_tiling()
-    encode = vae._encode
-
-    def whole(x: torch.Tensor) -> torch.Tensor:
-        tiling, vae.use_tiling = vae.use_tiling, False
-        try:
-            return encode(x)
-        finally:
-            vae.use_tiling = tiling
-
-    vae._encode = whole
 
 
 def _pil(frame: np.ndarray) -> Image.Image:

@@ -22,6 +22,7 @@ class LTXVideoFamily:
     loader = "load_ltx_video"
     float32_components = ()
     has_audio = False
+    vae_tiling = True
     transformer_subfolders = ("transformer",)
 
     default_name = DEFAULT_NAME

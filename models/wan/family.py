@@ -21,6 +21,7 @@ class WanFamily:
     # As diffusers' Wan examples keep them (models.wan.loading).
     float32_components = ("vae", "image_encoder")
     has_audio = False
+    vae_tiling = False
     # transformer_2: Wan 2.2 A14B's low-noise expert (where the folder has it).
     transformer_subfolders = ("transformer", "transformer_2")
 

@@ -39,6 +39,7 @@ from server.cli.common import (
     check_device,
     check_request_loras,
     check_stage_2_loras,
+    check_vae_tiling,
     fetch_model,
     guidance_first,
     lora_catalog,
@@ -423,6 +424,7 @@ def run_batch(args: argparse.Namespace, argv: list[str]) -> int:
     check_device(config, nproc=nproc)
     info = model_info(config)
     check_stage_2_loras(config, info)
+    check_vae_tiling(config, info)
     items = _plan_batch(args, info, config.limits) if int(os.environ.get("RANK", "0")) == 0 else []
     # Outside torchrun nothing is started when nothing is left to do. Under torchrun every rank must join
     # the group whatever the leader found (the workers cannot know), so the leader then just sends stop.

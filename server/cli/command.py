@@ -50,6 +50,7 @@ from server.cli.common import (
     check_device,
     check_request_loras,
     check_stage_2_loras,
+    check_vae_tiling,
     declared_default_options,
     fetch_model,
     guidance_first,
@@ -196,6 +197,7 @@ def _cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     info = model_info(config)
     adapters = lora_catalog(config, info)
     check_stage_2_loras(config, info)
+    check_vae_tiling(config, info)
 
     def check(request: GenerationRequest, *, media_pending: bool = False) -> GenerationRequest:
         try:

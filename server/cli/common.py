@@ -49,6 +49,7 @@ __all__ = [
     "field_error",
     "check_request_loras",
     "check_stage_2_loras",
+    "check_vae_tiling",
     "lora_catalog",
     "model_info",
     "option_keys",
@@ -96,6 +97,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "the first streamed frame grow with K, and so do the convolutions "
                             f"(default {DEFAULT_FRAMES_PER_RANK}: 4 at 128x96, 2 from 192x128 up; 'all': the whole "
                             "video at once)")
+    group.add_argument("--vae-tiling", action="store_true",
+                       help="decode (and encode media) in diffusers' spatial tiles above 512 px, as "
+                            "vae.enable_tiling(): less VAE memory at large frames, and the video of the pipeline "
+                            "with tiling on instead of its default (models whose VAE tiles: LTX-Video)")
     group.add_argument("--nproc", type=int, default=None, metavar="N",
                        help="ranks of the parallel group; N > 1 relaunches under torchrun (default 1, "
                             "or the torchrun world size)")
@@ -234,7 +239,8 @@ def runtime_config_from_args(args: argparse.Namespace, *, replicas: bool = False
     check_layout(args, replicas=replicas)
     return RuntimeConfig(model=args.model, model_config=args.model_config, upsampler=args.upsampler,
                          dtype=args.dtype, device=args.device,
-                         decode_frames_per_rank=args.decode_frames_per_rank, guidance_degree=args.guidance_degree,
+                         decode_frames_per_rank=args.decode_frames_per_rank, vae_tiling=args.vae_tiling,
+                         guidance_degree=args.guidance_degree,
                          ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree,
                          compile_blocks=args.compile_blocks,
                          lora_dir=args.lora_dir, max_lora_bytes=args.max_lora_bytes,
@@ -362,6 +368,17 @@ def check_request_loras(adapters, request: GenerationRequest, stage_2) -> None:
 
     adapters.check(request.loras)
     check_stage_2(request.loras, stage_2, stages=request.options.get("stages", 1))
+
+
+def check_vae_tiling(config, info) -> None:
+    """``config.vae_tiling`` (a ``RuntimeConfig``) for ``info``'s model: a ``UsageError`` naming --vae-tiling where
+    its family has no tiled VAE."""
+    from models.registry import check_vae_tiling as check
+
+    try:
+        check(info.family, config.vae_tiling)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def check_stage_2_loras(config, info) -> None:

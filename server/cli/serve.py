@@ -124,7 +124,7 @@ def _configs(args: argparse.Namespace):
     runtime = RuntimeConfig(model=args.model, model_config=args.model_config, upsampler=args.upsampler,
                             dtype=args.dtype, device=args.device,
                             timeout_s=args.collective_timeout, limits=limits,
-                            decode_frames_per_rank=args.decode_frames_per_rank,
+                            decode_frames_per_rank=args.decode_frames_per_rank, vae_tiling=args.vae_tiling,
                             guidance_degree=args.guidance_degree, ulysses_degree=args.ulysses_degree,
                             ring_degree=args.ring_degree,
                             compile_blocks=args.compile_blocks, lora_dir=args.lora_dir,
@@ -147,7 +147,7 @@ def _configs(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Run ``cp-infer serve``; returns the exit code."""
     from models.common.folder_problems import ModelLoadError
-    from server.cli.common import check_device, check_stage_2_loras, fetch_model, model_info
+    from server.cli.common import check_device, check_stage_2_loras, check_vae_tiling, fetch_model, model_info
     from server.cli.launch import (
         count_launcher_restarts,
         group_size,
@@ -166,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
             except ModelLoadError as exc:  # the model cannot be had: say so where clients and operators look
                 print(f"cp-infer serve: error: {exc}", file=sys.stderr)
                 return _serve_unavailable(args, str(exc))
-            check_stage_2_loras(runtime, model_info(runtime))
+            info = model_info(runtime)
+            check_stage_2_loras(runtime, info)
+            check_vae_tiling(runtime, info)
     except ValueError as exc:  # a bad argument
         print(f"cp-infer serve: error: {exc}", file=sys.stderr)
         return _USAGE_ERROR

@@ -86,6 +86,9 @@ class RuntimeConfig:
     """Latent frames each rank decodes per streamed round (decode memory and time to first frame grow with it);
     ``"auto"``: by frame size (``cp_infer.decode.resolve_frames_per_rank``); ``None``: the whole video in one
     round."""
+    vae_tiling: bool = False
+    """Spatial tiles in the VAE for large frames (``models.registry.open_model``'s ``vae_tiling``): less memory, and
+    the video of the pipeline with its VAE's tiling on rather than of its default."""
     guidance_degree: int | None = None
     """Ranks a step's guidance passes are spread over (``cp_infer.mesh``); ``None``: 1."""
     ulysses_degree: int | None = None
@@ -210,7 +213,7 @@ def start_runtime(config: RuntimeConfig) -> Runtime:
                        lora_dir=config.lora_dir, max_lora_bytes=config.max_lora_bytes,
                        max_lora_rank=config.max_lora_rank,
                        stage_2_loras=config.stage_2_loras, weights=config.weights,
-                       offload=config.offload)
+                       offload=config.offload, vae_tiling=config.vae_tiling)
     model.decode_frames_per_rank = config.decode_frames_per_rank
     memory = _gather_memory(measure_components(model.components, model.placement), state)
     phases.mark("load")

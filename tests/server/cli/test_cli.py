@@ -265,6 +265,16 @@ def test_generate_ltx2_option_on_ltx_video_exits_2_before_starting(nothing_start
 
 
 @pytest.mark.timeout(120)
+def test_generate_vae_tiling_on_a_model_without_it_exits_2_before_starting(nothing_starts, tmp_path, capsys):
+    out = tmp_path / "x.mp4"
+    code = cli.main(["generate", "--prompt", "a fox", "--model", "tiny-wan", "--vae-tiling", "--nproc", "2",
+                     "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists()
+    assert "--vae-tiling: Wan models decode without diffusers' spatial tiles" in err and "Traceback" not in err, err
+
+
+@pytest.mark.timeout(120)
 def test_generate_bad_model_fails_clearly(nothing_starts, tmp_path, capsys):
     code = cli.main(["generate", "--prompt", "a fox", "--model", "/nonexistent/model", "--nproc", "2",
                      "--out", str(tmp_path / "m.mp4")])
