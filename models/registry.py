@@ -148,8 +148,9 @@ def lora_catalog(info: ModelInfo, lora_dir: str | os.PathLike | None, *, slot_ra
 
 def check_vae_tiling(name: str, vae_tiling: bool) -> None:
     """``--vae-tiling`` for a model of family ``name``: a ``ValueError`` naming it where the family has no tiled VAE."""
-    if vae_tiling and not family(name).vae_tiling:
-        raise ValueError(f"--vae-tiling: {family(name).title} models decode without diffusers' spatial tiles (their "
+    chosen = family(name)
+    if vae_tiling and not chosen.vae_tiling:
+        raise ValueError(f"--vae-tiling: {chosen.title} models decode without diffusers' spatial tiles (their "
                          "streamed decode bounds the memory); leave it out")
 
 
