@@ -4,8 +4,9 @@ two (``bench/fleet.py`` prints this table after its store tables).
 Each setup starts its servers (one rank each, the embedded default model, ``--data-dir`` of its own, the same
 ``--job-store`` and ``--output-store``), waits until every one is ready, then submits all its jobs at once, round
 robin over the servers (a client may send a job to any of them; whichever server is idle claims the oldest), and
-polls each job on the server it was sent to until the last one ends. Jobs per minute: the jobs over the seconds
-from the first submit to the last job's end. Each server's share is its ``cp_infer_replica_jobs_finished_total``.
+waits for each job's end on the server it was sent to (``bench.harness.queue_round``: its server-sent events, no
+polling). Jobs per minute: the jobs over the seconds from the first submit to the last job's end. Each server's share
+is its ``cp_infer_replica_jobs_finished_total``.
 Servers start and stop outside the timed span; rounds rotate the setups' order.
 
 Setups: one server, two servers as they start by themselves (each rank takes ``OMP_NUM_THREADS`` = the machine's
@@ -19,15 +20,22 @@ import os
 import re
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
-from bench.harness import ServeProcess, load_average, progress, rotated, subprocess_env, table_head, table_row
+from bench.harness import (
+    ServeProcess,
+    load_average,
+    progress,
+    queue_round,
+    rotated,
+    subprocess_env,
+    table_head,
+    table_row,
+)
 
 __all__ = ["servers_table"]
 
 _PROMPT = "a red fox runs through fresh snow"
-_POLL_S = 0.05
 _FRAMES, _SIZE = 25, "192x128"
 
 
@@ -43,9 +51,7 @@ def _setup(servers: int, threads: int | None, *, jobs: int, steps: int, job_stor
     minute, each job's seconds from submit to end, each server's share of the jobs."""
     import httpx
 
-    env = {k: v for k, v in subprocess_env().items() if k != "OMP_NUM_THREADS"}
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
+    env = subprocess_env(None if threads is None else {"OMP_NUM_THREADS": str(threads)}, own_threads=True)
     procs = []
     with httpx.Client(timeout=60.0) as client:
         try:
@@ -57,33 +63,12 @@ def _setup(servers: int, threads: int | None, *, jobs: int, steps: int, job_stor
             for proc in procs:
                 proc.wait_ready(client)
             body = dict(prompt=_PROMPT, num_frames=_FRAMES, size=_SIZE, num_inference_steps=steps)
-            started = time.perf_counter()
-            sent = []
-            for k in range(jobs):
-                url = procs[k % servers].url
-                r = client.post(f"{url}/v1/videos", json=dict(body, seed=k))
-                r.raise_for_status()
-                sent.append((url, r.json()["id"], time.perf_counter()))
-            seconds, statuses = [], []
-            waiting = list(sent)
-            while waiting:
-                time.sleep(_POLL_S)
-                for item in list(waiting):
-                    url, job_id, submitted = item
-                    status = client.get(f"{url}/v1/videos/{job_id}").json()["status"]
-                    if status in ("completed", "failed", "cancelled"):
-                        seconds.append(time.perf_counter() - submitted)
-                        statuses.append(status)
-                        waiting.remove(item)
-            span = time.perf_counter() - started
+            span, seconds = queue_round(client, [proc.url for proc in procs],
+                                        [dict(body, seed=k) for k in range(jobs)])
             shares = [_finished(client, proc.url) for proc in procs]
         finally:
             for proc in procs:
                 proc.close()
-    failed = [s for s in statuses if s != "completed"]
-    if failed:
-        raise RuntimeError(f"{len(failed)} of {jobs} jobs did not complete ({', '.join(sorted(set(failed)))}); "
-                           f"see the server logs under {root}")
     return dict(per_minute=jobs / span * 60, job_s=statistics.median(seconds), shares=shares)
 
 

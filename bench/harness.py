@@ -35,7 +35,7 @@ __all__ = [
     "DIFF_1", "DIFF_2", "MALLOC_MEASURE", "MALLOC_TIMED", "OURS_1", "OURS_2", "REPO", "TIMEOUT_S", "WARMUP_STEPS",
     "CollectiveClock", "RankGroup", "ServeProcess", "Setup", "barrier", "code_version", "command_line",
     "cp_infer_command", "environment", "free_port", "job_end", "load_average", "median_round", "phase_table",
-    "print_report", "progress", "read_phases", "reset_peak_rss", "rotated", "run_command", "run_header",
+    "print_report", "progress", "queue_round", "read_phases", "reset_peak_rss", "rotated", "run_command", "run_header",
     "set_malloc", "slowest_steps", "status_kib", "subprocess_env", "table_head", "table_row", "torchrun_command",
     "trim_heap",
 ]
@@ -367,6 +367,37 @@ def job_end(client: Any, job_id: str, url: str = "") -> str | None:
             if line.startswith("event: video.") and line.split(".", 1)[1] in ("completed", "failed", "cancelled"):
                 return line.split(".", 1)[1]
     return None
+
+
+def queue_round(client: Any, urls: Sequence[str], bodies: Sequence[dict]) -> tuple[float, list[float]]:
+    """Submit every body at once, round robin over the servers at ``urls``: the seconds from the first submit to the
+    last job's end, and each job's from its submit to its end. Each end is read from the job's server-sent events
+    (:func:`job_end`), one waiting thread per job: no polling competing with the jobs for the CPU. Raises unless every
+    job completed."""
+    import threading
+
+    started = time.perf_counter()
+    jobs = []
+    for k, body in enumerate(bodies):
+        url = urls[k % len(urls)]
+        jobs.append((url, client.post(f"{url}/v1/videos", json=body).raise_for_status().json()["id"],
+                     time.perf_counter()))
+    ends: dict[str, tuple[str | None, float]] = {}
+
+    def wait(url: str, job_id: str, submitted: float) -> None:
+        end = job_end(client, job_id, url)
+        ends[job_id] = (end, time.perf_counter() - submitted)
+
+    threads = [threading.Thread(target=wait, args=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    failed = {job_id: end for job_id, (end, _) in ends.items() if end != "completed"}
+    if failed or len(ends) != len(jobs):
+        raise RuntimeError(f"jobs did not complete: {failed or {job_id for _, job_id, _ in jobs} - set(ends)}")
+    return wall, [seconds for _, seconds in ends.values()]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -53,9 +53,9 @@ from bench.harness import (  # noqa: E402 -- path set-up
     ServeProcess,
     command_line,
     free_port,
-    job_end,
     print_report,
     progress,
+    queue_round,
     rotated,
     slowest_steps,
     subprocess_env,
@@ -159,30 +159,6 @@ def _server(flags: list[str], workdir: Path, jobs: int) -> ServeProcess:
                         log=workdir.with_suffix(".log"))
 
 
-def _queue_round(client, url: str, bodies: list[dict]) -> float:
-    """Submit every body at once; seconds from the first submit to the last completion (each job's end read from its
-    server-sent events, one waiting thread per job: no polling competing with the jobs for the CPU)."""
-    import threading
-
-    started = time.perf_counter()
-    ids = [client.post(f"{url}/v1/videos", json=body).raise_for_status().json()["id"] for body in bodies]
-    ends: dict[str, str | None] = {}
-
-    def wait(job_id: str) -> None:
-        ends[job_id] = job_end(client, job_id, url)
-
-    threads = [threading.Thread(target=wait, args=(job_id,)) for job_id in ids]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - started
-    failed = {job_id: end for job_id, end in ends.items() if end != "completed"}
-    if failed or len(ends) != len(ids):
-        raise RuntimeError(f"jobs did not complete: {failed or set(ids) - set(ends)}")
-    return wall
-
-
 def _throughput(args: argparse.Namespace) -> list[str]:
     import tempfile
 
@@ -200,11 +176,11 @@ def _throughput(args: argparse.Namespace) -> list[str]:
             for server in servers.values():
                 server.wait_ready(client)
             for server in servers.values():  # warm-up: one job each
-                _queue_round(client, server.url, bodies[:1])
+                queue_round(client, [server.url], bodies[:1])
             for r in range(args.rounds):
                 for label in rotated(list(servers), r):
                     rows[label]["load"].append(os.getloadavg()[0])
-                    rows[label]["wall"].append(_queue_round(client, servers[label].url, bodies))
+                    rows[label]["wall"].append(queue_round(client, [servers[label].url], bodies)[0])
                     progress(f"throughput round {r} {label}: {rows[label]['wall'][-1]:.2f} s")
     finally:
         for server in servers.values():
