@@ -23,7 +23,9 @@ Invariants:
 - A live video's plan grows (``SampleControl.extend``, ``cp_infer.live``): once its passes are all made, the replica
   group's first rank is asked for more and its answer is broadcast, so every rank takes the same decision; a longer
   request must keep the passes made (checked on every rank), and the pass just made goes on as a resumed job of the
-  longer request does (finished, checkpointed, restored), its decode made again for the longer video.
+  longer request does (finished, checkpointed, restored), its decode made again for the longer video. A decode
+  that reads something drawn for the whole video (``Decoder.length_free`` false) delivers a live video's frames once
+  it ends.
 - Running out of device memory (``torch.OutOfMemoryError``) in a step, in preparing or in a hook is a failure of
   that job alone, agreed on like any other (``JobOutOfMemory``, code ``out_of_memory``), with the allocator's cache
   emptied on CUDA: the group keeps serving.
@@ -181,6 +183,10 @@ class Decoder:
     """Each round of ``split`` is decoded on its own (no state carried over from the rounds before it), so a live
     video's decoder, made again for the longer video, may start at the first round not yet decoded where its rounds
     so far are the shorter video's; otherwise it decodes the video again from the start."""
+    length_free: bool = True
+    """Each frame it decodes is the same however long the video is; ``False`` where the decode reads something drawn
+    for the whole video at once (a timestep-conditioned VAE's decode noise), so a live video's frames wait for its
+    end (more windows would change them)."""
     skip: int = 0
     """Decoded video frames that are not delivered, at the start (an extension's: the frames of the video it
     extends, decoded again only as the decoder's context)."""
@@ -405,7 +411,8 @@ def sample(
                 prepared, final = _go_on(model, control, full, prepared, request, index + 1, state=state)
                 full = {}
                 video.restart()
-                video.progress(full, prepared, final)
+                if final is not None:  # a restored state that decodes nothing yet (as a resumed job's)
+                    video.progress(full, prepared, final)
                 continue
         if finish is None:
             continue
@@ -522,6 +529,8 @@ class _Delivery:
         """A live video grown (:meth:`restart`): the decode's split and rounds done before it grew."""
         self.replay = self.replayed = 0
         """Frames delivered before a live video grew that its new decode makes again (not delivered twice)."""
+        self.resound = 0
+        """Soundtrack samples delivered before a live video grew that its new decode makes again, not yet dropped."""
 
     def _start(self, full: dict[str, torch.Tensor], prepared: Prepared) -> None:
         decoder = self.model.decoder(full, prepared)
@@ -546,6 +555,7 @@ class _Delivery:
         if self.stream is not None:
             self.before = (self.stream.split, self.stream.rounds_done)
         self.decoder = self.stream = None
+        self.resound = self.samples  # the new decode's soundtrack pieces start again from the first sample
 
     def _audio_mode(self) -> int:
         """What the delivering rank's caller takes: 0 no soundtrack, 1 pieces, 2 the whole waveform."""
@@ -555,6 +565,10 @@ class _Delivery:
 
     def _deliver_audio(self, piece: tuple[np.ndarray, int]) -> None:
         samples, rate = piece
+        dropped = min(self.resound, samples.shape[1])
+        self.resound, samples = self.resound - dropped, samples[:, dropped:]
+        if not samples.shape[1]:
+            return
         self.control.on_audio_piece(samples, self.samples, rate)
         self.samples += samples.shape[1]
 
@@ -576,7 +590,8 @@ class _Delivery:
             # NOTE(hold): the hooks are the delivering rank's alone, and whether the frames wait decides the decode's
             # collectives on every rank: the mesh takes that rank's answer.
             mode = self._audio_mode()
-            hold = mode == 2 or (mode == 1 and self.decoder.audio_piece is None)
+            hold = mode == 2 or (mode == 1 and self.decoder.audio_piece is None) or (
+                self.control.live and not self.decoder.length_free)
             self.hold = bool(all_reduce_max_int(int(hold), state=self.state))
         if not self.hold:
             self.decode(final)

@@ -70,6 +70,13 @@ class DecodeNoise:
         self.scale = decode_timestep if scale is None else scale
         self.timestep = torch.tensor([decode_timestep], dtype=dtype)
 
+    @property
+    def length_free(self) -> bool:
+        """Whether applying it leaves each latent frame the same however long the video is: none is drawn, or its
+        scale is 0 (``(1 - 0) * x + 0 * noise`` is ``x``); otherwise a frame's noise depends on the video's length
+        (``Decoder.length_free``)."""
+        return self.noise is None or float(self.scale) == 0.0
+
     def apply(self, latents: torch.Tensor, start: int) -> torch.Tensor:
         """``latents``: the latent frames ``start..`` of the video, noised (unchanged for a VAE without)."""
         if self.noise is None:

@@ -26,8 +26,8 @@ from cp_infer.options import Option
 from cp_infer.plan import DenoisePass, Plan
 from cp_infer.request import GenerationRequest
 
-__all__ = ["TEMPORAL_COMPRESSION", "Windows", "check_windows", "prompt_segments_option", "two_stage_window_plan",
-           "window_frames", "window_options", "window_plan", "windows_of"]
+__all__ = ["TEMPORAL_COMPRESSION", "Windows", "check_windows", "live_frames", "prompt_segments_option",
+           "two_stage_window_plan", "window_frames", "window_options", "window_plan", "windows_of"]
 
 TEMPORAL_COMPRESSION = 8
 """Video frames per latent frame of the LTX VAEs (the first latent frame holds one)."""
@@ -144,6 +144,22 @@ def window_frames(values: Mapping[str, Any]) -> int:
         return values["num_frames"]
     latent = max(end - start for start, end in windows.spans) + windows.overlap
     return (latent - 1) * TEMPORAL_COMPRESSION + 1
+
+
+def live_frames(values: Mapping[str, Any], count: int) -> int:
+    """Video frames of ``count`` whole windows (``ModelOptions.live_frames``): each window a whole tile, so a window's
+    pass and draws (``seed + start``) do not depend on how many follow it. A video of one window is not made in
+    windows, so a live one starts with two; two stages refine the whole video after its first stage, so a live one
+    has one."""
+    if values.get("stages", 1) != 1:
+        raise ValueError(f"stages={values['stages']}: a live video is made in one stage (stage 2 refines the whole "
+                         "video once stage 1 is made); give stages=1")
+    tile = max(1, values["temporal_tile_size"] // TEMPORAL_COMPRESSION)
+    stride = tile - values["temporal_overlap"] // TEMPORAL_COMPRESSION
+    if count < 2:
+        raise ValueError(f"a live video starts with 2 windows or more: num_frames={(tile + stride - 1) * TEMPORAL_COMPRESSION + 1} or "
+                         "more at this temporal_tile_size and temporal_overlap")
+    return (tile + (count - 1) * stride - 1) * TEMPORAL_COMPRESSION + 1
 
 
 def window_prompts(request: GenerationRequest, windows: Windows) -> list[str]:

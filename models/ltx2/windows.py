@@ -257,7 +257,7 @@ def window_decoder(model, x: WindowState) -> Decoder:
 
     return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
                    reads=lambda a, b: decode_reads(vae, split, a, b), feed=feed, audio=audio,
-                   audio_piece=None if soundtrack is None else audio_piece)
+                   audio_piece=None if soundtrack is None else audio_piece, length_free=noise.length_free)
 
 
 def restore_state(request: GenerationRequest, arrays: dict[str, np.ndarray]) -> tuple[Restored, None]:

@@ -485,7 +485,8 @@ class LTXVideoModel:
         # An extension's first latent frames are the video it extends: decoded as context, not delivered.
         skip = 0 if request.extends is None else video_index(x.windows.overlap, self.geometry.temporal_compression)
         return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
-                       reads=lambda a, b: decode_reads(vae, split, a, b), feed=feed, skip=skip)
+                       reads=lambda a, b: decode_reads(vae, split, a, b), feed=feed, skip=skip,
+                       length_free=noise.length_free)
 
     def checkpoint(self, state) -> dict[str, np.ndarray] | None:
         """A long video's windows made so far (``models.ltx_video.windows.Video``); ``None`` for any other pass."""

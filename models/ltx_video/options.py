@@ -8,7 +8,7 @@ from cp_infer.options import ModelOptions, Option
 from cp_infer.step_cache import cache_options
 from models.common.stages import check_two_stage_size, stages_option
 from models.common.standard_options import decode_options, standard_options
-from models.common.windows import check_windows, window_frames, window_options
+from models.common.windows import check_windows, live_frames, window_frames, window_options
 
 __all__ = ["ltx_video_options"]
 
@@ -35,7 +35,7 @@ def ltx_video_options(*, latent_upsampler: bool = False, stages: int | None = No
                "(LTXLatentUpsamplePipeline; 0.6 in diffusers' LTX-Video 0.9.8 recipe)", lo=0, hi=1),
         *window_options(default_tile=80, default_overlap=24),
         *cache_options(model="LTX-Video"),
-    ), check=_check, window_frames=window_frames)
+    ), check=_check, window_frames=window_frames, live_frames=live_frames, live_prompts="prompt_segments")
 
 
 def _check(values) -> None:

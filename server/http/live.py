@@ -73,7 +73,9 @@ def live_job(params, request: GenerationRequest, *, options, max_seconds: float)
     try:
         windows = windows_for_frames(request, options)
     except ValueError as exc:
-        raise ApiError(400, "invalid_value", str(exc), field) from None
+        # An option that rules a live video out (stages=2) is the field, not the length.
+        named = str(exc).removeprefix("live: ").split("=", 1)[0]
+        raise ApiError(400, "invalid_value", str(exc), named if named in options.names else field) from None
     _check_length(request, options, windows, max_seconds, field)
     live = Live((Direction(request.prompt, windows),))
     return live_request(request, live.directions, options), live

@@ -274,3 +274,53 @@ def test_two_stages_over_the_windows(folder, groups):
         resumed = one_thread(_two_stage, single_process_state(), folder, seed, resume=(done, one["checkpoints"][done]))
         np.testing.assert_array_equal(resumed["frames"], one["frames"], err_msg=f"resumed after pass {done}")
         np.testing.assert_array_equal(resumed["audio"], one["audio"])
+
+
+def test_a_live_video_equals_the_one_request_video(folder):
+    """A live LTX-2 video of two whole windows, directed with waits between, makes the latents of both streams and
+    the frames of the one request with the same prompt_segments, bit for bit; its soundtrack streams as the windows
+    make it final (before the video grows), equal to the one request's within 1e-6 (when the video grows, the
+    soundtrack made so far is decoded again for the longer video in other pieces, so the vocoder sums in another
+    order; the samples already delivered are not delivered twice)."""
+    from cp_infer import single_process_state
+    from cp_infer.live import WAIT, Direction, live_request
+    from cp_infer.request import resolve_request
+    from models.ltx2.adapter import LTX2Model
+    from models.ltx2.loading import load_ltx2
+
+    seed = random.randrange(2**31)
+    state = single_process_state()
+    model = LTX2Model(load_ltx2(folder), state=state)
+    model.decode_frames_per_rank = 2
+    base = resolve_request(GenerationRequest.of(
+        prompt="waves on a beach", negative_prompt="silence", num_frames=65, height=64, width=96,
+        num_inference_steps=2, seed=seed, fps=24, temporal_tile_size=48, temporal_overlap=24, guidance_scale=3.0),
+        model.options)
+    directions = [Direction(base.prompt, 2), Direction("a storm comes", 2), Direction("rain", 1)]
+    whole = live_request(base, directions, model.options)
+    assert whole.num_frames == 137, whole
+
+    def run(request, out, **live):
+        control = SampleControl(on_latents=out.update, on_audio_piece=lambda s, first, sr: out["audio"].append(s),
+                                on_frames=lambda f, first, total: out["frames"].append(first), **live)
+        return one_thread(sample, model, request, state=state, control=control)
+
+    expected: dict = {"audio": [], "frames": []}
+    expected_frames = run(whole, expected)
+    answers = [WAIT, *(live_request(base, directions[:k], model.options) for k in (2, 3)), WAIT, None]
+    got: dict = {"audio": [], "frames": []}
+    heard = []
+
+    def extend(done, request):
+        heard.append(len(got["audio"]))
+        return answers.pop(0)
+
+    frames = run(live_request(base, directions[:1], model.options), got, live=True, extend=extend)
+    assert not answers and heard[0] == 1, heard  # the first window's sound went out before the video grew
+    for name in ("latents", "audio_latents"):
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=f"seed={seed} {name}")
+    np.testing.assert_array_equal(frames, expected_frames, err_msg=f"seed={seed}")
+    assert got["frames"] == sorted(set(got["frames"]))
+    wave, expected_wave = np.concatenate(got["audio"], axis=1), np.concatenate(expected["audio"], axis=1)
+    assert wave.shape == expected_wave.shape and np.abs(expected_wave).max() > 1e-3
+    np.testing.assert_allclose(wave, expected_wave, rtol=0, atol=1e-6, err_msg=f"seed={seed}")

@@ -355,3 +355,66 @@ def test_two_stages_over_the_windows(cache_dir, groups):
                              resume=(done, one["checkpoints"][done]))
         assert resumed["passes"] == kinds[done:]
         np.testing.assert_array_equal(resumed["frames"], one["frames"], err_msg=f"resumed after pass {done}")
+
+
+@pytest.mark.parametrize("decode", ["plain", "noised"])
+def test_a_live_video_equals_the_one_request_video(cache_dir, decode):
+    """A live LTX-Video (``cp_infer.live``) of two whole windows, directed a window at a time with waits between, with
+    an image conditioning every window, makes the latents and frames of the one request with the same
+    prompt_segments, bit for bit. ``plain``: the decode is the same however long the video, so frames stream as the
+    windows make them final (the first before the video grows); ``noised``: the decode noise is drawn for the whole
+    video, so the frames wait for its end."""
+    from cp_infer import single_process_state
+    from cp_infer.live import WAIT, Direction, live_request
+    from cp_infer.request import resolve_request
+    from models.ltx_video.adapter import LTXVideoModel
+
+    seed = random.randrange(2**31)
+    state = single_process_state()
+    model = LTXVideoModel(_components(cache_dir, "euler"), state=state)
+    model.decode_frames_per_rank = 2
+    noise = dict(decode_timestep=0.05, decode_noise_scale=0.025) if decode == "noised" else {}
+    base = resolve_request(GenerationRequest(prompt="a red fox runs", negative_prompt="blurry", num_frames=49,
+                                             height=64, width=224, num_inference_steps=2, guidance_scale=3.0, fps=24,
+                                             seed=seed, image=Condition(_image(seed)),
+                                             options=dict(WINDOWS, **noise)), model.options)
+    directions = [Direction(base.prompt, 2), Direction("the fox jumps", 2), Direction("snow falls", 2),
+                  Direction("night", 1)]
+    whole = live_request(base, directions, model.options)
+    assert whole.num_frames == 129 and live_request(base, directions[:1], model.options).num_frames == 49, whole
+    expected = {}
+    frames_whole = one_thread(sample, model, whole, state=state, control=SampleControl(on_latents=expected.update))
+    answers = [WAIT, *(live_request(base, directions[:k], model.options) for k in (2, 3, 4)), WAIT, None]
+    asked, latents, delivered = [], {}, []
+
+    def extend(done, request):
+        asked.append(len(delivered))
+        return answers.pop(0)
+
+    control = SampleControl(live=True, extend=extend, on_latents=latents.update,
+                            on_frames=lambda f, first, total: delivered.append((first, len(f))))
+    frames = one_thread(sample, model, live_request(base, directions[:1], model.options), state=state,
+                        control=control)
+    assert not answers and [first for first, _ in delivered] == sorted({first for first, _ in delivered})
+    np.testing.assert_array_equal(latents["latents"], expected["latents"], err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(frames, frames_whole, err_msg=f"seed={seed}")
+    # Asked after windows 1, 1, 3, 5, 6, 6: after window 3 (final: 9 of 15 latent frames) the first frames are
+    # delivered (at 1 rank the decode's first piece reads 9), then the video grows again.
+    assert (asked[4] > 0) == (decode == "plain"), asked
+
+
+def test_live_options_are_whole_one_stage_windows():
+    from cp_infer.live import first_windows, windows_for_frames
+    from cp_infer.request import resolve_request
+    from models.ltx_video.options import ltx_video_options
+
+    options = ltx_video_options(latent_upsampler=True, stages=1)
+    request = resolve_request(GenerationRequest(prompt="a fox", num_frames=65, options=dict(WINDOWS)), options)
+    assert first_windows(request, options)[0] == 2 and windows_for_frames(request, options) == 3
+    with pytest.raises(ValueError, match="a live video is whole windows; try 49 or 65"):
+        windows_for_frames(dataclasses.replace(request, num_frames=57), options)
+    with pytest.raises(ValueError, match="starts with 2 windows or more: num_frames=49 or more"):
+        windows_for_frames(dataclasses.replace(request, num_frames=41), options)
+    two = resolve_request(GenerationRequest(prompt="a fox", num_frames=49, options=dict(WINDOWS, stages=2)), options)
+    with pytest.raises(ValueError, match="stages=2: a live video is made in one stage"):
+        first_windows(two, options)

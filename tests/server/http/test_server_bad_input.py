@@ -77,8 +77,11 @@ BODIES = [
      "[1, 1024]"),
     ("decode-timestep-as-string", tiny(decode_timestep="0.05"), 400, "invalid_type", "decode_timestep",
      "a number in [0, 1]"),
-    # A live video of a model whose options declare no live_frames (LTX-Video): refused naming `live`.
-    ("live-on-ltx-video", tiny(live=True), 400, "invalid_value", "live", "LTX-Video does not make live videos"),
+    # A live video is two whole windows or more (129 frames at the default tile, over this server's 65), in one stage.
+    ("live-one-window", tiny(live=True), 400, "invalid_value", "num_frames",
+     "num_frames=9: a live video starts with 2 windows or more: num_frames=129 or more"),
+    ("live-two-stages", tiny(live=True, stages=2, size="128x64"), 400, "invalid_value", "stages",
+     "stages=2: a live video is made in one stage"),
     # A step cache the model cannot honour: refused naming `cache`, with the ones it can.
     ("unknown-cache", tiny(cache="teacache"), 400, "invalid_value", "cache",
      "cache='teacache' is not a step cache of LTX-Video models; use one of none, first_block, taylorseer"),
