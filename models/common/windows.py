@@ -157,8 +157,9 @@ def live_frames(values: Mapping[str, Any], count: int) -> int:
     tile = max(1, values["temporal_tile_size"] // TEMPORAL_COMPRESSION)
     stride = tile - values["temporal_overlap"] // TEMPORAL_COMPRESSION
     if count < 2:
-        raise ValueError(f"a live video starts with 2 windows or more: num_frames={(tile + stride - 1) * TEMPORAL_COMPRESSION + 1} or "
-                         "more at this temporal_tile_size and temporal_overlap")
+        two = (tile + stride - 1) * TEMPORAL_COMPRESSION + 1
+        raise ValueError(f"a live video starts with 2 windows or more: num_frames={two} or more at this "
+                         "temporal_tile_size and temporal_overlap")
     return (tile + (count - 1) * stride - 1) * TEMPORAL_COMPRESSION + 1
 
 

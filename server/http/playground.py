@@ -73,7 +73,8 @@ router = APIRouter(prefix="/playground", tags=["playground"])
 async def playground_options(engine: EngineDep) -> dict:
     """The served model's options (name, type, default, inclusive range under this deployment's limits, help), the
     adapters a request may name (``loras``: their names, how many at once, the scale's range), what the page needs
-    to show a length: the frame geometry (``null`` until the model is loaded), and the group's ``layout``
+    to show a length: the frame geometry (``null`` until the model is loaded), whether it makes live videos
+    (``live``), and the group's ``layout``
     (replicas, and each replica's guidance x ring x Ulysses degrees; ``null`` until the group has formed).
 
     Each default is what a request that leaves the option out gets here (lowered to this deployment's limits), so
@@ -106,6 +107,7 @@ async def playground_options(engine: EngineDep) -> dict:
         "loras": {"adapters": [a["name"] for a in engine.adapters()], "max": MAX_LORAS, "scale": list(LORA_SCALE)},
         "temporal_compression": geometry.temporal_compression if geometry else None,
         "window_tile_causal": engine.options.window_tile_causal,
+        "live": engine.options.live_frames is not None,
         "spatial_step": geometry.spatial_step if geometry else None,
     }
 

@@ -5,6 +5,8 @@
 const KEY_ITEM = "cp-infer.api-key";
 const TERMINAL = new Set(["completed", "failed", "cancelled"]);
 const LENGTH_OPTIONS = ["num_frames", "frame_rate"];
+// What people set first, beside the prompt, image, length, seed and adapters; the rest fold under "Advanced".
+const MAIN_OPTIONS = ["height", "width", "num_inference_steps", "guidance_scale"];
 const $ = (id) => document.getElementById(id);
 
 const state = { model: null, options: [], job: null, controller: null, thumbs: new Map(), poll: null,
@@ -43,7 +45,9 @@ function showError(error) {
   // A list's item (loras[1].scale) marks the list's field.
   const field = error.param ? error.param.replace(/\[.*$/, "") : "";
   for (const el of document.querySelectorAll("[data-param]")) {
-    el.classList.toggle("invalid", !!field && el.dataset.param === field);
+    const bad = !!field && el.dataset.param === field;
+    el.classList.toggle("invalid", bad);
+    if (bad && $("advanced").contains(el)) $("advanced").open = true;  // the field named is shown
   }
 }
 
@@ -94,11 +98,15 @@ async function loadOptions() {
   $("options-model").textContent = info.model;
   $("change-key").hidden = !sessionStorage.getItem(KEY_ITEM);
   $("length-fields").replaceChildren();
+  $("main-options").replaceChildren();
   $("options").replaceChildren();
   for (const option of info.options) {
-    const parent = LENGTH_OPTIONS.includes(option.name) ? $("length-fields") : $("options");
+    const parent = LENGTH_OPTIONS.includes(option.name) ? $("length-fields")
+      : MAIN_OPTIONS.includes(option.name) ? $("main-options") : $("options");
     parent.append(optionField(option));
   }
+  $("live-row").hidden = !info.live;
+  if (!info.live) $("live").checked = false;
   if (info.max_prompt_chars) $("prompt").maxLength = info.max_prompt_chars;
   adapterFields(info.loras);
   lengthHint();
@@ -249,6 +257,7 @@ $("reset").addEventListener("click", () => {
     $(`${on.id}-scale`).value = "1";
   }
   $("seed").value = "";
+  $("live").checked = false;
   lengthHint();
 });
 
@@ -324,6 +333,7 @@ async function body() {
   if (loras.length) out.loras = loras;
   const file = $("image").files[0];
   if (file) out.input_reference = await readFile(file);
+  if (!$("live-row").hidden && $("live").checked) out.live = true;
   return out;
 }
 
@@ -380,7 +390,56 @@ function setJob(job) {
     $("cancel").disabled = true;
     refreshHistory();
   }
+  showDirections(job);
 }
+
+// -- a live video: its directions, a timeline of its windows ----------------------------------------------------
+
+function showDirections(job) {
+  const live = job.live;
+  $("director").hidden = !live;
+  if (!live) return;
+  const open = !TERMINAL.has(job.status) && !live.ended;
+  $("direct").disabled = $("end-live").disabled = !open;
+  const items = [];
+  for (const d of live.directions) {
+    for (let w = d.start_window; w <= d.end_window; w++) {
+      const where = w < live.windows_made ? "made"
+        : job.status === "in_progress" && !live.waiting && w === job.window ? "in_progress" : "queued";
+      const li = document.createElement("li");
+      li.dataset.window = String(w);
+      li.dataset.state = where;
+      li.textContent = `${d.prompt} (${where.replace("_", " ")})`;
+      items.push(li);
+    }
+  }
+  $("timeline").replaceChildren(...items);
+  $("live-hint").textContent = !open ? (live.ended && !TERMINAL.has(job.status) ? "Ending after what is directed."
+    : "") : live.waiting ? "Every directed window is made: what happens next?"
+    : "A direction applies from the first window not yet started.";
+}
+
+async function direct(payload) {
+  if (!state.job) return;
+  clearError();
+  const r = await api(`/v1/videos/${encodeURIComponent(state.job.id)}/directions`, {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(payload),
+  });
+  if (!r.ok) return failed(r);
+  const job = await r.json();
+  if (state.job && state.job.id === job.id) setJob(job);
+  return job;
+}
+
+$("direct-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  // Sent as typed: the API names what is wrong (an empty prompt, windows below 1).
+  const payload = { prompt: $("direction").value };
+  const text = $("direction-windows").value.trim();
+  if (text !== "") payload.windows = Number.isFinite(Number(text)) ? Number(text) : text;
+  if (await direct(payload)) $("direction").value = "";
+});
+$("end-live").addEventListener("click", () => direct({ end: true }));
 
 async function follow(id, signal) {
   // Server-sent events over fetch (an EventSource cannot send the Authorization header).

@@ -230,6 +230,68 @@ def test_a_prompt_shows_progress_and_plays_before_it_completes(server, browser):
     wait_for(lambda: target.is_file() and target.read_bytes() == stored, 30, "the downloaded MP4")
 
 
+def timeline(driver) -> list[tuple[str, str]]:
+    return js(driver, "return [...document.querySelectorAll('#timeline li')].map(l => [l.dataset.state, "
+                      "l.textContent]);")
+
+
+def test_what_people_set_first_is_shown_and_the_rest_folds_under_advanced(server, browser):
+    open_page(browser, server)
+    for name in ("prompt", "image", "opt-num_frames", "opt-frame_rate", "opt-height", "opt-width",
+                 "opt-num_inference_steps", "opt-guidance_scale", "seed", f"lora-{ADAPTER}", "live", "generate"):
+        assert visible(browser, name), name
+    assert not js(browser, "return document.getElementById('advanced').open;")
+    folded = js(browser, "return [...document.querySelectorAll('#advanced [data-option]')].map(e => "
+                         "e.dataset.option);")
+    assert {"temporal_tile_size", "decode_timestep", "cache"} <= set(folded)
+    assert not js(browser, "return [...document.querySelectorAll('#advanced [data-option]')].some(e => "
+                           "e.checkVisibility());")
+    # An API error naming a folded option unfolds it.
+    fill(browser, "a lighthouse", **SMALL, decode_timestep="2")
+    by_id(browser, "generate").click()
+    wait_for(lambda: by_id(browser, "error-param").text == "(param: decode_timestep)", 10, "the range error")
+    field = by_id(browser, "opt-decode_timestep")
+    assert js(browser, "return arguments[0].checkVisibility();", field) and "invalid" in field.get_attribute("class")
+    js(browser, "document.getElementById('advanced').open = false;")
+
+
+def test_a_live_video_is_directed_from_the_page(server, browser):
+    """The director's panel: a live video's first two windows (33 frames in 32-frame windows sharing 24), then a
+    direction typed in, a bad one (the API's error), and the end; the timeline shows each window's prompt and where
+    it stands; the video plays while it is made; the job is the one request of its directions."""
+    open_page(browser, server)
+    fill(browser, "[slow] a red fox runs", **{**SMALL, "num_frames": "33", "num_inference_steps": "4"},
+         temporal_tile_size="32", temporal_overlap="24")
+    js(browser, "document.getElementById('live').checked = true;")
+    job_id = submit(browser)
+    wait_for(lambda: visible(browser, "director") and len(timeline(browser)) == 2, 30, "the first two windows")
+    wait_for(lambda: [s for s, _ in timeline(browser)] == ["made", "made"], 60, "the first two windows made")
+    assert "what happens next" in by_id(browser, "live-hint").text
+
+    by_id(browser, "direction-windows").clear()
+    by_id(browser, "direction-windows").send_keys("0")
+    by_id(browser, "direction").send_keys("the fox jumps")
+    by_id(browser, "direct").click()
+    wait_for(lambda: visible(browser, "error"), 10, "the API's error")
+    assert by_id(browser, "error-param").text == "(param: windows)"
+
+    by_id(browser, "direction-windows").clear()
+    by_id(browser, "direction-windows").send_keys("1")
+    by_id(browser, "direct").click()
+    wait_for(lambda: len(timeline(browser)) == 3 and not visible(browser, "error"), 10, "the third window")
+    assert timeline(browser)[2][1].startswith("the fox jumps") and by_id(browser, "direction").get_attribute(
+        "value") == ""
+    by_id(browser, "end-live").click()
+    wait_for(lambda: current(browser)["status"] == "completed", 90, "the video to end")
+    assert [s for s, _ in timeline(browser)] == ["made"] * 3
+    assert not by_id(browser, "direct").is_enabled() and not by_id(browser, "end-live").is_enabled()
+    wait_for(lambda: current(browser)["time"] > 0, 30, "the video to play")
+
+    job = server.client.get(f"/v1/videos/{job_id}").json()
+    assert job["num_frames"] == 41 and job["live"]["ended"] and job["live"]["windows_made"] == 3, job
+    assert [d["prompt"] for d in job["live"]["directions"]] == ["[slow] a red fox runs", "the fox jumps"]
+
+
 def test_image_to_video_from_an_uploaded_file(server, browser, tmp_path):
     open_page(browser, server)
     rng = np.random.default_rng()
@@ -343,6 +405,7 @@ def test_no_control_overlaps_or_is_cut_off(server, browser, tmp_path, width, hei
         wait_for(lambda: js(browser, "return document.querySelectorAll('#jobs li').length;"), 30, "the history")
         wait_for(lambda: js(browser, "return [innerWidth, innerHeight];") == [width, height], 10, "the viewport")
         browser.save_screenshot(str(tmp_path / f"playground-{width}x{height}.png"))
+        js(browser, "document.getElementById('advanced').open = true;")  # every option's field, unfolded
         js(browser, "document.getElementById('history').scrollIntoView();")
         browser.save_screenshot(str(tmp_path / f"playground-{width}x{height}-history.png"))
         count, problems = js(browser, _LAYOUT)
