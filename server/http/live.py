@@ -6,7 +6,8 @@ Invariants:
   length stays within ``--live-max-seconds`` (400 naming the field and the longest it may ask for).
 - A live video's request is the one-request video of its directions (``cp_infer.live.live_request``); the first
   direction is the create request's own prompt and windows.
-- The store takes a direction in one guarded write (``JobStore.direct``): none is lost between two clients.
+- The store takes a direction in one guarded write (``JobStore.direct``): none is lost between two clients. Another
+  tenant's video is answered 404 as one that does not exist.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from cp_infer.live import (
 )
 from cp_infer.request import GenerationRequest
 from server.group.jobs import Job, Live, LiveRefused, valid_job_id
+from server.http.auth import TenantDep
 from server.http.config import ConfigDep
 from server.http.engine import EngineDep
 from server.http.schemas import ApiError, VideoJob, error_responses
@@ -142,11 +144,12 @@ _DIRECTION_BODY = {"required": True, "description": "The next windows' prompt an
 
 @router.post("/{video_id}/directions", response_model=VideoJob, responses=error_responses(400, 404, 409, 413, 415),
              openapi_extra={"requestBody": _DIRECTION_BODY})
-async def direct_video(video_id: str, request: Request, engine: EngineDep, config: ConfigDep) -> dict:
+async def direct_video(video_id: str, request: Request, engine: EngineDep, config: ConfigDep,
+                       tenant: TenantDep) -> dict:
     """A live video's next direction: ``{"prompt": "...", "windows": k}`` (or ``"seconds"``) appends windows with
     that prompt, from the first window not yet started; ``{"end": true}`` ends the video after what is directed."""
     job = engine.store.get(video_id) if valid_job_id(video_id) else None
-    if job is None:
+    if job is None or not tenant.sees(job.tenant):  # another tenant's video is one that does not exist
         raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if ctype not in ("application/json", "text/json") and not ctype.endswith("+json"):

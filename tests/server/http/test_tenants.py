@@ -68,6 +68,7 @@ def _routes(done: str, queued: str) -> list[tuple[str, str, dict]]:
         ("POST", "/v1/videos", {"json": {**_BODY, "num_frames": 33, "conditions": [{"media": {"id": done}}]}}),
         ("POST", f"/v1/videos/{queued}/cancel", {}),
         ("DELETE", f"/v1/videos/{queued}", {}),
+        ("POST", f"/v1/videos/{queued}/directions", {"json": {"prompt": "and then it snows"}}),
     ]
 
 
