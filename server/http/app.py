@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.http import health, live, models, playground, usage, videos
+from server.http import health, live, live_socket, models, playground, usage, videos
 from server.http.auth import GuardMiddleware, error_response
 from server.http.config import AppConfig
 from server.http.engine import Engine
@@ -101,6 +101,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     app.include_router(videos.router)
     app.include_router(usage.router)
     app.include_router(live.router)
+    app.include_router(live_socket.router)
     app.include_router(models.router)
     app.include_router(playground.router)
     install_openapi(app, engine, config, public=_PUBLIC_PATHS)

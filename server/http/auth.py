@@ -9,6 +9,8 @@ Invariants:
   same 401: nothing says which. No token is logged or echoed.
 - A tenant with ``rpm`` takes a token of its bucket (shared by the fleet) per request, or is answered 429 with
   ``Retry-After``, before any route runs.
+- A WebSocket's key is its ``Authorization`` header, or the subprotocol ``bearer.<key>`` (a browser's); refused, it
+  is closed before it is accepted.
 - Only ``/health`` is exempt, and the playground page's own static files (``server.http.playground.PageFiles``, in
   front of the guard and not routes). Bodies over the cap are refused with 413 from their Content-Length before they
   are read (routes cap streamed bodies themselves).
@@ -77,6 +79,10 @@ class GuardMiddleware:
             auth = headers.get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             token = token.strip() if scheme.lower() == b"bearer" else None
+            if token is None and scope["type"] == "websocket":
+                # A browser cannot send the header on a WebSocket: the key comes as a subprotocol, bearer.<key>.
+                token = next((p[len("bearer."):].encode() for p in scope.get("subprotocols", ())
+                              if p.startswith("bearer.")), None)
             response = None
             try:
                 tenant = await asyncio.to_thread(self._tenant, token)

@@ -34,7 +34,7 @@ from server.http.config import ConfigDep
 from server.http.engine import EngineDep
 from server.http.schemas import ApiError, VideoJob, error_responses
 
-__all__ = ["check_live", "live_job", "router"]
+__all__ = ["check_live", "live_job", "parse_direction", "router", "take_direction"]
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 
@@ -158,11 +158,22 @@ async def direct_video(video_id: str, request: Request, engine: EngineDep, confi
     body = await request.body()
     if len(body) > config.max_body_bytes:
         raise ApiError(413, "request_too_large", f"the body is over the limit of {config.max_body_bytes} bytes")
+    return take_direction(engine, config, video_id, parse_direction(body))
+
+
+def parse_direction(body: bytes | str) -> Any:
+    """A direction's JSON (the POST body, or a WebSocket message), or a 400."""
     try:
-        data = json.loads(body.decode("utf-8"), parse_constant=lambda name: (_ for _ in ()).throw(
+        text = body.decode("utf-8") if isinstance(body, bytes) else body
+        return json.loads(text, parse_constant=lambda name: (_ for _ in ()).throw(
             ValueError(f"{name} is not a number")))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ApiError(400, "invalid_json", f"the body is not valid JSON: {exc}") from None
+
+
+def take_direction(engine, config, video_id: str, data: Any) -> dict:
+    """The direction ``data`` taken by the job's store (the job checked as its tenant's already): the job after it,
+    or a 4xx ``ApiError``."""
     options = engine.options
     try:
         job = engine.store.direct(video_id, lambda job, live: _direction(
