@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-from typing import Any, BinaryIO
+from typing import Any
 
 from anyio import to_thread
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
@@ -33,6 +32,7 @@ from server.group.jobs import TERMINAL, valid_job_id
 from server.group.tenants import OPEN
 from server.http.live import parse_direction, take_direction
 from server.http.schemas import ApiError
+from server.outputs.streaming import SpoolReader
 
 __all__ = ["PROTOCOL", "router"]
 
@@ -40,49 +40,7 @@ router = APIRouter(prefix="/v1/videos", tags=["videos"])
 
 PROTOCOL = "cp-infer.live"
 _POLL_S = 0.05
-_CHUNK = 256 * 1024
 _NOT_FOUND = 4404
-
-
-class _Mp4:
-    """The job's MP4 as this connection reads it: the spool file while it is made here, else the stored output."""
-
-    def __init__(self, store, job_id: str):
-        self.store, self.job_id = store, job_id
-        self.spool = store.path(job_id, ".mp4.tmp")
-        self.file: BinaryIO | None = None
-        self.sent = 0
-
-    def follow(self) -> tuple[bool, bytes]:
-        """``(reset, bytes)``: what was written since the last call (blocking: run in a thread)."""
-        reset = False
-        if self.file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(self.spool).st_ino != os.fstat(self.file.fileno()).st_ino:  # made again: a new file
-                    self.close()
-                    reset, self.sent = True, 0
-        if self.file is None and (self.sent == 0 or reset):
-            try:
-                self.file = open(self.spool, "rb", buffering=0)  # noqa: SIM115 -- closed by close()
-            except FileNotFoundError:
-                return reset, b""
-        data = self.file.read(_CHUNK) if self.file is not None else b""
-        self.sent += len(data)
-        return reset, data
-
-    def stored(self, job) -> list[bytes]:
-        """A completed video's bytes past those sent, from the output store (blocking)."""
-        size = self.store.output_size(job, ".mp4")
-        if size is None or size <= self.sent:
-            return []
-        chunks = list(self.store.read_output(job, ".mp4", self.sent, size))
-        self.sent = size
-        return chunks
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
 
 
 @router.websocket("/{video_id}/live")
@@ -139,7 +97,7 @@ async def _direct(engine, config, video_id: str, message: dict[str, Any]) -> dic
 
 async def _follow(websocket: WebSocket, store, video_id: str, seq: int, job, send) -> None:
     """The job's events and its MP4 until its final state and last byte are sent; then the close."""
-    mp4 = _Mp4(store, video_id)
+    mp4 = SpoolReader(store, video_id)
     try:
         history = await to_thread.run_sync(store.events_since, video_id, 0)
         cursor, final = seq, None

@@ -62,6 +62,7 @@ from server.http.schemas import (
     params_from_form,
     params_from_json,
 )
+from server.outputs.streaming import SpoolReader
 
 __all__ = ["router", "multipart_available"]
 
@@ -567,14 +568,24 @@ async def cancel_video(video_id: str, engine: EngineDep, tenant: TenantDep) -> d
         "video/mp4": _MP4, "image/jpeg": _MP4, "application/octet-stream": _MP4}},
     **error_responses(400, 404, 409)})
 async def download_video(video_id: str, request: Request, engine: EngineDep, tenant: TenantDep,
-                         variant: str = "video") -> FileResponse:
+                         variant: str = "video", stream: bool = Query(
+                             False, description="the MP4 of a video not yet completed, sent as it is made (a live "
+                             "video's as it grows), its body ending short if the video does not complete")
+                         ) -> FileResponse:
     """The MP4 (``variant=video``), a JPEG of the middle frame (``thumbnail``), or, when the server keeps
-    them, the raw uint8 frames as ``.npy`` (``frames``, lossless)."""
+    them, the raw uint8 frames as ``.npy`` (``frames``, lossless). ``stream=true``: the MP4 of a queued or running
+    video as it is made, from its first byte."""
     job = _job_or_404(engine, video_id, tenant)
     allowed = [v for v in _CONTENT if v != "frames" or engine.keep_frames]
     if variant not in allowed:
         raise ApiError(400, "invalid_value", f"variant={variant!r} is not available; use one of {allowed}",
                        "variant")
+    if stream and variant != "video":
+        raise ApiError(400, "invalid_value", f"stream=true sends the MP4 as it is made; variant={variant!r} exists "
+                       "once the video is completed: leave stream out", "stream")
+    if stream and not job.terminal:
+        return StreamingResponse(_follow_mp4(engine.store, job.id, request), media_type="video/mp4",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     if job.status != "completed":
         raise ApiError(409, "video_not_ready", f"video {video_id} is {job.status} (progress {job.progress}%); "
                        "content exists once its status is completed", "video_id")
@@ -588,6 +599,38 @@ async def download_video(video_id: str, request: Request, engine: EngineDep, ten
         raise ApiError(404, "content_not_found", f"the {variant} of {video_id} is missing on the server")
     return ranged_response(lambda start, end: store.read_output(job, suffix, start, end), size,
                            request.headers.get("range"), media_type=media_type, filename=f"{video_id}{suffix}")
+
+
+async def _follow_mp4(store, video_id: str, request: Request):
+    """A video's MP4 from its first byte as it is made (``SpoolReader``), to its last once it is completed; a video
+    that ends otherwise (or is deleted) ends the body without its last chunk, never as a short file that looks
+    whole."""
+    mp4 = SpoolReader(store, video_id)
+    try:
+        polls = 0
+        while not request.app.state.shutting_down:
+            reset, data = await anyio.to_thread.run_sync(mp4.follow)
+            if reset:
+                raise RuntimeError(f"video {video_id} is made again (its group restarted); ask for it again")
+            if data:
+                yield data
+                continue
+            polls += 1
+            if polls % 4 == 0:  # the record, every 0.2 s: its final state once every byte is in the file
+                job = await anyio.to_thread.run_sync(store.snapshot_any, video_id)
+                if job is None or job.terminal:
+                    break
+            await asyncio.sleep(_SSE_POLL_S)
+        else:
+            raise RuntimeError("the server is shutting down")
+        if job is None or job.status != "completed":
+            raise RuntimeError(f"video {video_id} ended {'deleted' if job is None else job.status}")
+        while data := (await anyio.to_thread.run_sync(mp4.follow))[1]:
+            yield data
+        for chunk in await anyio.to_thread.run_sync(mp4.stored, job):
+            yield chunk
+    finally:
+        mp4.close()
 
 
 @router.get("/{video_id}/events", response_class=StreamingResponse, responses={

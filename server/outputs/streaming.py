@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import BinaryIO
@@ -32,9 +33,11 @@ import numpy as np
 
 from cp_infer.request import GenerationRequest
 
-__all__ = ["StreamedOutputs", "VideoStream"]
+__all__ = ["SpoolReader", "StreamedOutputs", "VideoStream"]
 
 log = logging.getLogger("cp_infer.streaming")
+
+SPOOL_CHUNK = 256 * 1024
 
 
 class VideoStream:
@@ -210,3 +213,46 @@ class StreamedOutputs:
         for f in (self._mp4, self._raw):
             if f is not None:
                 f.close()
+
+
+class SpoolReader:
+    """A job's MP4 as one more reader follows it (a WebSocket, ``GET .../content?stream=true``): from the spool file
+    while it is made on this server (a descriptor of its own, so the file's rename into place or removal does not cut
+    it short), else, once the job is completed, from the output store; the bytes together are the stored file."""
+
+    def __init__(self, store, job_id: str):
+        self.store, self.job_id = store, job_id
+        self.spool = store.path(job_id, ".mp4.tmp")
+        self.file: BinaryIO | None = None
+        self.sent = 0
+
+    def follow(self) -> tuple[bool, bytes]:
+        """``(reset, bytes)``: what was written since the last call (blocking: run in a thread)."""
+        reset = False
+        if self.file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self.spool).st_ino != os.fstat(self.file.fileno()).st_ino:  # made again: a new file
+                    self.close()
+                    reset, self.sent = True, 0
+        if self.file is None and (self.sent == 0 or reset):
+            try:
+                self.file = open(self.spool, "rb", buffering=0)  # noqa: SIM115 -- closed by close()
+            except FileNotFoundError:
+                return reset, b""
+        data = self.file.read(SPOOL_CHUNK) if self.file is not None else b""
+        self.sent += len(data)
+        return reset, data
+
+    def stored(self, job) -> list[bytes]:
+        """A completed video's bytes past those sent, from the output store (blocking)."""
+        size = self.store.output_size(job, ".mp4")
+        if size is None or size <= self.sent:
+            return []
+        chunks = list(self.store.read_output(job, ".mp4", self.sent, size))
+        self.sent = size
+        return chunks
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None

@@ -31,6 +31,9 @@ def test_the_socket_is_its_tenants_and_answers_a_bad_message_in_kind(tmp_path):
             video = client.post("/v1/videos", json=_BODY, headers={"Authorization": f"Bearer {keys['alice']}"}).json()[
                 "id"]
             path = f"/v1/videos/{video}/live"
+            # Not completed: its content is a 409 unless it is followed (stream=true, the last test below).
+            r = client.get(f"/v1/videos/{video}/content", headers={"Authorization": f"Bearer {keys['alice']}"})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "video_not_ready", r.text
             with pytest.raises(WebSocketDisconnect) as refused, client.websocket_connect(path):
                 pass
             assert refused.value.code == 1008  # no key: closed before it is accepted
@@ -104,3 +107,48 @@ def test_a_live_video_followed_and_directed_over_one_connection(api_server):
     final = events[-1]["video"]
     assert final["num_frames"] == 41 and final["live"]["ended"] and final["live"]["windows_made"] == 3, final
     assert bytes(mp4) == api_server.client.get(f"/v1/videos/{video}/content").content and mp4[4:8] == b"ftyp"
+
+
+def test_a_live_video_created_without_stream_is_watched_as_it_grows(api_server):
+    """GET .../content?stream=true of a live video created without stream, asked while it waits for directions: the
+    MP4 from its first byte to its last once the video is ended; byte for byte the stored file. (Two windows of 5
+    latent frames decode nothing before the end: the decode's first piece reads them all.)"""
+    import threading
+
+    import httpx
+
+    body = {**_BODY, "num_frames": 33, "live": True, "temporal_tile_size": 32, "temporal_overlap": 24}
+    video = api_server.submit(body)["id"]
+    r = api_server.client.get(f"/v1/videos/{video}/content", params={"stream": "true", "variant": "thumbnail"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    wait_for_waiting(api_server, video)
+    got, opened = bytearray(), threading.Event()
+
+    def watch() -> None:
+        with httpx.stream("GET", f"{api_server.url}/v1/videos/{video}/content?stream=true", timeout=120,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+            assert response.status_code == 200 and response.headers["content-type"] == "video/mp4"
+            opened.set()
+            for chunk in response.iter_bytes():
+                got.extend(chunk)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    assert opened.wait(30), "no answer while the video waits for directions"
+    job = api_server.client.get(f"/v1/videos/{video}").json()
+    assert job["status"] == "in_progress" and job["live"]["waiting"] and not got, job
+    assert api_server.client.post(f"/v1/videos/{video}/directions", json={"end": True}).status_code == 200
+    watcher.join(120)
+    assert not watcher.is_alive()
+    assert api_server.wait_job(video)["status"] == "completed"
+    assert bytes(got) == api_server.client.get(f"/v1/videos/{video}/content").content
+
+
+def wait_for_waiting(server, video: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        live = server.client.get(f"/v1/videos/{video}").json()["live"]
+        if live["waiting"]:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"video {video} never waited for directions")

@@ -278,8 +278,10 @@ def test_schemathesis_finds_no_undocumented_answer(tmp_path):
         run()
 
     for i, op in enumerate(operations):
-        # One completed and one queued video per operation: a delete or a cancel changes only its own.
-        known = [completed[i % len(completed)]] + ([] if op.path.endswith("/events") else [queued[i % len(queued)]])
+        # One completed and one queued video per operation: a delete or a cancel changes only its own. A queued
+        # video's events and its MP4 with stream=true follow it until it ends, which none here does.
+        following = op.path.endswith(("/events", "/content"))
+        known = [completed[i % len(completed)]] + ([] if following else [queued[i % len(queued)]])
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             if mode == GenerationMode.NEGATIVE:
                 op = mutated[op.label]
