@@ -432,9 +432,9 @@ class WanModel:
 
     def _chained_decoder(self, wp: WindowPass) -> Decoder:
         """The decode of a long video of chained windows (``models.wan.windows``): each window decoded alone, its
-        repeated first frame dropped, on the decoding group's first rank. Every rank but the last window's has already
-        decoded it for the next window's image (``finish_window``): those frames are taken as they are fed; a window
-        not decoded yet (the last, or one before a resume) is decoded here. Rounds of a window's new latent frames
+        repeated first frame dropped, on the decoding group's first rank. Every window was decoded for the next window's
+        image as it was made (``finish_window``): those frames are taken as they are fed; a window not decoded yet (one
+        before a resume) is decoded here. Rounds of a window's new latent frames
         stream the video window by window."""
         request, windows = wp.request, wp.windows
         t = self.geometry.temporal_compression

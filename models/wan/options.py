@@ -109,9 +109,7 @@ def wan_options(layout: WanLayout = WanLayout()) -> ModelOptions:
     return ModelOptions("Wan", tuple(options), takes_media=layout.takes_image, needs_image=layout.image, check=check,
                         window_media=("image",) if layout.takes_image else (), window_frames=_window_frames,
                         window_tile_causal=True,
-                        # Chained windows (image-to-video folders) finish their last window without the frame the next
-                        # would start from: no live video of theirs.
-                        live_frames=None if layout.image else _live_frames,
+                        live_frames=_live_frames,
                         live_prompts="prompt_segments")
 
 
@@ -133,11 +131,12 @@ def wan_windows_of(values: GenerationRequest | Mapping[str, Any]) -> Windows | N
 
 
 def _live_frames(values: Mapping[str, Any], count: int) -> int:
-    """Video frames of ``count`` whole windows (the windows' tail-conditioned plan: a window's pass and draws do not
-    depend on how many follow it). A video of one window is not made in windows, so a live one starts with two."""
+    """Video frames of ``count`` whole windows (tail-conditioned or chained: a window's pass and draws do not depend
+    on how many follow it, and every window, the last included, keeps the frame the next would start from). A video of one window is not made in windows, so a live one starts with two."""
     t = WAN_TEMPORAL_COMPRESSION
     tile = (values["temporal_tile_size"] - 1) // t + 1
-    stride = tile - values["temporal_overlap"] // t
+    overlap = values.get("temporal_overlap")  # unset: chained windows (image-to-video folders)
+    stride = tile - (CHAINED if overlap is None else overlap // t)
     if count < 2:
         raise ValueError(f"a live Wan video starts with 2 windows or more: num_frames={(tile + stride - 1) * t + 1} "
                          "or more at this temporal_tile_size and temporal_overlap")

@@ -200,10 +200,11 @@ def finish_window(model, full: dict[str, torch.Tensor], prepared: Prepared) -> i
         if wp.before is not None:
             firsts = own[:, :, :1] if wp.before.firsts is None else torch.cat([wp.before.firsts, own[:, :, :1]], 2)
             wp.made.firsts = firsts
-        if wp.window + 1 < len(wp.windows):  # the next window's image (the last one's frames: the decoder's)
-            frames = model.decode_whole(own)
-            wp.made.last_frame = frames[-1]
-            wp.made.decoded = frames if wp.before is None else frames[1:]
+        # The next window's image; the last window's too (a live video may go on from it), which the decoder then
+        # takes as it takes the others' instead of decoding the window itself.
+        frames = model.decode_whole(own)
+        wp.made.last_frame = frames[-1]
+        wp.made.decoded = frames if wp.before is None else frames[1:]
     return video.shape[2]
 
 

@@ -409,13 +409,14 @@ def test_long_requests_take_what_the_model_windows():
                       options=options)
 
 
-@pytest.mark.parametrize("frames_per_rank", [2, 3])
-def test_a_live_video_equals_the_one_request_video(folders, frames_per_rank):
+@pytest.mark.parametrize("variant, frames_per_rank", [("t2v", 2), ("t2v", 3), ("i2v", 2)])
+def test_a_live_video_equals_the_one_request_video(folders, variant, frames_per_rank):
     """A live Wan video (``cp_infer.live``) of two windows, directed a window at a time with waits between, makes the
     frames and latents of the one request with the same prompt_segments, bit for bit. Wan's decode carries its causal
     cache from piece to piece, so when the video grows it is decoded again from the start for the longer video (whose
     pieces differ from the shorter one's with 2 latent frames a piece and are its first ones with 3), the frames
-    already delivered not delivered twice."""
+    already delivered not delivered twice. ``i2v``: chained windows from an image, each window the image-to-video of
+    the last frame before it (the last window's kept too, for the video to go on from)."""
     from cp_infer import single_process_state
     from cp_infer.live import WAIT, Direction, live_request
     from cp_infer.request import resolve_request
@@ -424,14 +425,16 @@ def test_a_live_video_equals_the_one_request_video(folders, frames_per_rank):
 
     seed = random.randrange(2**31)
     state = single_process_state()
-    model = WanModel(load_wan(folders["t2v"]), state=state)
+    model = WanModel(load_wan(folders[variant]), state=state)
     model.decode_frames_per_rank = frames_per_rank
-    base = resolve_request(GenerationRequest(prompt="a red fox runs", negative_prompt="blurry", num_frames=29,
-                                             height=16, width=80, num_inference_steps=3, guidance_scale=4.0,
-                                             seed=seed, options=dict(WINDOWS)), model.options)
+    chained = variant in CHAINED
+    base = resolve_request(GenerationRequest(
+        prompt="a red fox runs", negative_prompt="blurry", num_frames=33 if chained else 29, height=16, width=80,
+        num_inference_steps=3, guidance_scale=4.0, seed=seed, image=Condition(_image(seed)) if chained else None,
+        options=dict(temporal_tile_size=17) if chained else dict(WINDOWS)), model.options)
     directions = [Direction(base.prompt, 2), Direction("the fox jumps", 1), Direction("snow falls", 1)]
     whole = live_request(base, directions, model.options)
-    assert whole.num_frames == 53, whole
+    assert whole.num_frames == (65 if chained else 53), whole
     expected = {}
     frames_whole = one_thread(sample, model, whole, state=state, control=SampleControl(on_latents=expected.update))
     answers = [WAIT, live_request(base, directions[:2], model.options), live_request(base, directions, model.options),
