@@ -132,7 +132,8 @@ def wan_windows_of(values: GenerationRequest | Mapping[str, Any]) -> Windows | N
 
 def _live_frames(values: Mapping[str, Any], count: int) -> int:
     """Video frames of ``count`` whole windows (tail-conditioned or chained: a window's pass and draws do not depend
-    on how many follow it, and every window, the last included, keeps the frame the next would start from). A video of one window is not made in windows, so a live one starts with two."""
+    on how many follow it, and every window, the last included, keeps the frame the next would start from). A video
+    of one window is not made in windows, so a live one starts with two."""
     t = WAN_TEMPORAL_COMPRESSION
     tile = (values["temporal_tile_size"] - 1) // t + 1
     overlap = values.get("temporal_overlap")  # unset: chained windows (image-to-video folders)
