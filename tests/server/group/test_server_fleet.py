@@ -47,6 +47,7 @@ class _Fleet:
     prefix: str
     pg: str
     postgres: PostgresURL
+    start: object  # start(name) -> ServerProcess: one more server of the fleet, started (not yet ready)
 
     def row(self, job_id: str) -> dict:
         with psycopg.connect(self.pg) as conn:
@@ -71,17 +72,19 @@ def fleet(tmp_path_factory, cache_dir, postgres_server, s3_server):
     args = ["--job-store", pg, "--output-store", f"s3://{_BUCKET}/{prefix}", "--lease-s", "3", "--heartbeat-s", "0.5",
             "--collective-timeout", "30", "--keep-frames"]
     root = tmp_path_factory.mktemp("fleet")
-    with pytest.MonkeyPatch.context() as env:  # what the servers inherit: S3's identity, its way through the proxy
-        for name, value in {**S3_ENV, "AWS_ENDPOINT_URL": proxy.url, "AWS_MAX_ATTEMPTS": "2"}.items():
-            env.setenv(name, value)
-        servers = []
-        for name in ("a", "b"):
+
+    def start(name: str) -> ServerProcess:
+        with pytest.MonkeyPatch.context() as env:  # what a server inherits: S3's identity, its way through the proxy
+            for key, value in {**S3_ENV, "AWS_ENDPOINT_URL": proxy.url, "AWS_MAX_ATTEMPTS": "2"}.items():
+                env.setenv(key, value)
             (root / name).mkdir()
-            servers.append(ServerProcess(root / name, cache_dir, extra_args=args, faults=_FAULTS, nproc=1))
+            return ServerProcess(root / name, cache_dir, extra_args=args, faults=_FAULTS, nproc=1)
+
+    servers = [start(name) for name in ("a", "b")]
     try:
         for s in servers:
             s.wait_ready()
-        yield _Fleet(servers, proxy, s3_server, prefix, pg, postgres_server)
+        yield _Fleet(servers, proxy, s3_server, prefix, pg, postgres_server, start)
     finally:
         for s in servers:
             s.stop()
@@ -212,6 +215,39 @@ def test_a_postgresql_restart_while_a_job_runs_loses_nothing(fleet):
     assert "claiming the next job: the job store (PostgreSQL" in idle.log_tail(400)
     for s in fleet.servers:
         assert s.group()["restart_count"] == 0, s.log_tail()
+
+
+def test_200_jobs_over_three_servers_are_each_completed_once(fleet):
+    """A third server joins the two; 200 short jobs are submitted round robin to the three (a client that waits out a
+    429 as it is told: the fleet's queue holds 16), and every one is completed exactly once: one attempt each, the
+    servers' finished counts adding up to 200, each server running some, every MP4 in S3."""
+    c = fleet.start("c")
+    try:
+        c.wait_ready()
+        servers = [*fleet.servers, c]
+        before = [_finished(s) for s in servers]
+        jobs: list[str] = []
+        for i in range(200):
+            server = servers[i % 3]
+            while (r := server.client.post("/v1/videos", json=tiny(f"a kite, take {i}", num_frames=1, seed=i))
+                   ).status_code == 429:
+                time.sleep(min(float(r.headers["retry-after"]), 0.2))
+            assert r.status_code == 200, r.text
+            jobs.append(r.json()["id"])
+        ends = {job: _poll(servers[i % 3], job)["status"] for i, job in enumerate(jobs)}
+        assert set(ends.values()) == {"completed"}, {j: e for j, e in ends.items() if e != "completed"}
+        with psycopg.connect(fleet.pg) as conn:
+            rows = conn.execute("SELECT attempts, output_attempt FROM jobs WHERE id = ANY(%s)", (jobs,)).fetchall()
+        assert len(rows) == 200 and all(row == (1, 1) for row in rows), rows
+        ran = [_finished(s) - b for s, b in zip(servers, before, strict=True)]
+        assert sum(ran) == 200 and min(ran) > 0, ran
+        assert all(fleet.object(job, "1.mp4") for job in jobs[::20])
+    finally:
+        c.stop()
+
+
+def _finished(server: ServerProcess) -> int:
+    return sum(sum(r["jobs_finished"].values()) for r in server.client.get("/ready").json()["replicas"])
 
 
 def test_a_frozen_servers_job_runs_on_the_other_and_its_stale_attempt_changes_nothing(fleet):
