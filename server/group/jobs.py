@@ -78,6 +78,9 @@ _POLL_S = 0.2
 """How often a shared store's idle claimer looks at the queue again."""
 _FRESH_S = 0.1
 """How old a running job's row, returned by its last write, may be to answer its next cancel poll instead of a read."""
+SWEEP_MIN_AGE_S = 3600.0
+"""How old a shared output store's file of no job must be before a sweep removes it (:meth:`JobStore.sweep_outputs`):
+a job's lead frames are uploaded just before its record is committed."""
 
 
 class QueueFull(Exception):
@@ -308,6 +311,42 @@ class JobStore:
             self.outputs.delete(job_id, *suffixes)
         except StoreUnavailable as exc:
             log.warning("job %s: its files %s were not removed from the %s", job_id, suffixes or "(all)", exc)
+
+    def sweep_outputs(self, *, min_age_s: float = SWEEP_MIN_AGE_S) -> list[tuple[str, int, str]]:
+        """Files of a shared output store that no record points at, removed; returns them (job id, attempt, suffix).
+        Those of a job that ended, but its content (a completed job's own attempt's MP4, thumbnail and frames): a
+        stale attempt's, checkpoints, lead frames, a failed or cancelled job's; and, once ``min_age_s`` old, those of
+        no job (a delete whose requests failed; younger ones may be a job's whose record is not committed yet). A
+        running or queued job's files are left to it. Safe beside every server of the fleet: what it removes no
+        record will ever name."""
+        objects = list(self.outputs.objects())  # off the lock: requests to a remote store
+        if not objects:
+            return []
+        with self._lock:
+            # The attempt whose files are the content, as the reads take it (output_attempt, else attempts).
+            rows = {r["id"]: (r["status"], r["output_attempt"] or r["attempts"]) for r in self._db.execute(
+                "SELECT id, status, output_attempt, attempts FROM jobs").fetchall()}
+        removed = []
+        for job_id, attempt, suffix, age in objects:
+            status, output = rows.get(job_id, (None, None))
+            if status is None:
+                gone = age >= min_age_s
+            elif status not in TERMINAL:
+                gone = False
+            else:
+                gone = status != "completed" or attempt != output or suffix not in (".mp4", ".jpg", ".npy")
+            if gone:
+                self.outputs.remove(job_id, suffix, attempt=attempt)
+                removed.append((job_id, attempt, suffix))
+        if removed:
+            log.info("removed %d files of the %s that no job's record names", len(removed), self.outputs.name)
+        return removed
+
+    def _sweep_remote(self) -> None:
+        try:
+            self.sweep_outputs()
+        except StoreUnavailable as exc:
+            log.warning("the %s was not swept: %s", self.outputs.name, exc)
 
     def _sweep(self) -> None:
         """Files that interrupted writes left (caller holds the lock; no job of this server runs): temporary
@@ -543,6 +582,8 @@ class JobStore:
                         self._remove_files(row["id"])
             self._sweep()
             self._work.notify_all()
+        if not self.outputs.local:
+            self._cleaner.submit(self._sweep_remote)  # requests to a remote store, off the lock
         return requeued
 
     def _reap(self, *, expired_only: bool) -> list[str]:

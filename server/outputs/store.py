@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,6 +73,15 @@ class OutputStore:
 
     def delete(self, job_id: str, *suffixes: str) -> None:
         """The job's files with these suffixes, of every attempt (none given: all of its files)."""
+        raise NotImplementedError
+
+    def objects(self) -> Iterator[tuple[str, int, str, float]]:
+        """Every file a store shared by a fleet holds: ``(job id, attempt, suffix, age in seconds)``; none for the
+        local folder (its server sweeps it itself: ``JobStore.recover``)."""
+        return iter(())
+
+    def remove(self, job_id: str, suffix: str, *, attempt: int) -> None:
+        """One attempt's file (:meth:`objects`' sweep)."""
         raise NotImplementedError
 
 
@@ -192,6 +202,23 @@ class S3Outputs(OutputStore):
             yield from body.iter_chunks(_CHUNK)
         finally:
             body.close()
+
+    def objects(self) -> Iterator[tuple[str, int, str, float]]:
+        now = time.time()
+        token: dict[str, str] = {}
+        while True:
+            page = self._call("list_objects_v2", Prefix=self.prefix, **token)
+            for item in page.get("Contents", ()):
+                job_id, _, name = item["Key"][len(self.prefix):].partition("/")
+                attempt, dot, suffix = name.partition(".")
+                if attempt.isdigit() and dot and "/" not in name:  # another writer's keys are not ours
+                    yield job_id, int(attempt), "." + suffix, now - item["LastModified"].timestamp()
+            if not page.get("IsTruncated"):
+                return
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def remove(self, job_id: str, suffix: str, *, attempt: int) -> None:
+        self._call("delete_object", Key=self._key(job_id, suffix, attempt))
 
     def delete(self, job_id: str, *suffixes: str) -> None:
         listing = self._call("list_objects_v2", Prefix=f"{self.prefix}{job_id}/")

@@ -308,3 +308,48 @@ def test_s3_refuses_a_wrong_secret(tmp_path, s3_url, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     with pytest.raises(StoreUnavailable, match="s3://"):
         S3Outputs(s3_url, tmp_path).put_bytes("video_" + "1" * 32, ".mp4", io.BytesIO(b"x").getvalue(), attempt=1)
+
+
+def test_a_sweep_removes_the_files_no_record_names_and_nothing_else(tmp_path, pg_url, s3_url):
+    """What a fleet leaves in S3 beside the jobs' content: a stale attempt's MP4 and a checkpoint of a completed job,
+    a failed job's upload, the files of a job whose delete's requests failed. A sweep removes those (the last only
+    once an hour old, unless told otherwise) and keeps a completed job's content and a running job's checkpoint; a
+    server's start sweeps in the background."""
+    a = _store(tmp_path, "a", pg_url, s3_url)
+    ckpt = {"latents": np.zeros((1, 4, 3), np.float32)}
+    done = a.submit(_request("a completed video"), model="m")
+    attempt = a.claim_next(timeout=0).attempts
+    a.save_checkpoint(done.id, 1, ckpt, attempt=attempt)
+    a.wait_checkpoint(done.id)
+    _publish(a, done.id, b"the video", attempt)
+    a.outputs.put_bytes(done.id, ".mp4", b"a stale attempt's", attempt=attempt + 5)
+    assert a.finish(done.id, "completed", attempt=attempt).output_attempt == attempt
+    a._cleaner.submit(lambda: None).result()  # the completed job's checkpoint removed; one whose removal failed:
+    a.outputs.put_bytes(done.id, ".resume.npz", b"a checkpoint left behind", attempt=attempt)
+    running = a.submit(_request("a running video"), model="m")
+    running_attempt = a.claim_next(timeout=0).attempts
+    a.save_checkpoint(running.id, 1, ckpt, attempt=running_attempt)
+    a.wait_checkpoint(running.id)
+    failed = a.submit(_request("a failed video"), model="m")
+    failed_attempt = a.claim_next(timeout=0).attempts
+    _publish(a, failed.id, b"uploaded, then the job failed", failed_attempt)
+    a.finish(failed.id, "failed", "encode_failed", "failed after its upload", attempt=failed_attempt)
+    orphan = "video_" + "e" * 32
+    a.outputs.put_bytes(orphan, ".mp4", b"a deleted job's", attempt=1)
+
+    def held() -> set[tuple[str, int, str]]:
+        return {(job, n, suffix) for job, n, suffix, _ in a.outputs.objects()}
+
+    assert set(a.sweep_outputs()) == {(done.id, attempt, ".resume.npz"), (done.id, attempt + 5, ".mp4"),
+                                      (failed.id, failed_attempt, ".mp4")}
+    assert (orphan, 1, ".mp4") in held()  # younger than an hour: perhaps a job's whose record is not committed yet
+    b = _store(tmp_path, "b", pg_url, s3_url)
+    b.outputs.put_bytes(done.id, ".mp4", b"another stale attempt's", attempt=attempt + 6)
+    b.recover()  # a server starting: it sweeps in the background
+    b._cleaner.submit(lambda: None).result()
+    assert (done.id, attempt + 6, ".mp4") not in held()
+    assert a.sweep_outputs(min_age_s=0) == [(orphan, 1, ".mp4")]
+    assert held() == {(done.id, attempt, ".mp4"), (running.id, running_attempt, ".resume.npz")}
+    assert a.output_bytes(a.get(done.id), ".mp4") == b"the video" and a.load_checkpoint(running.id)[0] == 1
+    a.close()
+    b.close()
