@@ -353,3 +353,34 @@ def test_a_sweep_removes_the_files_no_record_names_and_nothing_else(tmp_path, pg
     assert a.output_bytes(a.get(done.id), ".mp4") == b"the video" and a.load_checkpoint(running.id)[0] == 1
     a.close()
     b.close()
+
+
+def test_every_route_under_every_key_on_a_fleet_of_two(tmp_path, pg_url, s3_url):
+    """``tests/server/http/test_tenants.py``'s route matrix (every route of /v1/videos under owner, other tenant,
+    admin, the server's key, a revoked key and none) through the server that did not make alice's videos: their
+    records in PostgreSQL, their files in S3."""
+    from tests.server.http.test_openapi import _mp4
+    from tests.server.http.test_tenants import API_KEY, _BODY as TENANT_BODY, route_matrix
+
+    a, b = _store(tmp_path, "a", pg_url, s3_url), _store(tmp_path, "b", pg_url, s3_url)
+    keys = {name: a.tenants.add(name, role="admin" if name == "root" else "user")
+            for name in ("alice", "bob", "root", "eve")}
+    a.tenants.revoke("eve")
+    made_on, served_by = (create_app(AppConfig(api_key=API_KEY), _Server(store)) for store in (a, b))
+    with TestClient(made_on, headers={"Authorization": f"Bearer {keys['alice']}"}) as alice:
+        done = alice.post("/v1/videos", json={**TENANT_BODY, "num_frames": 33}).json()["id"]
+        attempt = a.claim_next(timeout=0).attempts
+        frames = np.random.default_rng().integers(0, 256, (33, 64, 96, 3), dtype=np.uint8)
+        files = {".npy": io.BytesIO(), ".mp4": _mp4(frames), ".jpg": b"\xff\xd8\xff\xd9"}
+        np.save(files[".npy"], frames)
+        made = []
+        for suffix, data in files.items():
+            path = a.path(done, suffix + ".tmp")
+            path.write_bytes(data.getvalue() if isinstance(data, io.BytesIO) else data)
+            made.append((path, suffix))
+        a.publish(done, made, attempt=attempt)
+        assert a.finish(done, "completed", attempt=attempt).output_attempt == attempt
+        queued = alice.post("/v1/videos", json=TENANT_BODY).json()["id"]
+    route_matrix(served_by, keys, done, queued)
+    a.close()
+    b.close()

@@ -75,6 +75,13 @@ def _routes(done: str, queued: str) -> list[tuple[str, str, dict]]:
 def test_each_route_under_each_key(fleet):
     engine, _, keys, app = fleet
     done, queued = _alice_videos(engine, keys, app)
+    route_matrix(app, keys, done, queued)
+
+
+def route_matrix(app, keys: dict[str, str], done: str, queued: str) -> None:
+    """Every route naming alice's completed video ``done`` and queued one ``queued``, through ``app``, under each key
+    (``keys``: alice, bob, root an admin, eve revoked; and the server's ``--api-key``, :data:`API_KEY`): 401 without
+    a good key, 404 for another tenant (as for a video that does not exist), the owner's and the admins' answered."""
     with (_client(app, keys["alice"]) as owner, _client(app, keys["bob"]) as other,
           _client(app, keys["root"]) as admin, _client(app, API_KEY) as server_admin,
           _client(app, keys["eve"]) as revoked, _client(app, None) as anonymous):
