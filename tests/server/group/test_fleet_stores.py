@@ -360,7 +360,8 @@ def test_every_route_under_every_key_on_a_fleet_of_two(tmp_path, pg_url, s3_url)
     admin, the server's key, a revoked key and none) through the server that did not make alice's videos: their
     records in PostgreSQL, their files in S3."""
     from tests.server.http.test_openapi import _mp4
-    from tests.server.http.test_tenants import API_KEY, _BODY as TENANT_BODY, route_matrix
+    from tests.server.http.test_tenants import _BODY as TENANT_BODY
+    from tests.server.http.test_tenants import API_KEY, route_matrix
 
     a, b = _store(tmp_path, "a", pg_url, s3_url), _store(tmp_path, "b", pg_url, s3_url)
     keys = {name: a.tenants.add(name, role="admin" if name == "root" else "user")
