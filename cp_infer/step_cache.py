@@ -213,7 +213,8 @@ def _metric(sums: torch.Tensor) -> float | None:
 class CachedBlocks(torch.nn.ModuleList):
     """A transformer's blocks, iterated through the cache call in flight (:meth:`StepCache.call`); with none, every
     block as it is. ``streams``: the keyword arguments of a block's token streams, in the order its output tuple
-    returns them (one stream: the block returns a tensor)."""
+    returns them (one stream: the block returns a tensor); a block called with positional arguments takes them first,
+    in that order."""
 
     def __init__(self, blocks: Sequence[torch.nn.Module] = (), *, streams: tuple[str, ...] = ("hidden_states",)):
         super().__init__(blocks)
@@ -299,9 +300,10 @@ class StepCache:
     # --- the calls -----------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def call(self, blocks: CachedBlocks, context: str, *, valid: int) -> Iterator[None]:
+    def call(self, blocks: CachedBlocks, context: str, *, valid: int | Callable[[], int]) -> Iterator[None]:
         """The transformer's forward inside this block runs ``context``'s passes held by this rank through the cache;
-        ``valid``: this rank's real (unpadded) tokens of the deciding stream."""
+        ``valid``: this rank's real (unpadded) tokens of the deciding stream, or a function that says it once the
+        blocks run (a model that shards the sequence inside its forward)."""
         held = self._held[context]
         assert held.rows, f"guidance rank {self.state.guidance_rank} holds no pass of {context!r}"
         assert context not in self._visited, f"{context!r} was called twice in step {self.step}"
@@ -378,7 +380,7 @@ class _Call:
 
     cache: StepCache
     held: _Held
-    valid: int
+    valid: int | Callable[[], int]
     streams: tuple[str, ...]
     _skip: bool = field(default=False)
 
@@ -391,7 +393,10 @@ class _Call:
             return self._first_block(blocks)
         return self._taylorseer(blocks)
 
-    def _inputs(self, kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """The streams a block is called with: by name, or as its first positional arguments."""
+        if args:
+            return tuple(args[:len(self.streams)])
         return tuple(kwargs[name] for name in self.streams)
 
     def _pack(self, outputs: tuple[torch.Tensor, ...]) -> Any:
@@ -407,9 +412,8 @@ class _Call:
         head, *middle, last = blocks
 
         def head_block(*args: Any, **kwargs: Any) -> Any:
-            assert not args, "the cached blocks take keyword arguments"
-            inputs = self._inputs(kwargs)
-            output = head(**kwargs)
+            inputs = self._inputs(args, kwargs)
+            output = head(*args, **kwargs)
             outputs = self._unpack(output)
             d = self.cache.decides
             residual = outputs[d] - inputs[d]
@@ -446,8 +450,9 @@ class _Call:
             cache._record(self.held, True, None)
             return True
         # B_LOCAL, S_LOCAL, C -> the real tokens of every pass this rank holds (padding rows carry no meaning)
-        diff = (residual - state.head_residual)[:, :self.valid]
-        prev = state.head_residual[:, :self.valid]
+        valid = self.valid() if callable(self.valid) else self.valid
+        diff = (residual - state.head_residual)[:, :valid]
+        prev = state.head_residual[:, :valid]
         sums = cache._reduce(torch.cat([fixed_point_sum(diff), fixed_point_sum(prev)]), self.held)
         metric = _metric(sums)
         compute = metric is None or metric > cache.config.threshold

@@ -11,7 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from cp_infer.request import GenerationRequest
 from cp_infer.shard import ShardPlan
@@ -32,14 +32,15 @@ def pass_cache(request: GenerationRequest, *, state: ParallelState, contexts: Se
 
 
 @contextlib.contextmanager
-def cached_call(cache: StepCache | None, blocks: CachedBlocks, context: str, plan: ShardPlan, rank: int
-                ) -> Iterator[None]:
+def cached_call(cache: StepCache | None, blocks: CachedBlocks, context: str, plan: ShardPlan | None, rank: int,
+                *, valid: Callable[[], int] | None = None) -> Iterator[None]:
     """The transformer call inside this block through ``cache`` (none: as it is), deciding from the real tokens of
-    ``plan``'s stream on ``rank``."""
+    ``plan``'s stream on ``rank``; or, for a model that shards the blocks' sequence inside its forward, of what
+    ``valid`` says once the blocks run."""
     if cache is None:
         yield
         return
-    with cache.call(blocks, context, valid=plan.valid_len(rank)):
+    with cache.call(blocks, context, valid=plan.valid_len(rank) if valid is None else valid):
         yield
 
 

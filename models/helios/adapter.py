@@ -28,6 +28,7 @@ Here:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,9 +45,11 @@ from cp_infer.decode import TemporalSplit, video_index
 from cp_infer.plan import DenoisePass, Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
+from cp_infer.step_cache import CacheContext, CacheStats, StepCache
 from cp_infer.weights import join_call
 from models.common.adapter import video_uint8
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
+from models.common.step_cache import cached_call, pass_cache, pass_cache_stats
 
 from .options import HELIOS_TEMPORAL_COMPRESSION, Pyramid, chunk_prompts, chunks_of, helios_options, video_clip
 from .parallel import HeliosShardContext, parallelize_helios_transformer, sharded_forward
@@ -101,6 +104,10 @@ def final_frames(request: GenerationRequest, chunks_made: int) -> int:
     return (made - 1) // t + 1
 
 
+_CONTEXTS = ("cond", "uncond")
+"""HeliosPipeline's cache contexts, the step's passes in order (``_RequestState.embeds``)."""
+
+
 def step_passes(request: GenerationRequest) -> int:
     """The transformer passes of a step: CFG's conditional and unconditional (``guidance_scale > 1``, the
     pipeline's ``do_classifier_free_guidance``), or the conditional alone."""
@@ -149,6 +156,8 @@ class _RequestState:
     """The step of the pass in hand (from 0)."""
     start: torch.Tensor | None = None
     """DMD: the stage's start latents, whole, in the token layout."""
+    cache: StepCache | None = None
+    """The pass's step cache (``cache="none"``: none): each chunk and each stage starts afresh."""
 
 
 def _history_key_scales_in_model_dtype(transformer: torch.nn.Module) -> None:
@@ -255,6 +264,7 @@ class HeliosModel:
         mu = calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                              config.get("base_shift", 0.5), config.get("max_shift", 1.15))
         x.scheduler.set_timesteps(steps, device=device, sigmas=sigmas, mu=mu)
+        x.cache = self.step_cache(request)
         return Prepared(latents={"video": pack_patches(latents, self.patch)}, timesteps=list(x.scheduler.timesteps),
                         state=x)
 
@@ -269,6 +279,7 @@ class HeliosModel:
         set_stage_timesteps(x.scheduler, steps, x.stage, tokens, device=self.device, amplify=amplify)
         tokens = pack_patches(latents, self.patch)
         x.start = tokens if self.pyramid.dmd else None
+        x.cache = self.step_cache(request)
         return Prepared(latents={"video": tokens}, timesteps=list(x.scheduler.timesteps), state=x)
 
     def _next_stage(self, previous: torch.Tensor, previous_state: _RequestState) -> Prepared:
@@ -413,11 +424,15 @@ class HeliosModel:
         outputs = []
         for p in share:
             kwargs = dict(hidden_states=hidden, timestep=timestep, encoder_hidden_states=x.embeds[p], **x.inputs)
-            if plan.world == 1:
-                out = self.transformer(**kwargs, attention_kwargs=None, return_dict=False)[0]
-            else:
-                out = sharded_forward(self.transformer, self._ctx, **kwargs)
+            # The blocks' sequence (history and chunk) is sharded inside the forward: its plan says the real tokens.
+            with cached_call(x.cache, self.transformer.blocks, _CONTEXTS[p], None, rank, valid=self._valid_tokens):
+                if plan.world == 1:
+                    out = self.transformer(**kwargs, attention_kwargs=None, return_dict=False)[0]
+                else:
+                    out = sharded_forward(self.transformer, self._ctx, **kwargs)
             outputs.append(plan.shard(pack_patches(out, self.patch), rank))
+        if x.cache is not None:
+            x.cache.end_step()
         if not outputs:  # more guidance ranks than passes: this one runs none, but joins the exchange
             join_call(self.transformer)
             noise_pred = latents.new_empty((0, *latents.shape[1:]), dtype=dtype)
@@ -431,6 +446,20 @@ class HeliosModel:
             else:
                 noise_pred = uncond + x.request.guidance_scale * (cond - uncond)
         return {"video": noise_pred}
+
+    def _valid_tokens(self) -> int:
+        """This rank's real tokens of the blocks' sequence in flight (every one at 1 rank)."""
+        plan = self._ctx.plan
+        return sys.maxsize if plan is None else plan.valid_len(self.state.cp_rank)
+
+    def step_cache(self, request: GenerationRequest) -> StepCache | None:
+        """A pass's step cache: HeliosPipeline's contexts, ``cond`` and (with CFG) ``uncond``, a pass each."""
+        contexts = tuple(CacheContext(name, (p,)) for p, name in enumerate(_CONTEXTS[:step_passes(request)]))
+        return pass_cache(request, state=self.state, contexts=contexts, layers=self.layers)
+
+    def cache_stats(self, prepared: Prepared) -> CacheStats | None:
+        """What the step just ended saved (``cp_infer.step_cache.StepCache.step_stats``)."""
+        return pass_cache_stats(prepared.state.cache)
 
     def _cfg_zero_star(self, cond: torch.Tensor, uncond: torch.Tensor, x: _RequestState,
                        plan: ShardPlan) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import Any
 
 from cp_infer.options import ModelOptions, Option
 from cp_infer.request import GenerationRequest
+from cp_infer.step_cache import cache_options
 from models.common.standard_options import standard_options
 from models.common.windows import prompt_segments_option, window_prompts
 
@@ -243,6 +244,7 @@ def helios_options(pyramid: Pyramid | None = None) -> ModelOptions:
         Option("video_noise_sigma_max", float, 0.135, "with an image, the largest sigma the still video's latent "
                "frame in the history is noised by; with a video, each of its latent frames", lo=0, hi=1),
         *(() if pyramid is None else _pyramid_options(pyramid)),
+        *cache_options(model="Helios"),
     )
 
     def check(values: Mapping[str, Any]) -> None:

@@ -34,6 +34,7 @@ from diffusers.models.transformers.transformer_helios import (
 )
 
 from cp_infer import ParallelState, ShardPlan, gather_sequence, ulysses_attention
+from cp_infer.step_cache import cache_blocks
 
 __all__ = ["HeliosShardContext", "parallelize_helios_transformer", "sharded_forward"]
 
@@ -95,9 +96,11 @@ class _UlyssesSelfAttnProcessor:
 
 
 def parallelize_helios_transformer(transformer: torch.nn.Module, ctx: HeliosShardContext) -> None:
-    """Give every self-attention of a diffusers ``HeliosTransformer3DModel`` the Ulysses processor, in place."""
+    """Give every self-attention of a diffusers ``HeliosTransformer3DModel`` the Ulysses processor, in place, and its
+    blocks a step cache's list (``cp_infer.step_cache.cache_blocks``: the blocks take the token stream first)."""
     for block in transformer.blocks:
         block.attn1.set_processor(_UlyssesSelfAttnProcessor(ctx))
+    cache_blocks(transformer, streams=("hidden_states",), name="blocks")
 
 
 def _history_tokens(model, latents: torch.Tensor, indices: torch.Tensor, conv: torch.nn.Module,

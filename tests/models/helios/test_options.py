@@ -8,12 +8,14 @@ import inspect
 import pytest
 from diffusers import HeliosPipeline
 
+from cp_infer.step_cache import CACHE_OPTIONS
 from models.helios.options import Chunks, helios_options
 
 # Declared options HeliosPipeline does not take: frame_rate is the output's (Helios is not conditioned on it; the
 # pipeline's example exports at 24 fps); prompt_segments is the windows' option (LTXI2VLongMultiPromptPipeline's name),
-# its windows the chunks (HeliosPipeline takes one prompt).
-_NOT_ARGUMENTS = {"frame_rate", "prompt_segments"}
+# its windows the chunks (HeliosPipeline takes one prompt); the step cache's are diffusers' cache configs' fields (the
+# transformer's enable_cache, not the pipeline's arguments).
+_NOT_ARGUMENTS = {"frame_rate", "prompt_segments", *CACHE_OPTIONS}
 _RESOLVED = {
     # negative_prompt=None: HeliosPipeline's encode_prompt turns it into "".
     "negative_prompt": "",
