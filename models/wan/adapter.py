@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,9 +37,11 @@ from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK, TemporalSplit, resolv
 from cp_infer.plan import Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
+from cp_infer.step_cache import CacheContext, CacheStats, StepCache
 from cp_infer.weights import join_call
 from models.common.adapter import video_uint8
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
+from models.common.step_cache import cached_call, pass_cache, pass_cache_stats
 from models.common.windows import window_plan
 
 from .options import wan_options, wan_windows_of
@@ -71,6 +73,10 @@ def plan_request(request: GenerationRequest) -> Plan:
     if windows is not None:
         return window_plan(request, windows, steps=request.num_inference_steps)
     return Plan.single(request)
+
+
+_CONTEXTS = ("cond", "uncond")
+"""The Wan pipelines' cache contexts, the step's passes in order (``_RequestState.embeds``)."""
 
 
 def step_passes(request: GenerationRequest) -> int:
@@ -117,6 +123,11 @@ class _RequestState:
     """One-timestep models, a window after the first: its tail's tokens, replaced after every step."""
     windowed: WindowPass | None = None
     """A window of a long video: which, and the video made before it."""
+    caches: dict[int, StepCache | None] = field(default_factory=dict)
+    """The pass's step cache of each expert that ran (0: ``transformer``, 1: ``transformer_2``), made at its first
+    step: each expert has its own state, as each of the pipeline's transformers has its own hooks."""
+    cache: StepCache | None = None
+    """The cache of the expert of the step in hand (``cache_stats`` reads it)."""
 
 
 class WanModel:
@@ -292,10 +303,26 @@ class WanModel:
         return latents
 
     def _expert(self, x: _RequestState) -> tuple[torch.nn.Module, float]:
-        """The transformer of the step at hand and its guidance scale (WanPipeline's choice: ``t >= boundary``)."""
-        if x.boundary is None or x.high_noise[x.step]:
+        """The transformer of the step at hand and its guidance scale (WanPipeline's choice: ``t >= boundary``); the
+        step's cache is that expert's."""
+        high = x.boundary is None or x.high_noise[x.step]
+        which = 0 if high else 1
+        if which not in x.caches:
+            x.caches[which] = self.step_cache(x.request)
+        x.cache = x.caches[which]
+        if high:
             return self.transformer, x.guidance
         return self.components.transformer_2, x.guidance_2
+
+    def step_cache(self, request: GenerationRequest) -> StepCache | None:
+        """An expert's step cache for a pass: WanPipeline's contexts, ``cond`` and (with CFG) ``uncond``, a pass
+        each."""
+        contexts = tuple(CacheContext(name, (p,)) for p, name in enumerate(_CONTEXTS[:step_passes(request)]))
+        return pass_cache(request, state=self.state, contexts=contexts, layers=len(self.transformer.blocks))
+
+    def cache_stats(self, prepared: Prepared) -> CacheStats | None:
+        """What the step just ended saved (``cp_infer.step_cache.StepCache.step_stats``)."""
+        return pass_cache_stats(prepared.state.cache)
 
     def predict(self, latents_local: dict[str, torch.Tensor], t: torch.Tensor, prepared: Prepared,
                 plans: dict[str, ShardPlan]) -> dict[str, torch.Tensor]:
@@ -323,9 +350,13 @@ class WanModel:
         outputs = []
         with self.sharded(plan, grid):
             for p in share:
-                out = expert(hidden_states=hidden, timestep=timestep, encoder_hidden_states=x.embeds[p],
-                             encoder_hidden_states_image=x.image_embeds, attention_kwargs=None, return_dict=False)[0]
+                with cached_call(x.cache, expert.blocks, _CONTEXTS[p], plan, rank):
+                    out = expert(hidden_states=hidden, timestep=timestep, encoder_hidden_states=x.embeds[p],
+                                 encoder_hidden_states_image=x.image_embeds, attention_kwargs=None,
+                                 return_dict=False)[0]
                 outputs.append(pack_patches(out, self.patch))
+        if x.cache is not None:
+            x.cache.end_step()
         if not outputs:  # more guidance ranks than passes: this one runs none, but joins the exchange
             join_call(expert)  # and, with sharded weights, its peers' all-gathers (cp_infer.weights)
             noise_pred = latents.new_empty((0, *latents.shape[1:]), dtype=dtype)

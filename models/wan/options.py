@@ -12,6 +12,7 @@ from typing import Any
 
 from cp_infer.options import ModelOptions, Option
 from cp_infer.request import GenerationRequest
+from cp_infer.step_cache import cache_options
 from models.common.standard_options import standard_options
 from models.common.windows import Windows, prompt_segments_option
 
@@ -99,6 +100,7 @@ def wan_options(layout: WanLayout = WanLayout()) -> ModelOptions:
                    "fewer than temporal_tile_size", lo=4, hi=100_000, multiple_of=WAN_TEMPORAL_COMPRESSION),
         ]
     options.append(prompt_segments_option())
+    options.extend(cache_options(model="Wan"))
 
     def check(values: Mapping[str, Any]) -> None:
         if layout.image_tokens:

@@ -26,6 +26,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from cp_infer import ParallelState, ShardPlan, ulysses_attention
+from cp_infer.step_cache import cache_blocks
 from models.common.text_kv import KeptPerText, keep_per_text
 
 __all__ = ["WanShardContext", "local_rope", "pack_patches", "parallelize_wan_transformer", "unpack_patches"]
@@ -161,10 +162,11 @@ def local_rope(rope: torch.nn.Module, grid: tuple[int, int, int], plan: ShardPla
 def parallelize_wan_transformer(transformer: torch.nn.Module, ctx: WanShardContext) -> None:
     """Apply sequence parallelism to a diffusers ``WanTransformer3DModel`` in place, and keep what depends on the
     request alone (the text and image embedders' outputs, every block's text and image keys and values) through a
-    request."""
+    request; give its blocks a step cache's list (``cp_infer.step_cache.cache_blocks``)."""
     for block in transformer.blocks:
         block.attn1.set_processor(_UlyssesSelfAttnProcessor(ctx))
         block.attn2.set_processor(_CrossAttnProcessor())
+    cache_blocks(transformer, streams=("hidden_states",), name="blocks")  # a step cache's (its stream first)
     embedder = transformer.condition_embedder
     keep_per_text(embedder.text_embedder)
     if embedder.image_embedder is not None:

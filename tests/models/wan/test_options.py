@@ -11,13 +11,15 @@ import pytest
 from diffusers import WanImageToVideoPipeline, WanPipeline
 
 from cp_infer.request import Condition, GenerationLimits, GenerationRequest, check_request, resolve_request
+from cp_infer.step_cache import CACHE_OPTIONS
 from models.wan.options import WanLayout, wan_options
 
 # Declared options WanPipeline does not take: frame_rate is the output's (Wan is not conditioned on it: the model
 # cards export at 16 fps); flow_shift is the scheduler's config (UniPCMultistepScheduler(flow_shift=...)), unset
 # meaning the folder's. The windows' options (a video longer than one window, which WanPipeline does not make) are
-# LTXI2VLongMultiPromptPipeline's names, as LTX-Video's.
-_NOT_ARGUMENTS = {"frame_rate", "flow_shift", "temporal_tile_size", "temporal_overlap", "prompt_segments"}
+# LTXI2VLongMultiPromptPipeline's names, as LTX-Video's. The step cache's are diffusers' cache configs' fields.
+_NOT_ARGUMENTS = {"frame_rate", "flow_shift", "temporal_tile_size", "temporal_overlap", "prompt_segments",
+                  *CACHE_OPTIONS}
 # negative_prompt=None: WanPipeline's encode_prompt turns it into "".
 _RESOLVED = {"negative_prompt": ""}
 
@@ -96,8 +98,8 @@ def test_what_a_layout_cannot_take_is_refused_naming_the_fix(folders):
         _check(t2v.options, t2v.geometry, height=40)
     with pytest.raises(ValueError, match="guidance_scale_2 is not an option of Wan"):
         _check(t2v.options, t2v.geometry, guidance_scale_2=2.0)
-    with pytest.raises(ValueError, match="cache is not an option of Wan"):
-        _check(t2v.options, t2v.geometry, cache="first_block")
+    with pytest.raises(ValueError, match="cache='teacache' is not a step cache of Wan models"):
+        _check(t2v.options, t2v.geometry, cache="teacache")
     with pytest.raises(ValueError, match="exactly 512 text tokens"):
         _check(i2v.options, i2v.geometry, image=image, max_sequence_length=256)
 
