@@ -85,11 +85,11 @@ def groups_by_world():
 
 
 def groups_by_layout():
-    """A fixture that is a function ``(world, guidance_degree) -> WorkerGroup`` (shared; ``guidance_degree`` unset:
-    Ulysses only)."""
+    """A fixture that is a function ``(world, guidance_degree, ring_degree) -> WorkerGroup`` (shared; the degrees
+    unset: Ulysses only)."""
 
     @pytest.fixture(scope="module")
     def groups():
-        return lambda world, guidance=None: SharedGroup(world, guidance)
+        return lambda world, guidance=None, ring=None: SharedGroup(world, guidance, ring=ring)
 
     return groups

@@ -189,12 +189,12 @@ groups = groups_by_layout()  # (world, guidance degree) -> the session's shared 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("world, guidance", [(2, 2), (3, 1)], ids=["G2xU1", "U3"])
-def test_n_ranks_equal_one_rank(setup, one_rank, groups, family, world, guidance):
+@pytest.mark.parametrize("world, guidance, ring", [(2, 2, None), (3, 1, None), (2, 1, 2)], ids=["G2xU1", "U3", "R2"])
+def test_n_ranks_equal_one_rank(setup, one_rank, groups, family, world, guidance, ring):
     seed, results = one_rank
     expected, _ = results[family]
     sequence = tuple(SEQUENCE[i] for i in N_RANKS)
-    ranks = groups(world, guidance).run(_run, *setup[family], family, seed, sequence, timeout=600)
+    ranks = groups(world, guidance, ring).run(_run, *setup[family], family, seed, sequence, timeout=600)
     got, (before, after) = ranks[0]
     assert before == after
     for (label, _), (exp, exp_audio), (frames, audio) in zip(sequence, [expected[i] for i in N_RANKS], got,

@@ -33,9 +33,11 @@ from ..worker_groups import groups_by_layout
 LTX2_FOUR_PASSES = dict(guidance_scale=3.0, audio_guidance_scale=5.0, stg_scale=1.0, audio_stg_scale=0.5,
                         modality_scale=2.0, audio_modality_scale=1.5, guidance_rescale=0.7, audio_guidance_rescale=0.5)
 LAYOUTS = [(2, 1), (3, 1), (2, 2)]
-CASES = [(family, layout) for family in ("ltx-video", "ltx2") for layout in [*LAYOUTS, (4, 2)]]
+CASES = [*((family, layout) for family in ("ltx-video", "ltx2") for layout in [*LAYOUTS, (4, 2)]),
+         ("ltx-video", (2, 1, 2))]
 """Each family at every layout of ``LAYOUTS`` and at 4 = 2 x 2 (a replica group of guidance x Ulysses ranks: each
-guidance rank's passes over two Ulysses ranks, the weights in quarters)."""
+guidance rank's passes over two Ulysses ranks, the weights in quarters); and LTX-Video over a ring of two (the
+weights sharded over the replica group, the sequence round the ring)."""
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +140,11 @@ def _diff(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(int) - b.astype(int)).max())
 
 
-@pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-world{w}-G{g}" for f, (w, g) in CASES])
+@pytest.mark.parametrize("family, layout", CASES,
+                         ids=[f"{f}-world{w}-G{g}" + "".join(f"-R{r}" for r in ring) for f, (w, g, *ring) in CASES])
 def test_sharded_equals_replicated(layouts, folders, family, layout):
-    world, guidance = layout
-    group = layouts(world, guidance)
+    world, guidance, *ring = layout
+    group = layouts(world, guidance, *ring)
     seed = random.randrange(2**31)
     requests = (_ltx_video_requests if family == "ltx-video" else _ltx2_requests)(seed, world, guidance)
     replicated = group.run(_run, folders[family], "replicated", requests)

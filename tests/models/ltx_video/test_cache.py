@@ -203,12 +203,14 @@ def _compare(seed, expected, got, what):
             assert diff.max() <= 1 and diff.mean() < 0.01, f"{case}: max {diff.max()} mean {diff.mean()}"
 
 
-@pytest.mark.parametrize("world,guidance", [(2, None), (3, None), (2, 2), (4, 2)], ids=["U2", "U3", "G2", "G2xU2"])
-def test_ranks_decide_as_one_rank(folder, one_rank, world, guidance):
+@pytest.mark.parametrize("world,guidance,ring", [(2, None, None), (3, None, None), (2, 2, None), (4, 2, None),
+                                                 (2, None, 2)], ids=["U2", "U3", "G2", "G2xU2", "R2"])
+def test_ranks_decide_as_one_rank(folder, one_rank, world, guidance, ring):
     """U2 and U3: uneven shards (35 tokens), U3 also with garbage in their padding rows (bit-identical to the clean
-    run); G2: CFG's two passes on two guidance ranks; G2xU2: both, the decision reduced over the mesh."""
+    run); G2: CFG's two passes on two guidance ranks; G2xU2: both, the decision reduced over the mesh; R2: the
+    sequence over a ring of two, the decision reduced over it."""
     seed, threshold, expected = one_rank
-    group = SharedGroup(world, guidance)
+    group = SharedGroup(world, guidance, ring=ring)
     results = group.run(_sample, folder, _requests(seed, threshold), timeout=300)
     garbage = None if world != 3 else group.run(_sample, folder, _requests(seed, threshold)[:1], True, timeout=300)
     # Rank 0 delivers; every rank holds the one context (Ulysses peers, and both guidance ranks of CFG's pair).

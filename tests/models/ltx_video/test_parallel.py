@@ -124,6 +124,18 @@ def test_n_ranks_equal_one_rank(cache_dir, one_rank, world):
                 f"world={world} {dtype} seed={seed} shape={exp.shape}: max {diff.max()} mean {diff.mean()}"
 
 
+@pytest.mark.parametrize("world,ring", [(2, 2), (3, 3)], ids=["R2", "R3"])
+def test_a_ring_equals_one_rank(cache_dir, one_rank, world, ring):
+    """The sequence over a ring (U=1): each rank's queries over every key/value block passed round it, merged by
+    their log-sum-exp; fp32, every request (their tokens divide neither 2 nor 3)."""
+    seed, expected = one_rank
+    results = SharedGroup(world, ring=ring).run(_sample_all, cache_dir, seed, timeout=600)
+    for exp, got in zip(expected[torch.float32], results[0], strict=True):
+        diff = np.abs(got.astype(np.int16) - exp.astype(np.int16))
+        assert got.shape == exp.shape and diff.max() <= 1 and diff.mean() < 0.02, \
+            f"R={ring} seed={seed} shape={exp.shape}: max {diff.max()} mean {diff.mean()}"
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_local_rope_equals_the_shard_of_the_whole_grid(world):
     """Each rank's (cos, sin), computed from its own tokens' coordinates only, equal the rows of diffusers' own

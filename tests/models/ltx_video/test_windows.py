@@ -150,10 +150,14 @@ def one_rank(cache_dir):
     return seed, one_thread(_sample_all, single_process_state(), cache_dir, seed, "ancestral")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_n_ranks_equal_one_rank(cache_dir, one_rank, groups, world):
+@pytest.mark.parametrize("world,ring", [(2, None), (3, None), (2, 2)], ids=["2", "3", "R2"])
+def test_n_ranks_equal_one_rank(cache_dir, one_rank, groups, world, ring):
+    """Ulysses at 2 and 3 ranks, and a ring of two (each window's sequence, its tail included, round the ring)."""
+    from ...worker_groups import SharedGroup
+
     seed, expected = one_rank
-    results = groups(world).run(_sample_all, cache_dir, seed, "ancestral", timeout=600)
+    group = groups(world) if ring is None else SharedGroup(world, ring=ring)
+    results = group.run(_sample_all, cache_dir, seed, "ancestral", timeout=600)
     assert all(frames is None and latents is None for rank in results[1:] for frames, latents in rank)
     for (exp, exp_latents), (got, got_latents) in zip(expected, results[0], strict=True):
         np.testing.assert_allclose(got_latents, exp_latents, rtol=0, atol=1e-4, err_msg=f"world={world} seed={seed}")
