@@ -175,10 +175,14 @@ def one_rank(cache_dir):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_n_ranks_equal_one_rank(cache_dir, one_rank, groups, world):
+@pytest.mark.parametrize("world,ring", [(2, None), (3, None), (4, 2)], ids=["2", "3", "4-U2xR2"])
+def test_n_ranks_equal_one_rank(cache_dir, one_rank, groups, world, ring):
+    """Ulysses at 2 and 3 ranks; 4 ranks as a ring of two Ulysses pairs (the conditioning tokens round the ring)."""
+    from ...worker_groups import SharedGroup
+
     seed, expected = one_rank
-    results = groups(world).run(_sample_all, cache_dir, seed, timeout=600)
+    group = groups(world) if ring is None else SharedGroup(world, ring=ring)
+    results = group.run(_sample_all, cache_dir, seed, timeout=600)
     assert all(frames is None and latents is None for rank in results[1:] for frames, latents in rank)
     for (exp, exp_latents), (got, got_latents) in zip(expected, results[0], strict=True):
         diff = np.abs(got.astype(np.int16) - exp.astype(np.int16))

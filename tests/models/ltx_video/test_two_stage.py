@@ -178,10 +178,14 @@ def test_two_stages_differ_from_one(folder, one_rank):
     assert np.abs(one.astype(np.int16) - ours[0][0].astype(np.int16)).mean() > 1
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_n_ranks_equal_one_rank(folder, one_rank, groups, world):
+@pytest.mark.parametrize("world,ring", [(2, None), (3, None), (2, 2)], ids=["2", "3", "R2"])
+def test_n_ranks_equal_one_rank(folder, one_rank, groups, world, ring):
+    """Ulysses at 2 and 3 ranks, and a ring of two (both stages' sequences, and the upsampled latents refined)."""
+    from ...worker_groups import SharedGroup
+
     seed, expected = one_rank
-    results = groups(world).run(_sample_all, folder, seed, timeout=600)
+    group = groups(world) if ring is None else SharedGroup(world, ring=ring)
+    results = group.run(_sample_all, folder, seed, timeout=600)
     for (exp, exp_latents, _), (got, got_latents, _) in zip(expected, results[0], strict=True):
         what = f"world={world} seed={seed} shape={exp.shape}"
         assert got.shape == exp.shape
