@@ -7,7 +7,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from fastapi.routing import APIWebSocketRoute
 from fastapi.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
 from typing_extensions import get_protocol_members
 
 from cp_infer.request import GenerationLimits
@@ -112,11 +114,30 @@ def _flatten(routes):
 
 
 def _requests(app):
-    """One request per (route, method) of the app, path parameters filled with a well-formed id."""
+    """One request per (route, method) of the app, path parameters filled with a well-formed id; a WebSocket route's
+    method is ``WEBSOCKET`` (its path is its own route's: an included one shows none)."""
     for route in _flatten(app.routes):
+        original = getattr(route, "original_route", None) or route
+        if isinstance(original, APIWebSocketRoute):
+            yield original.path, "WEBSOCKET", re.sub(r"\{[^}]+\}", "video_" + "0" * 32, original.path)
+            continue
         path = re.sub(r"\{[^}]+\}", "video_" + "0" * 32, route.path)
         for method in sorted(getattr(route, "methods", None) or {"GET"}):
             yield route.path, method, path
+
+
+def _ask(client, method: str, path: str) -> int:
+    """The status of a request, a WebSocket's as HTTP would say it: 401 refused by the guard (closed before it is
+    accepted), 404 closed for a video that does not exist, 200 accepted otherwise."""
+    if method != "WEBSOCKET":
+        return client.request(method, path).status_code
+    try:
+        with client.websocket_connect(path) as ws:
+            ws.receive_json()
+            ws.receive_json()
+    except WebSocketDisconnect as closed:
+        return {1008: 401, 4404: 404}.get(closed.code, 200)
+    return 200
 
 
 def test_every_route_but_health_needs_the_api_key(tmp_path):
@@ -127,6 +148,10 @@ def test_every_route_but_health_needs_the_api_key(tmp_path):
     with TestClient(app) as anonymous, TestClient(app, headers={"Authorization": f"Bearer {KEY}"}) as keyed:
         checked = 0
         for route_path, method, path in _requests(app):
+            if method == "WEBSOCKET":  # refused before it opens without the key; past the guard with it
+                assert _ask(anonymous, method, path) == 401 and _ask(keyed, method, path) == 404, path
+                checked += 1
+                continue
             r = anonymous.request(method, path)
             if route_path == "/health":
                 assert r.status_code == 200, (method, path)
@@ -143,7 +168,7 @@ def test_without_a_key_nothing_asks_for_one(tmp_path):
     app = create_app(AppConfig(), _stub(tmp_path))
     with TestClient(app) as client:
         for _, method, path in _requests(app):
-            assert client.request(method, path).status_code != 401, (method, path)
+            assert _ask(client, method, path) != 401, (method, path)
 
 
 def test_ready_and_the_playground_show_the_layout(tmp_path):
