@@ -18,7 +18,17 @@ from cp_infer.shard import ShardPlan
 from cp_infer.state import ParallelState
 from cp_infer.step_cache import CacheConfig, CacheContext, CachedBlocks, CacheStats, StepCache
 
-__all__ = ["cached_call", "pass_cache", "pass_cache_stats"]
+__all__ = ["PASS_CONTEXTS", "cached_call", "pass_cache", "pass_cache_stats", "pass_contexts"]
+
+PASS_CONTEXTS = ("cond", "uncond")
+"""The contexts of pipelines that run CFG's passes one call each (``WanPipeline``, ``HeliosPipeline``), in pass
+order: ``PASS_CONTEXTS[p]`` is pass ``p``'s."""
+
+
+def pass_contexts(passes: int) -> tuple[CacheContext, ...]:
+    """A step of ``passes`` such calls (1: the conditional alone; 2: with CFG's unconditional) as cache contexts, a
+    pass each."""
+    return tuple(CacheContext(name, (p,)) for p, name in enumerate(PASS_CONTEXTS[:passes]))
 
 
 def pass_cache(request: GenerationRequest, *, state: ParallelState, contexts: Sequence[CacheContext], layers: int,

@@ -45,11 +45,11 @@ from cp_infer.decode import TemporalSplit, video_index
 from cp_infer.plan import DenoisePass, Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
-from cp_infer.step_cache import CacheContext, CacheStats, StepCache
+from cp_infer.step_cache import CacheStats, StepCache
 from cp_infer.weights import join_call
 from models.common.adapter import video_uint8
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
-from models.common.step_cache import cached_call, pass_cache, pass_cache_stats
+from models.common.step_cache import PASS_CONTEXTS, cached_call, pass_cache, pass_cache_stats, pass_contexts
 
 from .options import HELIOS_TEMPORAL_COMPRESSION, Pyramid, chunk_prompts, chunks_of, helios_options, video_clip
 from .parallel import HeliosShardContext, parallelize_helios_transformer, sharded_forward
@@ -102,10 +102,6 @@ def final_frames(request: GenerationRequest, chunks_made: int) -> int:
     chunks, t = chunks_of(request), HELIOS_TEMPORAL_COMPRESSION
     made = min(request.num_frames, chunks_made * chunks.chunk_frames)
     return (made - 1) // t + 1
-
-
-_CONTEXTS = ("cond", "uncond")
-"""HeliosPipeline's cache contexts, the step's passes in order (``_RequestState.embeds``)."""
 
 
 def step_passes(request: GenerationRequest) -> int:
@@ -425,7 +421,8 @@ class HeliosModel:
         for p in share:
             kwargs = dict(hidden_states=hidden, timestep=timestep, encoder_hidden_states=x.embeds[p], **x.inputs)
             # The blocks' sequence (history and chunk) is sharded inside the forward: its plan says the real tokens.
-            with cached_call(x.cache, self.transformer.blocks, _CONTEXTS[p], None, rank, valid=self._valid_tokens):
+            with cached_call(x.cache, self.transformer.blocks, PASS_CONTEXTS[p], None, rank,
+                             valid=self._valid_tokens):
                 if plan.world == 1:
                     out = self.transformer(**kwargs, attention_kwargs=None, return_dict=False)[0]
                 else:
@@ -454,8 +451,8 @@ class HeliosModel:
 
     def step_cache(self, request: GenerationRequest) -> StepCache | None:
         """A pass's step cache: HeliosPipeline's contexts, ``cond`` and (with CFG) ``uncond``, a pass each."""
-        contexts = tuple(CacheContext(name, (p,)) for p, name in enumerate(_CONTEXTS[:step_passes(request)]))
-        return pass_cache(request, state=self.state, contexts=contexts, layers=self.layers)
+        return pass_cache(request, state=self.state, contexts=pass_contexts(step_passes(request)),
+                          layers=self.layers)
 
     def cache_stats(self, prepared: Prepared) -> CacheStats | None:
         """What the step just ended saved (``cp_infer.step_cache.StepCache.step_stats``)."""

@@ -37,11 +37,11 @@ from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK, TemporalSplit, resolv
 from cp_infer.plan import Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
-from cp_infer.step_cache import CacheContext, CacheStats, StepCache
+from cp_infer.step_cache import CacheStats, StepCache
 from cp_infer.weights import join_call
 from models.common.adapter import video_uint8
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
-from models.common.step_cache import cached_call, pass_cache, pass_cache_stats
+from models.common.step_cache import PASS_CONTEXTS, cached_call, pass_cache, pass_cache_stats, pass_contexts
 from models.common.windows import window_plan
 
 from .options import wan_options, wan_windows_of
@@ -73,10 +73,6 @@ def plan_request(request: GenerationRequest) -> Plan:
     if windows is not None:
         return window_plan(request, windows, steps=request.num_inference_steps)
     return Plan.single(request)
-
-
-_CONTEXTS = ("cond", "uncond")
-"""The Wan pipelines' cache contexts, the step's passes in order (``_RequestState.embeds``)."""
 
 
 def step_passes(request: GenerationRequest) -> int:
@@ -317,8 +313,8 @@ class WanModel:
     def step_cache(self, request: GenerationRequest) -> StepCache | None:
         """An expert's step cache for a pass: WanPipeline's contexts, ``cond`` and (with CFG) ``uncond``, a pass
         each."""
-        contexts = tuple(CacheContext(name, (p,)) for p, name in enumerate(_CONTEXTS[:step_passes(request)]))
-        return pass_cache(request, state=self.state, contexts=contexts, layers=len(self.transformer.blocks))
+        return pass_cache(request, state=self.state, contexts=pass_contexts(step_passes(request)),
+                          layers=len(self.transformer.blocks))
 
     def cache_stats(self, prepared: Prepared) -> CacheStats | None:
         """What the step just ended saved (``cp_infer.step_cache.StepCache.step_stats``)."""
@@ -350,7 +346,7 @@ class WanModel:
         outputs = []
         with self.sharded(plan, grid):
             for p in share:
-                with cached_call(x.cache, expert.blocks, _CONTEXTS[p], plan, rank):
+                with cached_call(x.cache, expert.blocks, PASS_CONTEXTS[p], plan, rank):
                     out = expert(hidden_states=hidden, timestep=timestep, encoder_hidden_states=x.embeds[p],
                                  encoder_hidden_states_image=x.image_embeds, attention_kwargs=None,
                                  return_dict=False)[0]
