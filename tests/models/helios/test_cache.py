@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from cp_infer.request import GenerationRequest
-from cp_infer.sampler import SampleControl, sample
 
 from ...harness import one_thread
 from ...worker_groups import SharedGroup
+from .._parity import assert_caches_decide_alike, sample_traced
 from .test_helios import _reference
 from .test_helios import folder as folder  # the module's fixture
 
@@ -44,18 +44,7 @@ def _sample(state, where: str, requests):
     from models.helios.loading import load_helios
 
     model = HeliosModel(load_helios(where), state=state)
-    caches = []
-    make = model.step_cache
-    model.step_cache = lambda request: caches.append(make(request)) or caches[-1]
-    out = []
-    for request in requests:
-        caches.clear()
-        latents, totals = {}, []
-        frames = sample(model, request, state=state,
-                        control=SampleControl(on_latents=latents.update, on_cache=totals.append))
-        traces = [[(d.step, d.context, d.compute, d.metric) for d in c.trace] for c in caches]
-        out.append((frames, latents.get("latents"), traces, totals[-1]))
-    return out
+    return sample_traced(model, requests, state)
 
 
 def _with_cache(where: str, request: GenerationRequest, config, output_type: str):
@@ -128,16 +117,5 @@ def test_ranks_decide_as_one_rank(folder, one_rank, world, guidance):
     and uncond contexts on a guidance rank each."""
     seed, expected = one_rank
     results = SharedGroup(world, guidance).run(_sample, folder, _requests(seed), timeout=300)
-    for k, ((exp_frames, exp_latents, exp_traces, exp_totals), got) in enumerate(
-            zip(expected, results[0], strict=True)):
-        frames, latents, traces, totals = got
-        case = f"world={world} guidance={guidance} seed={seed} request {k}"
-        held = [[d for d in t if guidance is None or d[1] == "cond"] for t in exp_traces]
-        assert [[d[:3] for d in t] for t in traces] == [[d[:3] for d in t] for t in held], case
-        for t, e in zip(traces, held, strict=True):
-            for d, x in zip(t, e, strict=True):
-                assert (d[3] is None) == (x[3] is None) and (d[3] is None or d[3] == pytest.approx(x[3], rel=1e-5))
-        assert totals == exp_totals, case
-        np.testing.assert_allclose(latents, exp_latents, rtol=0, atol=1e-4, err_msg=case)
-        diff = np.abs(frames.astype(np.int16) - exp_frames.astype(np.int16))
-        assert diff.max() <= 1 and diff.mean() < 0.02, f"{case}: max {diff.max()} mean {diff.mean()}"
+    assert_caches_decide_alike(expected, results[0], guidance=guidance,
+                               case=f"world={world} guidance={guidance} seed={seed}")

@@ -20,6 +20,7 @@ from cp_infer.sampler import JobFailed, SampleControl, sample
 
 from ...harness import one_thread
 from ...worker_groups import groups_by_world
+from .._parity import assert_live_is_the_whole
 
 groups = groups_by_world()
 
@@ -386,22 +387,8 @@ def test_a_live_video_equals_the_one_request_video(cache_dir, decode):
                   Direction("night", 1)]
     whole = live_request(base, directions, model.options)
     assert whole.num_frames == 129 and live_request(base, directions[:1], model.options).num_frames == 49, whole
-    expected = {}
-    frames_whole = one_thread(sample, model, whole, state=state, control=SampleControl(on_latents=expected.update))
-    answers = [WAIT, *(live_request(base, directions[:k], model.options) for k in (2, 3, 4)), WAIT, None]
-    asked, latents, delivered = [], {}, []
-
-    def extend(done, request):
-        asked.append(len(delivered))
-        return answers.pop(0)
-
-    control = SampleControl(live=True, extend=extend, on_latents=latents.update,
-                            on_frames=lambda f, first, total: delivered.append((first, len(f))))
-    frames = one_thread(sample, model, live_request(base, directions[:1], model.options), state=state,
-                        control=control)
-    assert not answers and [first for first, _ in delivered] == sorted({first for first, _ in delivered})
-    np.testing.assert_array_equal(latents["latents"], expected["latents"], err_msg=f"seed={seed}")
-    np.testing.assert_array_equal(frames, frames_whole, err_msg=f"seed={seed}")
+    asked = assert_live_is_the_whole(model, base, directions, [WAIT, 2, 3, 4, WAIT, None], state=state,
+                                     seed=seed)
     # Asked after windows 1, 1, 3, 5, 6, 6: after window 3 (final: 9 of 15 latent frames) the first frames are
     # delivered (at 1 rank the decode's first piece reads 9), then the video grows again.
     assert (asked[4] > 0) == (decode == "plain"), asked

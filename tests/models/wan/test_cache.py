@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from cp_infer.request import GenerationRequest
-from cp_infer.sampler import SampleControl, sample
 
 from ...harness import one_thread
 from ...worker_groups import SharedGroup
+from .._parity import assert_caches_decide_alike, sample_traced
 from .test_wan import _pipeline, _reference
 from .test_wan import folder as folder  # the module's fixture
 
@@ -40,18 +40,7 @@ def _sample(state, where: str, requests):
 
     model = WanModel(load_wan(where), state=state)
     model.decode_frames_per_rank = 1
-    caches = []
-    make = model.step_cache
-    model.step_cache = lambda request: caches.append(make(request)) or caches[-1]
-    out = []
-    for request in requests:
-        caches.clear()
-        latents, totals = {}, []
-        frames = sample(model, request, state=state,
-                        control=SampleControl(on_latents=latents.update, on_cache=totals.append))
-        traces = [[(d.step, d.context, d.compute, d.metric) for d in c.trace] for c in caches]
-        out.append((frames, latents.get("latents"), traces, totals[-1]))
-    return out
+    return sample_traced(model, requests, state)
 
 
 def _with_cache(where: str, request: GenerationRequest, config, output_type: str) -> np.ndarray:
@@ -98,19 +87,8 @@ def test_ranks_decide_as_one_rank(folder, one_rank, world, guidance):
     on a guidance rank each."""
     seed, expected = one_rank
     results = SharedGroup(world, guidance).run(_sample, folder, _requests(seed), timeout=300)
-    for k, ((exp_frames, exp_latents, exp_traces, exp_totals), got) in enumerate(
-            zip(expected, results[0], strict=True)):
-        frames, latents, traces, totals = got
-        case = f"world={world} guidance={guidance} seed={seed} request {k}"
-        held = [[d for d in t if guidance is None or d[1] == "cond"] for t in exp_traces]
-        assert [[d[:3] for d in t] for t in traces] == [[d[:3] for d in t] for t in held], case
-        for t, e in zip(traces, held, strict=True):
-            for d, x in zip(t, e, strict=True):
-                assert (d[3] is None) == (x[3] is None) and (d[3] is None or d[3] == pytest.approx(x[3], rel=1e-5))
-        assert totals == exp_totals, case
-        np.testing.assert_allclose(latents, exp_latents, rtol=0, atol=1e-4, err_msg=case)
-        diff = np.abs(frames.astype(np.int16) - exp_frames.astype(np.int16))
-        assert diff.max() <= 1 and diff.mean() < 0.02, f"{case}: max {diff.max()} mean {diff.mean()}"
+    assert_caches_decide_alike(expected, results[0], guidance=guidance,
+                               case=f"world={world} guidance={guidance} seed={seed}")
 
 
 def test_each_expert_has_its_own_cache(tmp_path):

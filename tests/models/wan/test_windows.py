@@ -26,6 +26,7 @@ from cp_infer.sampler import SampleControl, sample
 
 from ...harness import one_thread
 from ...worker_groups import groups_by_world
+from .._parity import assert_live_is_the_whole
 
 groups = groups_by_world()
 
@@ -435,15 +436,4 @@ def test_a_live_video_equals_the_one_request_video(folders, variant, frames_per_
     directions = [Direction(base.prompt, 2), Direction("the fox jumps", 1), Direction("snow falls", 1)]
     whole = live_request(base, directions, model.options)
     assert whole.num_frames == (65 if chained else 53), whole
-    expected = {}
-    frames_whole = one_thread(sample, model, whole, state=state, control=SampleControl(on_latents=expected.update))
-    answers = [WAIT, live_request(base, directions[:2], model.options), live_request(base, directions, model.options),
-               WAIT, None]
-    latents, delivered = {}, []
-    control = SampleControl(live=True, extend=lambda done, request: answers.pop(0), on_latents=latents.update,
-                            on_frames=lambda f, first, total: delivered.append((first, len(f))))
-    frames = one_thread(sample, model, live_request(base, directions[:1], model.options), state=state,
-                        control=control)
-    assert not answers and [first for first, _ in delivered] == sorted({first for first, _ in delivered})
-    np.testing.assert_array_equal(latents["latents"], expected["latents"], err_msg=f"seed={seed}")
-    np.testing.assert_array_equal(frames, frames_whole, err_msg=f"seed={seed}")
+    assert_live_is_the_whole(model, base, directions, [WAIT, 2, 3, WAIT, None], state=state, seed=seed)
