@@ -75,8 +75,12 @@ def test_one_rank_is_diffusers_first_block_cache_and_taylorseer(folder, one_rank
         np.testing.assert_array_equal(frames, one_thread(_with_cache, folder, request, config, "np"), err_msg=case)
         (trace,) = traces
         assert {d[1] for d in trace} == {"cond", "uncond"} and trace[0][2] is True
-        skipped = sum(not d[2] for d in trace)
-        assert skipped > 0 and (totals.steps_computed, totals.steps_skipped) == (6 - skipped // 2, skipped // 2)
+        # A step is skipped when every context's call skipped (StepCache.step_stats); cond and uncond decide apart.
+        computes: dict[int, bool] = {}
+        for step, _, compute, _ in trace:
+            computes[step] = computes.get(step, False) or compute
+        skipped = sum(not c for c in computes.values())
+        assert any(not d[2] for d in trace) and (totals.steps_computed, totals.steps_skipped) == (6 - skipped, skipped)
     # TaylorSeer: steps 0, 1 (the warm-up), then every second from 3 (TaylorSeerCacheHook's schedule).
     assert [d[2] for d in ours[1][2][0]][::2] == [True, True, False, True, False, True]
 
