@@ -1,8 +1,12 @@
 """``--compile``: the transformer blocks compiled (``models.registry.compile_transformer_blocks``) give the latents and
 frames of the eager engine, at 1 rank and at N=2 (the Ulysses all-to-alls compiled inside the blocks), for the
-tiny LTX-Video default and, at N=2, the tiny LTX-2 with every guidance it has (CFG, spatio-temporal guidance,
-modality isolation, CFG rescale: batch 2 and batch 1 blocks, cross-modal attention on and off, a perturbed block);
-and the tiny LTX-Video at N=2 with its weights sharded (FSDP2) and its blocks compiled.
+tiny LTX-Video default and the tiny LTX-2; and the tiny LTX-Video at N=2 with its weights sharded (FSDP2) and its
+blocks compiled. LTX-2 at 1 rank runs every guidance it has (CFG, spatio-temporal guidance, modality isolation, CFG
+rescale), so each kind of block call is compiled (NOTE(recompile-limit) in models/registry.py: batch 2 and batch 1
+blocks, cross-modal attention on and off, a perturbed block: three graphs); at N=2 it runs CFG, one graph with the
+video's and the audio's all-to-alls and the cross-modal attention across the ranks inside it (every other guidance
+off). A graph with the exchanges inside costs inductor ~30 s of one core here (~9 s without), so the other kinds
+are not compiled again at N=2, where they add no exchange of their own.
 
 Tolerance: inductor fuses the blocks' pointwise ops and norms into its own kernels, which sum fp32 in another order
 and may keep intermediates in registers instead of rounding them to memory: ~1e-7 relative per op. Over a few steps
@@ -21,6 +25,8 @@ import numpy as np
 import pytest
 import torch
 
+from models.ltx2.options import GUIDANCE_OFF
+
 from ..worker_groups import SharedGroup
 
 # LTX-Video: 3 x 1 x 3 = 9 latent tokens, uneven over 2 ranks (a padded token), CFG on (batch 2 through the blocks).
@@ -31,7 +37,8 @@ _LTX2_GUIDANCE = dict(guidance_scale=3.0, audio_guidance_scale=5.0, stg_scale=1.
                       spatio_temporal_guidance_blocks=(0,))
 
 
-def _sample(state, seed: int, compiled: bool, model_name: str | None = None, weights: str = "replicated") -> dict:
+def _sample(state, seed: int, compiled: bool, model_name: str | None = None, weights: str = "replicated",
+            every_guidance: bool = False) -> dict:
     import torch._dynamo.utils
 
     from cp_infer.request import GenerationRequest
@@ -41,7 +48,12 @@ def _sample(state, seed: int, compiled: bool, model_name: str | None = None, wei
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = open_model(model_name, dtype="fp32", state=state, compile_blocks=compiled, weights=weights)
-    guidance = _LTX2_GUIDANCE if model.family == "ltx2" else dict(guidance_scale=3.0)
+    if every_guidance:
+        guidance = _LTX2_GUIDANCE
+    elif model.family == "ltx2":  # CFG of both streams alone: one kind of block call (batch 2, cross-modal on)
+        guidance = {**GUIDANCE_OFF, "guidance_scale": 3.0, "audio_guidance_scale": 5.0}
+    else:
+        guidance = dict(guidance_scale=3.0)
     request = GenerationRequest.of(prompt="a red fox runs through fresh snow", negative_prompt="blurry",
                                    num_inference_steps=2, seed=seed, fps=24, **_SHAPES[model.family], **guidance)
     latents = {}
@@ -51,16 +63,19 @@ def _sample(state, seed: int, compiled: bool, model_name: str | None = None, wei
                 breaks=sum(counters["graph_break"].values()))
 
 
-@pytest.mark.parametrize(("model_name", "world", "weights"),
-                         [(None, 1, "replicated"), (None, 2, "replicated"), ("tiny-ltx2", 2, "replicated"),
-                          (None, 2, "sharded")])
-def test_compiled_blocks_equal_eager(model_name, world, weights):
+@pytest.mark.parametrize(("model_name", "world", "weights", "every_guidance"),
+                         [(None, 1, "replicated", False), (None, 2, "replicated", False),
+                          ("tiny-ltx2", 1, "replicated", True), ("tiny-ltx2", 2, "replicated", False),
+                          (None, 2, "sharded", False)],
+                         ids=["ltx-video-1", "ltx-video-2", "ltx2-1-every-guidance", "ltx2-2-cfg",
+                              "ltx-video-2-sharded"])
+def test_compiled_blocks_equal_eager(model_name, world, weights, every_guidance):
     """``weights="sharded"``: the blocks FSDP2-sharded (``--weights sharded``) and compiled, against the eager
     replicated run: FSDP2's gathers stay outside the compiled graphs (NOTE(compile-fsdp) in models/registry.py)."""
     seed = random.randrange(2**31)
     group = SharedGroup(world)
-    eager_ranks = group.run(_sample, seed, False, model_name, timeout=300)
-    compiled_ranks = group.run(_sample, seed, True, model_name, weights, timeout=600)
+    eager_ranks = group.run(_sample, seed, False, model_name, "replicated", every_guidance, timeout=300)
+    compiled_ranks = group.run(_sample, seed, True, model_name, weights, every_guidance, timeout=600)
     for rank, (e, c) in enumerate(zip(eager_ranks, compiled_ranks, strict=True)):
         assert e["graphs"] == 0 and c["graphs"] >= 1, f"rank {rank}: graphs eager {e['graphs']}, compiled {c['graphs']}"
         assert c["breaks"] == 0, f"rank {rank}: {c['breaks']} graph break(s) in the compiled blocks"

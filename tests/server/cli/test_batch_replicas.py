@@ -4,11 +4,7 @@ the prompts file as soon as it is free; every output equals the one-group run's.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,19 +12,14 @@ import pytest
 from cp_infer.video_io import read_frames_dir
 from models.ltx_video.default import ensure_default_model
 
-REPO = Path(__file__).resolve().parents[3]
+from .commands import Commands, cli_env
+
 LINES = [{"prompt": f"a paper boat on a stream, take {i}", "seed": 40 + i} for i in range(4)]
 DEFAULTS = ["--frames", "9", "--height", "64", "--width", "96", "--steps", "2", "--ext", "frames"]
 
 
-def _batch(tmp_path: Path, cache: Path, name: str, *flags: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
-    env.update(CP_INFER_CACHE=str(cache), PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "batch", str(tmp_path / "prompts.jsonl"), "--out-dir",
-                           str(tmp_path / name), *DEFAULTS, *flags], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return proc
+def _batch(name: str, *flags: str) -> list[str]:
+    return ["batch", "{root}/prompts.jsonl", "--out-dir", f"{{root}}/{name}", *DEFAULTS, *flags]
 
 
 @pytest.mark.timeout(400)
@@ -36,8 +27,11 @@ def test_batch_on_two_replicas_runs_lines_on_both_and_equals_one_group(tmp_path)
     cache = tmp_path / "cache"
     ensure_default_model(cache)
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in LINES))
-    replicas = _batch(tmp_path, cache, "replicas", "--nproc", "2", "--ulysses-degree", "1")
-    _batch(tmp_path, cache, "one", "--nproc", "2", "--guidance-degree", "1")  # one group of two ranks (U=2)
+    with Commands({"replicas": _batch("replicas", "--nproc", "2", "--ulysses-degree", "1"),
+                   "one": _batch("one", "--nproc", "2", "--guidance-degree", "1")},  # one group of two ranks (U=2)
+                  env=cli_env(cache), cwd=tmp_path, fields=dict(root=tmp_path), check=True, timeout=240) as commands:
+        replicas = commands.result("replicas")
+        commands.result("one")
     ran_on = {int(m.group(1)): int(m.group(2)) for m in re.finditer(r"line (\d+) \(\S+\) runs on replica (\d)",
                                                                      replicas.stderr)}
     assert sorted(ran_on) == [1, 2, 3, 4] and set(ran_on.values()) == {0, 1}, replicas.stderr[-3000:]

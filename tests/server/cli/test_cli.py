@@ -7,10 +7,8 @@ outputs.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +25,8 @@ from server.cli import command as cli
 from server.cli.launch import leader_exit_code, strip_nproc
 from server.cli.lead import Generated
 
-REPO = Path(__file__).resolve().parents[3]
+from .commands import Commands, cli_env
+
 PROMPT = ["--prompt", "a fox in snow"]
 SHAPE = ["--frames", "17", "--height", "64", "--width", "96", "--steps", "2", "--fps", "12", "--seed", "7"]
 BATCH_LINES = [
@@ -51,24 +50,6 @@ COMMANDS = {
 }
 
 
-class Commands:
-    """``python -m server.cli ...`` processes; ``result(key)`` runs ``COMMANDS[key]`` once per module."""
-
-    def __init__(self, env: dict[str, str], cwd: Path, out: Path):
-        self.env, self.cwd, self.out = env, cwd, out
-        self.done: dict[str, subprocess.CompletedProcess] = {}
-
-    def run(self, *args: str) -> subprocess.CompletedProcess:
-        args = tuple(a.format(out=self.out) for a in args)
-        return subprocess.run([sys.executable, "-m", "server.cli", *args], env=self.env, cwd=self.cwd,
-                              capture_output=True, text=True, timeout=150)
-
-    def result(self, key: str) -> subprocess.CompletedProcess:
-        if key not in self.done:
-            self.done[key] = self.run(*COMMANDS[key])
-        return self.done[key]
-
-
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("out")
@@ -78,10 +59,12 @@ def out(tmp_path_factory) -> Path:
 def commands(tmp_path_factory, out):
     cache = tmp_path_factory.mktemp("cache")
     ensure_default_model(cache)  # once, here, rather than racing in the first command
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
-    env.update(CP_INFER_CACHE=str(cache), PYTHONPATH=str(REPO))
     (out / "prompts.jsonl").write_text("\n".join(BATCH_LINES) + "\n")
-    return Commands(env, tmp_path_factory.mktemp("cwd"), out)
+    commands = Commands(COMMANDS, env=cli_env(cache), cwd=tmp_path_factory.mktemp("cwd"), fields=dict(out=out),
+                        timeout=150)
+    commands.out = out
+    yield commands
+    commands.close()
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -307,7 +290,7 @@ def test_batch_reports_bad_lines_and_resumes(commands, out):
     assert sorted(p.name for p in out_dir.iterdir()) == ["00004.mp4", "fox.mp4"]  # no temporary files left
     mtimes = {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()}
 
-    second = commands.run(*COMMANDS["batch"])
+    second = commands.result("batch again", COMMANDS["batch"])
     assert second.returncode == 1  # the invalid lines are still invalid
     assert _summary(second.stdout) == {1: ("fox", "skipped"), 2: ("-", "invalid"), 3: ("00003", "invalid"),
                                        4: ("00004", "skipped")}

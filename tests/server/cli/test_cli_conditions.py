@@ -9,10 +9,8 @@ the test. The media are seeded random pixels (never flat), written with PIL and 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +26,8 @@ from server.cli import batch
 from server.cli import command as cli
 from server.cli.common import UsageError
 
-REPO = Path(__file__).resolve().parents[3]
+from .commands import Commands, cli_env
+
 FRAMES, HEIGHT, WIDTH = 9, 64, 64
 REQUEST = ["--prompt", "a fox in snow", "--frames", str(FRAMES), "--height", str(HEIGHT), "--width", str(WIDTH),
            "--steps", "2", "--seed", "5"]
@@ -57,25 +56,27 @@ def cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, cache, media):
-    """``runs(key, *args)``: ``python -m server.cli *args`` once per key and module."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
-    env.update(CP_INFER_CACHE=str(cache), PYTHONPATH=str(REPO))
-    cwd = tmp_path_factory.mktemp("cwd")
-    done: dict[str, subprocess.CompletedProcess] = {}
+def out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("out")
 
-    def run(key: str, *args: str) -> subprocess.CompletedProcess:
-        if key not in done:
-            done[key] = subprocess.run([sys.executable, "-m", "server.cli", *args], env=env, cwd=cwd,
-                                       capture_output=True, text=True, timeout=200)
-        return done[key]
 
-    return run
+def _conditions_args(nproc: int) -> list[str]:
+    return ["generate", *REQUEST, "--condition", "{media}/clip.mp4@0:0.7", "--condition", "{media}/img.png@-1",
+            "--nproc", str(nproc), "--out", f"{{out}}/conditions-{nproc}/"]
+
+
+COMMANDS = {"image": ["generate", *REQUEST, "--image", "{media}/img.png", "--out", "{out}/image/"],
+            **{f"conditions-{nproc}": _conditions_args(nproc) for nproc in (1, 2)}}
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("out")
+def runs(tmp_path_factory, cache, media, out):
+    """``runs(key)``: ``COMMANDS[key]``'s process (``tests/server/cli/commands.py``); ``runs(key, args)`` one the test
+    made the inputs of."""
+    commands = Commands(COMMANDS, env=cli_env(cache), cwd=tmp_path_factory.mktemp("cwd"),
+                        fields=dict(media=media, out=out))
+    yield commands.result
+    commands.close()
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -83,9 +84,8 @@ def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
-def _conditions(runs, out: Path, media: Path, nproc: int) -> subprocess.CompletedProcess:
-    return runs(f"conditions-{nproc}", "generate", *REQUEST, "--condition", f"{media}/clip.mp4@0:0.7",
-                "--condition", f"{media}/img.png@-1", "--nproc", str(nproc), "--out", f"{out}/conditions-{nproc}/")
+def _conditions(runs, nproc: int) -> subprocess.CompletedProcess:
+    return runs(f"conditions-{nproc}")
 
 
 def _latent_shape(cache: Path):
@@ -94,7 +94,7 @@ def _latent_shape(cache: Path):
 
 @pytest.mark.timeout(300)
 def test_generate_image_to_video_writes_frames_and_latents(runs, out, media, cache):
-    _ok(runs("image", "generate", *REQUEST, "--image", f"{media}/img.png", "--out", f"{out}/image/"))
+    _ok(runs("image"))
     frames, _ = read_frames_dir(out / "image")
     assert frames.shape == (FRAMES, HEIGHT, WIDTH, 3) and frames.std() > 1
     # LTXImageToVideoPipeline's output_type="latent": packed [B, S, C] (the tiny model has 16 latent channels).
@@ -110,7 +110,7 @@ def test_generate_image_to_video_writes_frames_and_latents(runs, out, media, cac
 def test_generate_conditions_two_ranks_match_one(runs, out, media, cache):
     frames, latents = {}, {}
     for nproc in (1, 2):
-        proc = _ok(_conditions(runs, out, media, nproc))
+        proc = _ok(_conditions(runs, nproc))
         assert f"{nproc} rank(s)" in proc.stdout
         frames[nproc], _ = read_frames_dir(out / f"conditions-{nproc}")
         latents[nproc] = np.load(out / f"conditions-{nproc}" / "latents.npy")
@@ -123,7 +123,7 @@ def test_generate_conditions_two_ranks_match_one(runs, out, media, cache):
     assert diff.max() <= 1 and diff.mean() < 0.02, (diff.max(), diff.mean())
     np.testing.assert_allclose(latents[2], latents[1], rtol=0, atol=1e-4)
     # The media matter: the image-to-video run of the same prompt and seed made another video.
-    _ok(runs("image", "generate", *REQUEST, "--image", f"{media}/img.png", "--out", f"{out}/image/"))
+    _ok(runs("image"))
     assert np.abs(read_frames_dir(out / "image")[0].astype(np.int16) - frames[1]).mean() > 5
 
 
@@ -148,13 +148,13 @@ def test_batch_conditioned_line_and_bad_media_line(runs, out, media, tmp_path_fa
     bad = {"prompt": "a cat", "frames": FRAMES, "height": HEIGHT, "width": WIDTH, "steps": 2,
            "image": "media/trunc.png"}
     (folder / "p.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
-    proc = runs("batch", "batch", str(folder / "p.jsonl"), "--out-dir", f"{out}/batch", "--ext", "frames")
+    proc = runs("batch", ["batch", str(folder / "p.jsonl"), "--out-dir", f"{out}/batch", "--ext", "frames"])
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert _summary(proc.stdout) == {1: ("fox", "ok"), 2: ("00002", "invalid")}, proc.stdout
     assert "image (media/trunc.png): is truncated or corrupt" in proc.stdout
     assert sorted(p.name for p in (out / "batch").iterdir()) == ["fox"]
     fox, _ = read_frames_dir(out / "batch" / "fox")
-    _ok(_conditions(runs, out, media, 1))
+    _ok(_conditions(runs, 1))
     np.testing.assert_array_equal(fox, read_frames_dir(out / "conditions-1")[0])
     np.testing.assert_array_equal(np.load(out / "batch" / "fox" / "latents.npy"),
                                   np.load(out / "conditions-1" / "latents.npy"))

@@ -4,18 +4,14 @@ line and the progress bar on stderr. Stdout must be the MP4 and nothing else: it
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from cp_infer.video_io import read_mp4
 from models.ltx_video.default import ensure_default_model
 
-REPO = Path(__file__).resolve().parents[3]
+from .commands import Commands, cli_env
+
 ARGS = ["generate", "--prompt", "a fox in snow", "--frames", "17", "--height", "64", "--width", "96", "--steps", "2",
         "--fps", "12", "--seed", "7", "--out", "-"]
 
@@ -35,20 +31,20 @@ def _boxes(data: bytes) -> list[bytes]:
 def env(tmp_path_factory) -> dict[str, str]:
     cache = tmp_path_factory.mktemp("cache")
     ensure_default_model(cache)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    env = cli_env(cache)
     # A tee or a rank filter left in the environment must not reach the video (the relaunch overrides them).
-    env.update(CP_INFER_CACHE=str(cache), PYTHONPATH=str(REPO), PET_TEE="3", PET_LOCAL_RANKS_FILTER="1")
+    env.update(PET_TEE="3", PET_LOCAL_RANKS_FILTER="1")
     return env
 
 
 @pytest.mark.timeout(400)
 def test_generate_to_stdout_one_and_two_ranks(env, tmp_path):
     videos = {}
-    for nproc in (1, 2):
-        proc = subprocess.run([sys.executable, "-m", "server.cli", *ARGS, "--nproc", str(nproc)], env=env,
-                              cwd=tmp_path, capture_output=True, timeout=180)
+    with Commands({f"{nproc}": [*ARGS, "--nproc", str(nproc)] for nproc in (1, 2)}, env=env, cwd=tmp_path,
+                  text=False, check=True, timeout=180) as commands:
+        procs = {nproc: commands.result(f"{nproc}") for nproc in (1, 2)}
+    for nproc, proc in procs.items():
         err = proc.stderr.decode(errors="replace")
-        assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{err[-4000:]}"
         boxes = _boxes(proc.stdout)
         assert boxes[:2] == [b"ftyp", b"moov"] and b"moof" in boxes and b"mdat" in boxes, boxes[:6]
         (tmp_path / f"{nproc}.mp4").write_bytes(proc.stdout)

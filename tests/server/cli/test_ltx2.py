@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
-import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -26,8 +24,8 @@ from cp_infer.video_io import read_audio, read_frames_dir, read_mp4, write_mp4
 from models.ltx2.default import ensure_default_ltx2_model
 
 from ..conftest import ServerProcess
+from .commands import Commands, cli_env
 
-REPO = Path(__file__).resolve().parents[3]
 FRAMES, HEIGHT, WIDTH, FPS = 17, 64, 96, 12
 SAMPLE_RATE = 24_000  # tiny-ltx2's vocoder output, as LTX-2's
 AAC_FRAME = 1024
@@ -129,29 +127,14 @@ def test_job_store_keeps_the_ltx2_options(tmp_path):
 # ------------------------------------------------------------------------------------------------------ CLI
 
 
-class Commands:
-    """``python -m server.cli ...`` processes; ``result(key)`` runs ``COMMANDS[key]`` once per module."""
-
-    def __init__(self, env: dict[str, str], cwd: Path, out: Path):
-        self.env, self.cwd, self.out = env, cwd, out
-        self.done: dict[str, subprocess.CompletedProcess] = {}
-
-    def result(self, key: str) -> subprocess.CompletedProcess:
-        if key not in self.done:
-            args = [a.format(out=self.out) for a in COMMANDS[key]]
-            proc = subprocess.run([sys.executable, "-m", "server.cli", *args], env=self.env, cwd=self.cwd,
-                                  capture_output=True, timeout=150)
-            err = proc.stderr.decode(errors="replace")
-            assert proc.returncode == 0, f"{key}: exit {proc.returncode} (seed {SEED})\nstderr:\n{err[-4000:]}"
-            self.done[key] = proc
-        return self.done[key]
-
-
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory, ltx2_cache) -> Commands:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
-    env.update(CP_INFER_CACHE=str(ltx2_cache), PYTHONPATH=str(REPO))
-    return Commands(env, tmp_path_factory.mktemp("cwd"), tmp_path_factory.mktemp("out"))
+    out = tmp_path_factory.mktemp("out")
+    commands = Commands(COMMANDS, env=cli_env(ltx2_cache), cwd=tmp_path_factory.mktemp("cwd"), fields=dict(out=out),
+                        text=False, check=True, context=f" (seed {SEED})", timeout=150)
+    commands.out = out
+    yield commands
+    commands.close()
 
 
 def output(commands: Commands, key: str) -> Path:

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +20,8 @@ from PIL import Image
 from cp_infer.video_io import read_mp4
 
 from ..conftest import ServerProcess
+from .commands import Commands, cli_env
 
-REPO = Path(__file__).resolve().parents[3]
 FRAMES, HEIGHT, WIDTH = 9, 48, 80
 GENERATE = ["generate", "--model", "tiny-wan", "--prompt", "a red fox in fresh snow", "--frames", str(FRAMES),
             "--height", str(HEIGHT), "--width", str(WIDTH), "--steps", "2", "--seed", "11"]
@@ -43,23 +40,6 @@ def _picture() -> np.ndarray:
     return np.clip(pixels, 0, 255).astype(np.uint8)
 
 
-class Commands:
-    """``python -m server.cli ...`` processes; ``result(key)`` runs ``COMMANDS[key]`` once per module."""
-
-    def __init__(self, env: dict[str, str], cwd: Path, out: Path, i2v: Path):
-        self.env, self.cwd, self.out, self.i2v = env, cwd, out, i2v
-        self.done: dict[str, subprocess.CompletedProcess] = {}
-
-    def result(self, key: str) -> subprocess.CompletedProcess:
-        if key not in self.done:
-            args = [a.format(out=self.out, i2v=self.i2v) for a in COMMANDS[key]]
-            proc = subprocess.run([sys.executable, "-m", "server.cli", *args], env=self.env, cwd=self.cwd,
-                                  capture_output=True, text=True, timeout=200)
-            assert proc.returncode == 0, f"{key}: exit {proc.returncode}\nstderr:\n{proc.stderr[-4000:]}"
-            self.done[key] = proc
-        return self.done[key]
-
-
 @pytest.fixture(scope="module")
 def wan_cache(tmp_path_factory) -> Path:
     """tiny-wan, built once here so that the ranks of every process only load it."""
@@ -74,12 +54,14 @@ def wan_cache(tmp_path_factory) -> Path:
 def commands(tmp_path_factory, wan_cache) -> Commands:
     from models.wan.default import save_wan_model
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
-    env.update(CP_INFER_CACHE=str(wan_cache), PYTHONPATH=str(REPO))
     out = tmp_path_factory.mktemp("out")
     Image.fromarray(_picture()).save(out / "start.png")
     i2v = save_wan_model(tmp_path_factory.mktemp("wan_i2v") / "i2v", variant="i2v")
-    return Commands(env, tmp_path_factory.mktemp("cwd"), out, i2v)
+    commands = Commands(COMMANDS, env=cli_env(wan_cache), cwd=tmp_path_factory.mktemp("cwd"),
+                        fields=dict(out=out, i2v=i2v), check=True)
+    commands.out = out
+    yield commands
+    commands.close()
 
 
 @pytest.mark.timeout(300)
@@ -168,7 +150,7 @@ def test_the_server_refuses_an_image_for_text_to_video_wan(wan_server):
 
 @pytest.fixture(scope="module")
 def i2v_server(tmp_path_factory, wan_cache, commands):
-    yield from _serving(tmp_path_factory.mktemp("wan_i2v_server"), wan_cache, str(commands.i2v))
+    yield from _serving(tmp_path_factory.mktemp("wan_i2v_server"), wan_cache, str(commands.fields["i2v"]))
 
 
 @pytest.mark.timeout(300)
