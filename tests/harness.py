@@ -24,7 +24,7 @@ from typing import Any
 
 from server.cli.launch import free_port
 
-__all__ = ["WorkerGroup", "free_port", "one_thread", "RankError"]
+__all__ = ["WorkerGroup", "fork_context", "free_port", "one_thread", "RankError"]
 
 
 class RankError(AssertionError):
@@ -53,8 +53,9 @@ PRELOAD = ["torch", "torch.distributed", "cp_infer.sampler", "models.registry", 
 _context = None
 
 
-def _fork_context():
-    """The ``forkserver`` context, its preload set before its server starts (once per test process)."""
+def fork_context():
+    """The ``forkserver`` context, its preload set before its server starts (once per test process): for a test
+    that starts processes of its own which need torch and the engine."""
     global _context
     if _context is None:
         _context = mp.get_context("forkserver")
@@ -98,7 +99,7 @@ class WorkerGroup:
         self.world = world
         self.closed = False
         layout = dict(guidance_degree=guidance_degree, ulysses_degree=ulysses_degree, ring_degree=ring_degree)
-        ctx = _fork_context()
+        ctx = fork_context()
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world)]
         port = free_port()

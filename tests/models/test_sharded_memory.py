@@ -10,19 +10,22 @@ everything, which on the CPU moves nothing.
 Each transformer is widened to 12 blocks of ~16 MiB (weights of 1-4 MiB, ~200 MiB in all), so that the weights are
 most of what a rank holds and glibc's heap sees the churn of gathered tensors larger than its initial mmap threshold.
 Before a rank's baseline is read it has run the family's embedded default (the interpreter's first-use costs:
-imports, kernels, the tokenizer) and trimmed its heap.
+imports, kernels, the tokenizer) and trimmed its heap. The ranks are forked from the harness's fork server
+(``tests.harness.fork_context``), which has imported torch and the engine: its pages are the rank's shared ones until
+the rank writes them, and the warm-up and its garbage collection have written those it will before the baseline.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import multiprocessing
 import os
 import threading
 import time
 
 import pytest
+
+from ..harness import fork_context
 
 FAMILIES = ("ltx-video", "ltx2", "wan")
 MARGIN = 80 << 20
@@ -97,12 +100,15 @@ def _tiny(family: str):
             "wan": ensure_default_wan_model}[family]()
 
 
-def _rank(rank: int, port: int, folder: str, family: str, weights: str, offload: tuple, inbox, outbox) -> None:
-    """One rank: started, then (each step once this test has read the memory before it) loaded, then one generation."""
+def _rank(rank: int, port: int, folder: str, family: str, weights: str, offload: tuple, inbox, outbox,
+          env: dict) -> None:
+    """One rank: started, then (each step once this test has read the memory before it) loaded, then one generation.
+    ``env``: the test's environment (a fork server's child starts with the server's)."""
     import traceback
 
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.clear()
+        os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         import torch
 
         from cp_infer import ParallelConfig, init_parallel
@@ -147,11 +153,12 @@ def measure_ranks(folder: str, family: str, weights: str, offload: tuple = ()) -
     """Per rank: its private bytes before the load (``base``) and the peak ``load`` and ``generate`` above it."""
     from server.cli.launch import free_port
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_context()  # fresh processes, forked from one that has imported torch and the engine
     outbox = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(2)]
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, folder, family, weights, offload, inboxes[r], outbox),
+    procs = [ctx.Process(target=_rank, args=(r, port, folder, family, weights, offload, inboxes[r], outbox,
+                                                     dict(os.environ)),
                          daemon=True) for r in range(2)]
     for p in procs:
         p.start()
