@@ -1,12 +1,13 @@
 """``--compile``: the transformer blocks compiled (``models.registry.compile_transformer_blocks``) give the latents and
-frames of the eager engine, at 1 rank and at N=2 (the Ulysses all-to-alls compiled inside the blocks), for the
-tiny LTX-Video default and the tiny LTX-2; and the tiny LTX-Video at N=2 with its weights sharded (FSDP2) and its
-blocks compiled. LTX-2 at 1 rank runs every guidance it has (CFG, spatio-temporal guidance, modality isolation, CFG
-rescale), so each kind of block call is compiled (NOTE(recompile-limit) in models/registry.py: batch 2 and batch 1
-blocks, cross-modal attention on and off, a perturbed block: three graphs); at N=2 it runs CFG, one graph with the
-video's and the audio's all-to-alls and the cross-modal attention across the ranks inside it (every other guidance
-off). A graph with the exchanges inside costs inductor ~30 s of one core here (~9 s without), so the other kinds
-are not compiled again at N=2, where they add no exchange of their own.
+frames of the eager engine, at N=2 (the Ulysses all-to-alls compiled inside the blocks) for the tiny LTX-Video
+default, at 1 rank and at N=2 for the tiny LTX-2, and for the tiny LTX-Video at N=2 with its weights sharded (FSDP2)
+and its blocks compiled. (The LTX-Video blocks compiled at 1 rank equal the eager model in ``test_lora_compile.py``,
+whose requests include one without adapters.) LTX-2 at 1 rank runs every guidance it has (CFG, spatio-temporal
+guidance, modality isolation, CFG rescale), so each kind of block call is compiled (NOTE(recompile-limit) in
+models/registry.py: batch 2 and batch 1 blocks, cross-modal attention on and off, a perturbed block: three graphs);
+at N=2 it runs CFG, one graph with the video's and the audio's all-to-alls and the cross-modal attention across the
+ranks inside it (every other guidance off). A graph with the exchanges inside costs inductor ~30 s of one core here
+(~9 s without), so the other kinds are not compiled again at N=2, where they add no exchange of their own.
 
 Tolerance: inductor fuses the blocks' pointwise ops and norms into its own kernels, which sum fp32 in another order
 and may keep intermediates in registers instead of rounding them to memory: ~1e-7 relative per op. Over a few steps
@@ -64,11 +65,9 @@ def _sample(state, seed: int, compiled: bool, model_name: str | None = None, wei
 
 
 @pytest.mark.parametrize(("model_name", "world", "weights", "every_guidance"),
-                         [(None, 1, "replicated", False), (None, 2, "replicated", False),
-                          ("tiny-ltx2", 1, "replicated", True), ("tiny-ltx2", 2, "replicated", False),
-                          (None, 2, "sharded", False)],
-                         ids=["ltx-video-1", "ltx-video-2", "ltx2-1-every-guidance", "ltx2-2-cfg",
-                              "ltx-video-2-sharded"])
+                         [(None, 2, "replicated", False), ("tiny-ltx2", 1, "replicated", True),
+                          ("tiny-ltx2", 2, "replicated", False), (None, 2, "sharded", False)],
+                         ids=["ltx-video-2", "ltx2-1-every-guidance", "ltx2-2-cfg", "ltx-video-2-sharded"])
 def test_compiled_blocks_equal_eager(model_name, world, weights, every_guidance):
     """``weights="sharded"``: the blocks FSDP2-sharded (``--weights sharded``) and compiled, against the eager
     replicated run: FSDP2's gathers stay outside the compiled graphs (NOTE(compile-fsdp) in models/registry.py)."""
