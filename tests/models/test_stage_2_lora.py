@@ -6,9 +6,8 @@ latents, the stage-2 sigmas); the refusals of the front end."""
 
 from __future__ import annotations
 
+import os
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from cp_infer.sampler import SampleControl, sample
 
 from ..harness import one_thread
 from ..lora_adapters import LTX2_A, LTX2_B, LTX2_CONNECTORS, make_adapter
+from ..server.cli.commands import Commands, cli_env
 from .ltx2.test_parallel import GUIDANCE
 
 REQUEST = dict(prompt="a drummer plays on a rainy street", negative_prompt="silence, blurry", num_inference_steps=2,
@@ -111,12 +111,13 @@ def test_pass_loras_and_the_cap():
 
 def test_an_unknown_stage_2_adapter_is_refused_before_anything_starts(setup, tmp_path):
     folder, adapters = setup
-    run = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--model", "tiny-ltx2", "--prompt", "x",
-                          "--out", str(tmp_path / "o.mp4"), "--lora-dir", adapters, "--stage-2-lora", "nope:0.8"],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2, run.stderr
-    assert "--stage-2-lora" in run.stderr and "nope" in run.stderr and "Traceback" not in run.stderr
-    run = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--model", "tiny-ltx2", "--prompt", "x",
-                          "--out", str(tmp_path / "o.mp4"), "--stage-2-lora", "distilled"],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2 and "--lora-dir" in run.stderr, run.stderr
+    base = ["generate", "--model", "tiny-ltx2", "--prompt", "x", "--out", str(tmp_path / "o.mp4")]
+    # Side by side: both spend their time importing.
+    with Commands({"unknown": [*base, "--lora-dir", adapters, "--stage-2-lora", "nope:0.8"],
+                   "no folder": [*base, "--stage-2-lora", "distilled"]},
+                  env=cli_env(os.environ["CP_INFER_CACHE"]), cwd=tmp_path, timeout=300) as commands:
+        run = commands.result("unknown")
+        assert run.returncode == 2, run.stderr
+        assert "--stage-2-lora" in run.stderr and "nope" in run.stderr and "Traceback" not in run.stderr
+        run = commands.result("no folder")
+        assert run.returncode == 2 and "--lora-dir" in run.stderr, run.stderr

@@ -35,7 +35,7 @@ API_FAULTS = ";".join([
     "step=1,kind=oom,prompt=[fault:oom]",  # torch.OutOfMemoryError from the transformer on both ranks, in step 1
     "rank=0,kind=sleep,seconds=0.25,prompt=[slow]",
     # After each decoded piece reaches rank 0 (and is encoded): a streamed job's bytes are out while it decodes.
-    "rank=0,step=decode,kind=sleep,seconds=2,prompt=[slow-decode]",
+    "rank=0,step=decode,kind=sleep,seconds=1,prompt=[slow-decode]",
 ])
 # Small limits so that every limit can be hit with a small body.
 API_ARGS = ["--max-queue", "3", "--max-prompt-chars", "300", "--max-tokens", "512", "--max-frames", "65",

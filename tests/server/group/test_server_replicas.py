@@ -47,7 +47,7 @@ def _running_on(s, job_id: str) -> int:
 
 
 def _busy_with_slow_job(s, prompt: str) -> tuple[str, int]:
-    job = s.submit(tiny(f"[slow] {prompt}", num_inference_steps=30))  # ~6 s unless stopped
+    job = s.submit(tiny(f"[slow] {prompt}", num_inference_steps=20))  # ~4 s unless stopped
     _wait_running(s, job["id"], min_progress=3)
     return job["id"], _running_on(s, job["id"])
 

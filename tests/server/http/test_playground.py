@@ -3,7 +3,7 @@
 Debian's ``chromium`` and ``chromium-driver`` are required (``.ci/run`` installs them): without them every test
 fails, it does not skip. The tests share one server and one browser tab, so the key asked for by the first test is
 kept (``sessionStorage``) for the rest. Slow jobs come from conftest's fault markers: ``[slow]`` sleeps 0.25 s per
-step on rank 0, ``[slow-decode]`` 2 s after each decoded piece (a 65-frame video arrives in 4 pieces), so a job is
+step on rank 0, ``[slow-decode]`` 1 s after each decoded piece (a 65-frame video arrives in 4 pieces), so a job is
 long enough to see its progress, watch its video play before it completes, and cancel it. Every wait polls a
 condition with a deadline; none of them decides anything by time alone.
 """

@@ -1,6 +1,6 @@
 """``POST /v1/videos`` with ``stream=true`` against the real 2-rank server: the MP4 arrives while it is decoded.
 
-Order, not timing: ``[slow-decode]`` (conftest's faults) makes rank 0 pause for 2 s after each decoded piece has
+Order, not timing: ``[slow-decode]`` (conftest's faults) makes rank 0 pause for 1 s after each decoded piece has
 been encoded, and a 65-frame video (9 latent frames) is decoded in 2 rounds of at most 4 latent frames per rank (the
 automatic round size at 64x96): 4 pieces on two ranks. The first bytes must then come while the job is still in
 progress with its progress below 97, the mark that only the last piece's arrival sets. A server that sent the file
