@@ -24,7 +24,7 @@ from typing import Any
 
 from server.cli.launch import free_port
 
-__all__ = ["WorkerGroup", "fork_context", "free_port", "one_thread", "RankError"]
+__all__ = ["WorkerGroup", "fork_context", "fork_process", "free_port", "one_thread", "RankError"]
 
 
 class RankError(AssertionError):
@@ -54,8 +54,8 @@ _context = None
 
 
 def fork_context():
-    """The ``forkserver`` context, its preload set before its server starts (once per test process): for a test
-    that starts processes of its own which need torch and the engine."""
+    """The ``forkserver`` context, its preload set before its server starts (once per test process): its queues are
+    the ones :func:`fork_process`'s processes take."""
     global _context
     if _context is None:
         _context = mp.get_context("forkserver")
@@ -63,9 +63,19 @@ def fork_context():
     return _context
 
 
-def _worker(rank: int, world: int, port: int, inbox, outbox, threads: int, layout: dict, env: dict) -> None:
+def _in_env(env: dict[str, str], target: Callable[..., Any], *args: Any) -> Any:
     os.environ.clear()
     os.environ.update(env)
+    return target(*args)
+
+
+def fork_process(target: Callable[..., Any], *args: Any):
+    """A daemon process of the fork server (:func:`fork_context`) that runs ``target(*args)`` in this process's
+    environment as it is now (a fork server's child would otherwise start with the server's); not started."""
+    return fork_context().Process(target=_in_env, args=(dict(os.environ), target, *args), daemon=True)
+
+
+def _worker(rank: int, world: int, port: int, inbox, outbox, threads: int, layout: dict) -> None:
     import torch
 
     torch.set_num_threads(threads)
@@ -103,12 +113,8 @@ class WorkerGroup:
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world)]
         port = free_port()
-        env = dict(os.environ)
-        self._procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self._inboxes[r], self._outbox, threads, layout, env),
-                        daemon=True)
-            for r in range(world)
-        ]
+        self._procs = [fork_process(_worker, r, world, port, self._inboxes[r], self._outbox, threads, layout)
+                       for r in range(world)]
         for p in self._procs:
             p.start()
         self._collect("startup", start_timeout)

@@ -11,7 +11,7 @@ Each transformer is widened to 12 blocks of ~16 MiB (weights of 1-4 MiB, ~200 Mi
 most of what a rank holds and glibc's heap sees the churn of gathered tensors larger than its initial mmap threshold.
 Before a rank's baseline is read it has run the family's embedded default (the interpreter's first-use costs:
 imports, kernels, the tokenizer) and trimmed its heap. The ranks are forked from the harness's fork server
-(``tests.harness.fork_context``), which has imported torch and the engine: its pages are the rank's shared ones until
+(``tests.harness.fork_process``), which has imported torch and the engine: its pages are the rank's shared ones until
 the rank writes them, and the warm-up and its garbage collection have written those it will before the baseline.
 """
 
@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from ..harness import fork_context
+from ..harness import fork_context, fork_process
 
 FAMILIES = ("ltx-video", "ltx2", "wan")
 MARGIN = 80 << 20
@@ -100,15 +100,12 @@ def _tiny(family: str):
             "wan": ensure_default_wan_model}[family]()
 
 
-def _rank(rank: int, port: int, folder: str, family: str, weights: str, offload: tuple, inbox, outbox,
-          env: dict) -> None:
-    """One rank: started, then (each step once this test has read the memory before it) loaded, then one generation.
-    ``env``: the test's environment (a fork server's child starts with the server's)."""
+def _rank(rank: int, port: int, folder: str, family: str, weights: str, offload: tuple, inbox, outbox) -> None:
+    """One rank: started, then (each step once this test has read the memory before it) loaded, then one generation."""
     import traceback
 
     try:
-        os.environ.clear()
-        os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         import torch
 
         from cp_infer import ParallelConfig, init_parallel
@@ -153,13 +150,11 @@ def measure_ranks(folder: str, family: str, weights: str, offload: tuple = ()) -
     """Per rank: its private bytes before the load (``base``) and the peak ``load`` and ``generate`` above it."""
     from server.cli.launch import free_port
 
-    ctx = fork_context()  # fresh processes, forked from one that has imported torch and the engine
+    ctx = fork_context()  # the ranks: fresh processes, forked from one that has imported torch and the engine
     outbox = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(2)]
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, folder, family, weights, offload, inboxes[r], outbox,
-                                                     dict(os.environ)),
-                         daemon=True) for r in range(2)]
+    procs = [fork_process(_rank, r, port, folder, family, weights, offload, inboxes[r], outbox) for r in range(2)]
     for p in procs:
         p.start()
     phase = ["started", "started"]

@@ -49,6 +49,11 @@ class Commands:
         for key, args in table.items():
             self._start(key, args)
 
+    @property
+    def out(self) -> Path:
+        """``fields["out"]``: the folder the commands write to, where a module's table has one."""
+        return Path(self.fields["out"])
+
     def _start(self, key: str, args: Sequence[str]) -> None:
         argv = [sys.executable, "-m", "server.cli", *(str(a).format(**self.fields) for a in args)]
         self._runs[key] = self._pool.submit(subprocess.run, argv, env=self.env, cwd=self.cwd, capture_output=True,

@@ -62,7 +62,6 @@ def commands(tmp_path_factory, out):
     (out / "prompts.jsonl").write_text("\n".join(BATCH_LINES) + "\n")
     commands = Commands(COMMANDS, env=cli_env(cache), cwd=tmp_path_factory.mktemp("cwd"), fields=dict(out=out),
                         timeout=150)
-    commands.out = out
     yield commands
     commands.close()
 

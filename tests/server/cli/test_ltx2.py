@@ -132,7 +132,6 @@ def commands(tmp_path_factory, ltx2_cache) -> Commands:
     out = tmp_path_factory.mktemp("out")
     commands = Commands(COMMANDS, env=cli_env(ltx2_cache), cwd=tmp_path_factory.mktemp("cwd"), fields=dict(out=out),
                         text=False, check=True, context=f" (seed {SEED})", timeout=150)
-    commands.out = out
     yield commands
     commands.close()
 

@@ -59,7 +59,6 @@ def commands(tmp_path_factory, wan_cache) -> Commands:
     i2v = save_wan_model(tmp_path_factory.mktemp("wan_i2v") / "i2v", variant="i2v")
     commands = Commands(COMMANDS, env=cli_env(wan_cache), cwd=tmp_path_factory.mktemp("cwd"),
                         fields=dict(out=out, i2v=i2v), check=True)
-    commands.out = out
     yield commands
     commands.close()
 
