@@ -93,3 +93,13 @@ def test_command_line_is_relative_to_the_repository():
 
 def test_setup_labels():
     assert (OURS_1.label, DIFF_2.label) == ("ours N=1", "diffusers CP N=2")
+
+
+def test_two_node_link_bytes_are_the_arithmetic():
+    """``bench/two_nodes.py``'s expected bytes across the nodes per step (fp32): 2 x B x L x H x D floats a layer for
+    both layouts, tokens padded to U x R and heads to U."""
+    from bench.two_nodes import link_bytes
+
+    assert link_bytes(4, ulysses=4, ring=1) == link_bytes(4, ulysses=2, ring=2) == 4 * 2 * 2 * 512 * 4 * 64 * 4
+    assert link_bytes(1, ulysses=4, ring=1, batch=1, tokens=18, heads=3, head_dim=1) == 2 * 20 * 4 * 4
+    assert link_bytes(1, ulysses=2, ring=2, batch=1, tokens=18, heads=3, head_dim=1) == 2 * 20 * 4 * 4
