@@ -1,7 +1,8 @@
 """``--compile``: the transformer blocks compiled (``models.registry.compile_transformer_blocks``) give the latents and
 frames of the eager engine, at N=2 (the Ulysses all-to-alls compiled inside the blocks) for the tiny LTX-Video
-default, at 1 rank and at N=2 for the tiny LTX-2, and for the tiny LTX-Video on a ring of 2 (R=2) with its weights
-sharded (FSDP2) and its blocks compiled. (The LTX-Video blocks compiled at 1 rank equal the eager model in
+default, at 1 rank and at N=2 for the tiny LTX-2, for the tiny LTX-Video on a ring of 2 (R=2) with its weights
+sharded (FSDP2) and its blocks compiled, and for the tiny Helios at N=2 (a chunk's and its history's tokens exchanged
+inside the blocks). (The LTX-Video blocks compiled at 1 rank equal the eager model in
 ``test_lora_compile.py``, whose requests include one without adapters.) LTX-2 at 1 rank runs every guidance it has
 (CFG, spatio-temporal guidance, modality isolation, CFG rescale), so each kind of block call is compiled
 (NOTE(recompile-limit) in models/registry.py: batch 2 and batch 1 blocks, cross-modal attention on and off, a
@@ -34,7 +35,8 @@ from ..worker_groups import SharedGroup
 
 # LTX-Video: 3 x 1 x 3 = 9 latent tokens, uneven over 2 ranks (a padded token), CFG on (batch 2 through the blocks).
 # LTX-2 (64 px at least): 2 x 2 x 3 = 12 video tokens and its own audio stream.
-_SHAPES = {"ltx-video": dict(num_frames=17, height=32, width=96), "ltx2": dict(num_frames=9, height=64, width=96)}
+_SHAPES = {"ltx-video": dict(num_frames=17, height=32, width=96), "ltx2": dict(num_frames=9, height=64, width=96),
+           "helios": dict(num_frames=17, height=32, width=32, num_latent_frames_per_chunk=3)}
 _LTX2_GUIDANCE = dict(guidance_scale=3.0, audio_guidance_scale=5.0, stg_scale=1.0, audio_stg_scale=0.5,
                       modality_scale=2.0, audio_modality_scale=1.5, guidance_rescale=0.7,
                       spatio_temporal_guidance_blocks=(0,))
@@ -68,8 +70,10 @@ def _sample(state, seed: int, compiled: bool, model_name: str | None = None, wei
 
 @pytest.mark.parametrize(("model_name", "world", "ring", "weights", "every_guidance"),
                          [(None, 2, None, "replicated", False), ("tiny-ltx2", 1, None, "replicated", True),
-                          ("tiny-ltx2", 2, None, "replicated", False), (None, 2, 2, "sharded", False)],
-                         ids=["ltx-video-2", "ltx2-1-every-guidance", "ltx2-2-cfg", "ltx-video-ring-2-sharded"])
+                          ("tiny-ltx2", 2, None, "replicated", False), (None, 2, 2, "sharded", False),
+                          ("tiny-helios", 2, None, "replicated", False)],
+                         ids=["ltx-video-2", "ltx2-1-every-guidance", "ltx2-2-cfg", "ltx-video-ring-2-sharded",
+                              "helios-2"])
 def test_compiled_blocks_equal_eager(model_name, world, ring, weights, every_guidance):
     """``weights="sharded"``: the blocks FSDP2-sharded (``--weights sharded``) and compiled, against the eager
     replicated run: FSDP2's gathers stay outside the compiled graphs (NOTE(compile-fsdp) in models/registry.py).
