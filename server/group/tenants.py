@@ -60,6 +60,9 @@ class Tenant:
 
 OPEN = Tenant("", admin=True)
 ADMIN = Tenant("admin", admin=True)
+NOBODY = Tenant("(no key)")
+"""A caller without a valid key where a route answers anyone (``/ready``, a probe): it sees no job (its name is no
+tenant's: ``check_name`` refuses it)."""
 
 
 class TenantLimit(Exception):

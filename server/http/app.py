@@ -42,6 +42,7 @@ from server.outputs.store import StoreUnavailable
 __all__ = ["AppConfig", "create_app"]
 
 _PUBLIC_PATHS = frozenset({"/health"})
+_PROBE_PATHS = frozenset({"/ready"})  # answers anyone, a key's jobs to the key (server.http.auth)
 _STORE_RETRY_AFTER_S = 5
 
 
@@ -104,10 +105,10 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     app.include_router(live_socket.router)
     app.include_router(models.router)
     app.include_router(playground.router)
-    install_openapi(app, engine, config, public=_PUBLIC_PATHS)
+    install_openapi(app, engine, config, public=_PUBLIC_PATHS | _PROBE_PATHS)
     # Routes cap their own bodies (those that carry media higher); the guard only stops what no route takes.
     app.add_middleware(GuardMiddleware, api_key=config.api_key, tenants=engine.store.tenants, public=_PUBLIC_PATHS,
-                       max_body_bytes=config.max_body_bytes + 2 * config.max_upload_bytes)
+                       probes=_PROBE_PATHS, max_body_bytes=config.max_body_bytes + 2 * config.max_upload_bytes)
     if config.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 

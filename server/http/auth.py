@@ -12,8 +12,11 @@ Invariants:
 - A WebSocket's key is its ``Authorization`` header, or the subprotocol ``bearer.<key>`` (a browser's); refused, it
   is closed before it is accepted.
 - Only ``/health`` is exempt, and the playground page's own static files (``server.http.playground.PageFiles``, in
-  front of the guard and not routes). Bodies over the cap are refused with 413 from their Content-Length before they
-  are read (routes cap streamed bodies themselves).
+  front of the guard and not routes). A probe path (``/ready``: a kubelet or a load balancer sends no key) answers
+  anyone: a valid key's tenant is the request's tenant, anything else (no key, a wrong one, a job store that does not
+  answer) is ``NOBODY``, who sees no job; a probe takes no token of a bucket.
+- Bodies over the cap are refused with 413 from their Content-Length before they are read (routes cap streamed
+  bodies themselves).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 
-from server.group.tenants import ADMIN, OPEN, Tenant, TenantLimit, Tenants
+from server.group.tenants import ADMIN, NOBODY, OPEN, Tenant, TenantLimit, Tenants
 from server.http.schemas import ApiError
 from server.outputs.store import StoreUnavailable
 
@@ -50,12 +53,14 @@ class GuardMiddleware:
     """Authentication, the request bucket and the body-size cap, as plain ASGI so that no route (or 404) can bypass
     them. The request's tenant goes to the route in ``scope["state"]["tenant"]``."""
 
-    def __init__(self, app, *, api_key: str | None, tenants: Tenants, max_body_bytes: int, public: Collection[str]):
+    def __init__(self, app, *, api_key: str | None, tenants: Tenants, max_body_bytes: int, public: Collection[str],
+                 probes: Collection[str] = ()):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.tenants = tenants
         self.max_body_bytes = max_body_bytes
         self.public = frozenset(public)
+        self.probes = frozenset(probes)
 
     def _tenant(self, token: bytes | None) -> Tenant | None:
         """The token's tenant (``OPEN`` when the server asks for none); ``None``: refused. Blocking (the database)."""
@@ -86,7 +91,9 @@ class GuardMiddleware:
             response = None
             try:
                 tenant = await asyncio.to_thread(self._tenant, token)
-                if tenant is None:
+                if scope["path"] in self.probes:
+                    tenant = tenant or NOBODY
+                elif tenant is None:
                     response = error_response(401, "invalid_api_key", "missing, wrong or revoked API key; send the "
                                               "header 'Authorization: Bearer <key>'",
                                               headers={"WWW-Authenticate": "Bearer"})
@@ -96,8 +103,11 @@ class GuardMiddleware:
                 error = limit_error(exc)
                 response = error_response(429, error.code, error.message, error.param, error.headers)
             except StoreUnavailable as exc:
-                response = error_response(503, "store_unavailable", f"{exc}; retry later",
-                                          headers={"Retry-After": str(_STORE_RETRY_AFTER_S)})
+                if scope["path"] in self.probes:
+                    tenant = NOBODY  # the probe itself names the store that does not answer
+                else:
+                    response = error_response(503, "store_unavailable", f"{exc}; retry later",
+                                              headers={"Retry-After": str(_STORE_RETRY_AFTER_S)})
             if response is not None:
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008})

@@ -2,7 +2,10 @@
 Prometheus counters.
 
 Invariants:
-- Only ``/health`` is public (``server.http.app``'s guard exempts it); it touches nothing.
+- ``/health`` is public (``server.http.app``'s guard exempts it); it touches nothing.
+- ``/ready`` answers anyone (a probe sends no key: ``server.http.auth``), but names a running job only to a tenant
+  who sees it: another tenant's (or, without a key, any) running job is ``"job": null`` with ``"running": true``,
+  its id cut from the reasons, so a probe tells nothing of whose videos exist.
 - ``/ready`` and ``/metrics`` read the engine's state (:class:`server.http.engine.Engine`); neither waits on the group.
   ``/ready`` also asks each store one cheap question and names the one that does not answer. With a shared job
   store, the queue's depth and oldest age are the fleet's (what an autoscaler scales on).
@@ -39,7 +42,8 @@ class Ready(BaseModel):
     world_size: int | None
     heartbeat_rtt_ms: float | None
     replicas: list[dict[str, Any]]
-    """Each replica group (``Engine.replica_status``)."""
+    """Each replica group (``Engine.replica_status``), and ``running``: whether it runs a job (``job``: its id, where
+    the caller's key sees that job)."""
     memory: list[dict[str, Any]]
     """Each rank's weights: ``weights`` (``sharded``/``replicated``), ``offload``, and per component the bytes on each
     device it lives on (``Engine.memory``)."""
@@ -60,19 +64,44 @@ async def health() -> dict:
 @router.get("/ready", response_model=Ready, responses={503: {
     "model": NotReady, "description": "The worker group is not up (yet); retry after Retry-After seconds",
     "headers": {"Retry-After": {"schema": {"type": "integer"}}}}})
-async def ready(engine: EngineDep) -> JSONResponse:
-    """The worker group is up and answered the last heartbeat collective (or is running a job)."""
+async def ready(engine: EngineDep, tenant: TenantDep) -> JSONResponse:
+    """The worker group is up and answered the last heartbeat collective (or is running a job). No key needed (a
+    probe's); a running job is named to a key that sees it."""
     ok, reason = engine.ready()
+    replicas = engine.replica_status()
     problem = await anyio.to_thread.run_sync(_store_problem, engine)
     if problem is not None:
         ok, reason = False, problem
+    hidden = await anyio.to_thread.run_sync(_hidden_jobs, engine, tenant, replicas)
+    for job_id in hidden:
+        reason = reason.replace(job_id, "a job")
+    replicas = [{**r, "running": r["job"] is not None} for r in replicas]
+    for r in replicas:
+        if r["job"] in hidden:
+            r["job"], r["reason"] = None, r["reason"].replace(r["job"], "a job")
     body = {"status": "ready" if ok else "not_ready", "reason": reason, "world_size": engine.world_size,
             "heartbeat_rtt_ms": None if engine.last_ping_rtt_s is None else round(engine.last_ping_rtt_s * 1e3, 3),
-            "replicas": engine.replica_status(), "memory": engine.memory}
+            "replicas": replicas, "memory": engine.memory}
     if ok:
         return JSONResponse(body)
     return JSONResponse({**ApiError(503, "not_ready", reason).body(), **body}, status_code=503,
                         headers={"Retry-After": "5"})
+
+
+def _hidden_jobs(engine: Engine, tenant: Tenant, replicas: list[dict[str, Any]]) -> set[str]:
+    """The running jobs ``tenant`` does not see (blocking: the job store, for a tenant that is not an admin)."""
+    running = {r["job"] for r in replicas if r["job"] is not None}
+    if tenant.admin or not running:
+        return set()
+    hidden = set()
+    for job_id in running:
+        try:
+            job = engine.store.get(job_id)
+        except StoreUnavailable:
+            job = None  # what the store cannot tell is not told
+        if job is None or not tenant.sees(job.tenant):
+            hidden.add(job_id)
+    return hidden
 
 
 def _store_problem(engine: Engine) -> str | None:

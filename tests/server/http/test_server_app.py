@@ -140,7 +140,8 @@ def _ask(client, method: str, path: str) -> int:
     return 200
 
 
-def test_every_route_but_health_needs_the_api_key(tmp_path):
+def test_every_route_but_health_and_ready_needs_the_api_key(tmp_path):
+    """``/ready`` answers a probe without a key (``test_tenants.py``: what it tells whom)."""
     app = create_app(AppConfig(api_key=KEY), _stub(tmp_path))
     paths = {route.path for route in _flatten(app.routes)}
     # FastAPI's own routes are there too: the guard must cover them as well.
@@ -153,7 +154,7 @@ def test_every_route_but_health_needs_the_api_key(tmp_path):
                 checked += 1
                 continue
             r = anonymous.request(method, path)
-            if route_path == "/health":
+            if route_path in ("/health", "/ready"):
                 assert r.status_code == 200, (method, path)
             else:
                 assert r.status_code == 401, (method, path, r.status_code)

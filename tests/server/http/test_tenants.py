@@ -187,3 +187,23 @@ def test_a_revoke_holds_within_a_second_and_no_key_is_kept_or_told(fleet, caplog
         assert all(key not in r.text and key not in str(r.headers) for r in answers), name
         assert key not in caplog.text, name
     assert API_KEY.encode() not in stored
+
+
+def test_ready_answers_a_probe_and_names_a_running_job_only_to_whom_sees_it(fleet):
+    """A kubelet's probe sends no key: ``/ready`` answers it, and says a replica runs a job without saying whose or
+    which, as it does to another tenant and to a wrong or revoked key; the owner and admins see the id."""
+    engine, _, keys, app = fleet
+    _, running = _alice_videos(engine, keys, app)
+    engine.ready = lambda: (True, f"running {running}")
+    engine.replica_status = lambda: [{"replica": 0, "ranks": [0, 1], "layout": {"guidance": 1, "ring": 1, "ulysses": 2},
+                                      "ready": True, "reason": f"running {running}", "job": running,
+                                      "heartbeat_rtt_ms": 1.0, "jobs_finished": {}}]
+    for key, sees in ((None, False), ("not-a-key", False), (keys["eve"], False), (keys["bob"], False),
+                      (keys["alice"], True), (keys["root"], True), (API_KEY, True)):
+        with _client(app, key) as client:
+            r = client.get("/ready")
+        assert r.status_code == 200, (key, r.text)
+        replica = r.json()["replicas"][0]
+        assert replica["running"] is True
+        assert replica["job"] == (running if sees else None), key
+        assert (running in r.text) == sees, (key, r.text)
