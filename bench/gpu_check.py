@@ -5,7 +5,9 @@ over the same modules, plus the paths diffusers has no one-call peer for. Prints
     python bench/gpu_check.py                        # CUDA: real-size transformers (sized for < 8 min on one H200)
     python bench/gpu_check.py --device cpu --quick   # the CPU smoke mode (tests/test_gpu_check.py runs it)
 
-Rows: LTX-Video, LTX-2, Wan 2.1 and Helios text-to-video against ``LTXPipeline``, ``LTX2Pipeline``, ``WanPipeline``
+Rows: the ring's maths on the device (``cp_infer.ring``: each key/value block's attention with its log-sum-exp,
+merged in fp32, one block all padding and a key mask) against SDPA over every key at once; LTX-Video, LTX-2, Wan 2.1
+and Helios text-to-video against ``LTXPipeline``, ``LTX2Pipeline``, ``WanPipeline``
 and ``HeliosPipeline`` (two chunks, so the second reads the first's history); Helios's long videos of 1, 4 and 16
 chunks streamed, a medium model (8 of its 40 layers): seconds per chunk, the first chunk's and the last's, and the
 peak memory against the one-chunk video's (#40's targets: 1.10x and 1.1x);
@@ -84,6 +86,8 @@ class Sizes:
     tile: int
     overlap: int
     steps: int
+    ring: tuple[int, int, int, int] = (32, 64, 6144, 4)
+    """The ring row's heads, head size, keys and blocks (a self-attention layer of LTX-Video 2B at 768x512x121)."""
 
 
 FULL = Sizes(ltx=dict(num_layers=28, num_attention_heads=32, attention_head_dim=64), ltx2_layers=None,
@@ -97,7 +101,7 @@ QUICK = Sizes(ltx=dict(num_layers=1, num_attention_heads=2, attention_head_dim=1
               helios=dict(num_layers=1, num_attention_heads=2, attention_head_dim=12, ffn_dim=64, rope_dim=(4, 4, 4)),
               frames=9, height=128, width=192, wan_frames=9, wan_height=64, wan_width=96,
               helios_frames=65, helios_height=64, helios_width=96, helios_chunks=(1, 2), helios_long_layers=None,
-              long_frames=65, tile=40, overlap=24, steps=2)
+              long_frames=65, tile=40, overlap=24, steps=2, ring=(2, 16, 64, 4))
 
 
 class _Device:
@@ -394,6 +398,55 @@ def _helios_frames(chunks: int) -> int:
     return 33 * chunks - (33 * chunks - 1) % 4
 
 
+def _ring_rows(sizes: Sizes, dev: _Device) -> list[dict[str, Any]]:
+    """The ring's maths at one rank (no point-to-point step, which needs two): the blocks as a ring of ``blocks``
+    ranks holds them, the last all padding and the one before partly, batch row 1 masking its first keys; each real
+    block's ``attention_lse`` merged by ``BlockMerge``, against one ``scaled_dot_product_attention`` over the real
+    keys with the same mask. Step: the median of 5 calls of each."""
+    import torch.nn.functional as F
+
+    from cp_infer.ring import BlockMerge, attention_lse
+
+    heads, dim, keys, blocks = sizes.ring
+    block = keys // blocks
+    real = keys - block - 3  # the last block all padding, the one before with 3 padded keys
+    g = torch.Generator("cpu").manual_seed(SEED)
+    q, k, v = (torch.randn(2, heads, keys, dim, generator=g).to(dev.device, dev.dtype) for _ in range(3))
+    mask = torch.ones(2, real, dtype=torch.bool, device=dev.device)
+    mask[1, :5] = False
+
+    def ring() -> torch.Tensor:
+        merge = BlockMerge(q)
+        for j in range(blocks):
+            start = j * block
+            n = min(block, real - start)
+            if n > 0:
+                merge.add(*attention_lse(q, k[:, :, start:start + n], v[:, :, start:start + n],
+                                         key_mask=mask[:, start:start + n]))
+        return merge.result()
+
+    def whole() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k[:, :, :real], v[:, :, :real], attn_mask=mask[:, None, None, :])
+
+    timed = {}
+    for name, call in (("ours", ring), ("theirs", whole)):
+        dev.reset_peak()
+        times = []
+        with torch.inference_mode():
+            for _ in range(6):
+                dev.sync()
+                started = time.perf_counter()
+                out = call()
+                dev.sync()
+                times.append(time.perf_counter() - started)
+        timed[name] = dict(out=out.float().cpu(), step_s=statistics.median(times[1:]), peak_gib=dev.peak_gib())
+    ours, theirs = timed["ours"], timed["theirs"]
+    difference = float((ours["out"] - theirs["out"]).abs().max() / theirs["out"].abs().max().clamp_min(1e-12))
+    return [dict(case=f"ring: {blocks} blocks of {heads} x {dim} over {keys} keys, one all padding, a key mask",
+                 reference="SDPA over every key", ours_step_s=ours["step_s"], theirs_step_s=theirs["step_s"],
+                 ours_peak_gib=ours["peak_gib"], theirs_peak_gib=theirs["peak_gib"], difference=difference)]
+
+
 def _failed(family: str, error: BaseException) -> dict[str, Any]:
     """A family whose rows raised: one row that says so (its traceback went to stderr), so the others still run."""
     message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
@@ -449,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="cut every transformer to this many layers")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                     help="the transformer's and text encoder's dtype (default: the device's, cp_infer.devices)")
-    ap.add_argument("--families", default="ltx-video,wan,helios,ltx2", help="comma-separated subset, in order")
+    ap.add_argument("--families", default="ring,ltx-video,wan,helios,ltx2", help="comma-separated subset, in order")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available here; use --device cpu --quick")
@@ -462,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or device_defaults(args.device).dtype]
     dev = _Device(args.device, dtype)
     started, rows = time.perf_counter(), []
-    builders = {"ltx-video": _ltx_video_rows, "ltx2": _ltx2_rows, "wan": _wan_rows, "helios": _helios_rows}
+    builders = {"ring": _ring_rows, "ltx-video": _ltx_video_rows, "ltx2": _ltx2_rows, "wan": _wan_rows,
+                "helios": _helios_rows}
     for family in args.families.split(","):
         began = time.perf_counter()
         try:

@@ -25,12 +25,14 @@ def test_the_smoke_mode_runs_every_case_and_agrees(tmp_path, dtype):
     lines = run.stdout.splitlines()
     name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     assert f"cpu, 1 rank, {name}, TF32 off" in lines[0], lines[0]
-    cells = [line.split(" | ") for line in lines if line.startswith(("| LTX", "| Wan", "| Helios"))]
+    cells = [line.split(" | ") for line in lines if line.startswith(("| LTX", "| Wan", "| Helios", "| ring"))]
     rows = {cell[0][2:].split(" ", 1)[0] + ": " + cell[0].split(": ", 1)[1]: cell for cell in cells}
     compared = {"LTX-Video: text-to-video": "LTXPipeline", "LTX-Video: image-to-video": "LTXImageToVideoPipeline",
                 "LTX-2: text-to-video, audio": "LTX2Pipeline", "Wan: text-to-video": "WanPipeline",
                 "Helios: text-to-video, 65 frames in 2 chunks": "HeliosPipeline",
                 "LTX-Video: --offload transformer_blocks,text_encoder,vae": "ours without offload"}
+    ring = next(cell for cell in cells if cell[0].startswith("| ring: 4 blocks"))
+    assert ring[1] == "SDPA over every key" and ring[5] == "yes", ring
     for case, reference in compared.items():
         assert rows[case][1] == reference and rows[case][5] == "yes", rows[case]
         assert float(rows[case][4]) <= (1e-3 if dtype == "fp32" else 0.08) and float(rows[case][2]) > 0, rows[case]
