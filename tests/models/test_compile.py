@@ -1,22 +1,21 @@
 """``--compile``: the transformer blocks compiled (``models.registry.compile_transformer_blocks``) give the latents and
-frames of the eager engine, at N=2 (the Ulysses all-to-alls compiled inside the blocks) for the tiny LTX-Video
-default, at 1 rank and at N=2 for the tiny LTX-2, for the tiny LTX-Video on a ring of 2 (R=2) with its weights
-sharded (FSDP2) and its blocks compiled, and for the tiny Helios at N=2 (a chunk's and its history's tokens exchanged
-inside the blocks). (The LTX-Video blocks compiled at 1 rank equal the eager model in
-``test_lora_compile.py``, whose requests include one without adapters.) LTX-2 at 1 rank runs every guidance it has
-(CFG, spatio-temporal guidance, modality isolation, CFG rescale), so each kind of block call is compiled
-(NOTE(recompile-limit) in models/registry.py: batch 2 and batch 1 blocks, cross-modal attention on and off, a
+frames of the eager engine: at 1 rank and at N=2 for the tiny LTX-2, for the tiny LTX-Video on a ring of 2 (R=2) with
+its weights sharded (FSDP2) and its blocks compiled (the plain blocks, no adapter slots), and for the tiny Helios at N=2
+(a chunk's and its history's tokens exchanged inside the blocks). LTX-Video's Ulysses all-to-alls compiled inside its
+blocks at N=2, and its blocks compiled at 1 rank, equal the eager engine in ``test_lora_compile.py`` (adapter slots
+compiled in; its requests include one without adapters, and it asserts no graph break). LTX-2 at 1 rank runs every
+guidance it has (CFG, spatio-temporal guidance, modality isolation, CFG rescale), so each kind of block call is
+compiled (NOTE(recompile-limit) in models/registry.py: batch 2 and batch 1 blocks, cross-modal attention on and off, a
 perturbed block: three graphs); at N=2 it runs CFG, one graph with the video's and the audio's all-to-alls and the
 cross-modal attention across the ranks inside it (every other guidance off). A graph with the exchanges inside costs
-inductor ~30 s of one core here (~9 s without), so the other kinds are not compiled again at N=2,
-where they add no exchange of their own.
+inductor ~30 s of one core here (~9 s without), so the other kinds are not compiled again at N=2, where they add no
+exchange of their own.
 
 Tolerance: inductor fuses the blocks' pointwise ops and norms into its own kernels, which sum fp32 in another order
 and may keep intermediates in registers instead of rounding them to memory: ~1e-7 relative per op. Over a few steps
 of the tiny models the final latents (unit scale) moved by at most 1.4e-6 (LTX-Video) and 4e-6 (LTX-2's audio) here,
-so 1e-4 leaves room
-for other CPUs' vector widths while catching any real difference (a wrong shard, a skipped exchange, a dropped
-head: O(1)). Frames: within 1 level of 255 (a ~1e-6 change can flip a rounding).
+so 1e-4 leaves room for other CPUs' vector widths while catching any real difference (a wrong shard, a skipped
+exchange, a dropped head: O(1)). Frames: within 1 level of 255 (a ~1e-6 change can flip a rounding).
 
 The test also checks that the compile happened as intended: dynamo captured graphs and broke none but at a ring's
 point-to-point steps (a graph break elsewhere or a fallback to eager would make the comparison prove nothing about
@@ -69,11 +68,10 @@ def _sample(state, seed: int, compiled: bool, model_name: str | None = None, wei
 
 
 @pytest.mark.parametrize(("model_name", "world", "ring", "weights", "every_guidance"),
-                         [(None, 2, None, "replicated", False), ("tiny-ltx2", 1, None, "replicated", True),
+                         [("tiny-ltx2", 1, None, "replicated", True),
                           ("tiny-ltx2", 2, None, "replicated", False), (None, 2, 2, "sharded", False),
                           ("tiny-helios", 2, None, "replicated", False)],
-                         ids=["ltx-video-2", "ltx2-1-every-guidance", "ltx2-2-cfg", "ltx-video-ring-2-sharded",
-                              "helios-2"])
+                         ids=["ltx2-1-every-guidance", "ltx2-2-cfg", "ltx-video-ring-2-sharded", "helios-2"])
 def test_compiled_blocks_equal_eager(model_name, world, ring, weights, every_guidance):
     """``weights="sharded"``: the blocks FSDP2-sharded (``--weights sharded``) and compiled, against the eager
     replicated run: FSDP2's gathers stay outside the compiled graphs (NOTE(compile-fsdp) in models/registry.py).
