@@ -1,6 +1,8 @@
 """``bench/gpu_check.py``, the prepared device check (#42), in its CPU smoke mode: run as a user runs it, every row
-made, every path compared with its reference agreeing (fp32 at one rank: within 1e-3 of the reference's range), so that
-the script cannot rot between the tasks that are lent a GPU."""
+made, every path compared with its reference agreeing, so that the script cannot rot between the tasks that are lent a
+GPU. In bf16, the CUDA default (within the script's 0.08 of the reference's range): a path that mixes dtypes fails on
+the CPU as it would on a GPU, and a wrong comparison (another guidance, another schedule) is off by O(1). fp32 parity
+at one rank, bit for bit, is each family's own test's."""
 
 from __future__ import annotations
 
@@ -15,9 +17,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["bf16"])
 def test_the_smoke_mode_runs_every_case_and_agrees(tmp_path, dtype):
-    """bf16 too, the CUDA default: a path that mixes dtypes fails on the CPU as it would on a GPU."""
     env = dict(os.environ, PYTHONPATH=str(REPO), CP_INFER_CACHE=str(tmp_path))
     run = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
                           "--dtype", dtype], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -172,13 +172,15 @@ def test_bad_paths_and_queries(api_server, baseline, method, path, status, code,
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key-0123456789"},
                                      {"Authorization": f"Basic {API_KEY}"}, {"Authorization": API_KEY}])
 def test_missing_or_wrong_api_key(api_server, baseline, headers):
+    """Refused before any route runs; ``/health`` and ``/ready`` answer a probe, which sends no key."""
     with httpx.Client(base_url=api_server.url, headers=headers, timeout=30) as client:
-        for method, path in (("POST", "/v1/videos"), ("GET", "/v1/videos"), ("GET", "/ready"), ("GET", "/metrics"),
-                             ("GET", "/docs"), ("GET", "/openapi.json")):
+        for method, path in (("POST", "/v1/videos"), ("GET", "/v1/videos"), ("GET", "/metrics"), ("GET", "/docs"),
+                             ("GET", "/openapi.json")):
             r = client.request(method, path, json=tiny())
             _assert_error(r, 401, "invalid_api_key")
             assert r.headers["WWW-Authenticate"] == "Bearer"
         assert client.get("/health").status_code == 200
+        assert client.get("/ready").status_code == 200
 
 
 def test_no_bad_request_reached_a_worker(api_server, baseline):
