@@ -69,6 +69,7 @@ from bench.harness import (  # noqa: E402 -- path set-up
     print_report,
     progress,
     rotated,
+    slowest_steps,
     table_head,
     table_row,
 )
@@ -312,7 +313,7 @@ def _measure(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, Any]]:
                             row = rows.setdefault((cap, label), {"steps": [], "bytes": [], "load": []})
                             row["load"].append(os.getloadavg()[0])
                             replies, row["frames"] = groups[label].call(args.steps)
-                            slowest = [max(s) for s in zip(*(rep["steps"] for rep in replies), strict=True)]
+                            slowest = slowest_steps(replies)
                             row["steps"] += slowest
                             row["bytes"].append(_step_bytes(replies))
                             progress(f"{cap} round {r} {label}: step {statistics.median(slowest):.3f} s, "

@@ -34,10 +34,6 @@ def _container() -> dict:
     return _manifests()["Deployment"]["spec"]["template"]["spec"]["containers"][0]
 
 
-def _flag(args: list[str], name: str) -> str:
-    return args[args.index(name) + 1]
-
-
 @pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
 def test_every_manifest_is_valid_kubernetes(version):
     kinds = []
