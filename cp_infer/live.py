@@ -4,7 +4,9 @@ prompt for the next windows.
 Invariants:
 - A live video with directions ``d_0 .. d_n`` (each a prompt and a number of windows) is the one-request video of
   :func:`live_request`: the request's other fields, the frames of ``sum(windows)`` whole windows
-  (``ModelOptions.live_frames``) and a range of its ``ModelOptions.live_prompts`` per direction, in order. Its
+  (``ModelOptions.live_frames``), a range of its ``ModelOptions.live_prompts`` per direction, in order, and each
+  direction's image (if any) as ``conditions`` at the frame its first window starts from
+  (``ModelOptions.window_images``). Its
   plan's passes are the first passes of any longer live video's (the model promises it by declaring
   ``live_frames``), so the sampler goes on from the last pass made when directions arrive
   (``SampleControl.extend``): the video is the same whatever the directions' timing.
@@ -21,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .options import ModelOptions
-from .request import GenerationRequest
+from .request import Condition, GenerationRequest, resolve_frame_index
 
 __all__ = ["MAX_WINDOWS", "WAIT", "Direction", "directed_windows", "first_windows", "live_request",
            "windows_for_frames", "windows_for_seconds"]
@@ -44,23 +46,28 @@ WAIT = _Wait()
 
 @dataclass(frozen=True)
 class Direction:
-    """What the next ``windows`` windows show."""
+    """What the next ``windows`` windows show; ``image``: the image the first of them starts from, where the model's
+    windows each start from one (``ModelOptions.window_images``)."""
 
     prompt: str
     windows: int
+    image: Condition | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise ValueError("prompt must be a non-empty string (what the next windows show)")
         if isinstance(self.windows, bool) or not isinstance(self.windows, int) or not 1 <= self.windows <= MAX_WINDOWS:
             raise ValueError(f"windows={self.windows!r} must be a whole number of windows in [1, {MAX_WINDOWS}]")
+        if self.image is not None and (not isinstance(self.image, Condition) or not self.image.is_image):
+            raise ValueError("image must be one frame (what the next windows start from)")
 
     def to_json(self) -> dict[str, Any]:
+        """The prompt and windows (the image is the store's to write: ``server.group.job_record``)."""
         return {"prompt": self.prompt, "windows": self.windows}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Direction:
-        return cls(data["prompt"], int(data["windows"]))
+    def from_json(cls, data: Mapping[str, Any], image: Condition | None = None) -> Direction:
+        return cls(data["prompt"], int(data["windows"]), image)
 
 
 def directed_windows(directions: Sequence[Direction]) -> int:
@@ -86,7 +93,29 @@ def live_request(request: GenerationRequest, directions: Sequence[Direction],
         segments.append({"start_window": start, "end_window": start + d.windows - 1, "text": d.prompt})
         start += d.windows
     values = {**request.options, options.live_prompts: tuple(segments) if count > 1 else None}
-    return replace(request, prompt=directions[0].prompt, num_frames=frames, options=values)
+    grown = replace(request, prompt=directions[0].prompt, num_frames=frames, options=values)
+    return _with_images(grown, directions, options)
+
+
+def _with_images(request: GenerationRequest, directions: Sequence[Direction],
+                 options: ModelOptions) -> GenerationRequest:
+    """The directions' images as ``conditions`` at the frames their first windows start from (with the request's
+    own image, or conditions, before them); the request as it is where no direction has one."""
+    if not any(d.image is not None for d in directions):
+        return request
+    if options.window_images is None:
+        raise ValueError(f"image: {options.model} windows after the first start from no image of their own; direct "
+                         "them with a prompt only")
+    starts = options.window_images({"num_frames": request.num_frames, **request.options})
+    by_frame = {} if request.image is None else {0: request.image}
+    by_frame.update({resolve_frame_index(c.frame_index, request.num_frames): c for c in request.conditions})
+    start = 0
+    for d in directions:
+        if d.image is not None:
+            by_frame[starts[start]] = Condition(d.image.frames, frame_index=starts[start])
+        start += d.windows
+    conditions = tuple(replace(by_frame[f], frame_index=f) for f in sorted(by_frame))
+    return replace(request, image=None, conditions=conditions)
 
 
 def first_windows(request: GenerationRequest, options: ModelOptions) -> tuple[int, str]:

@@ -227,6 +227,10 @@ class ModelOptions:
     live_prompts: str = ""
     """With ``live_frames``: the declared option a live video's directions become, a prompt per range of windows
     (``[{"start_window", "end_window", "text"}]``), so that the live video is the one request with that option."""
+    window_images: Callable[[Mapping[str, Any]], tuple[int, ...]] | None = field(default=None, compare=False)
+    """For a model whose windows may each start from an image (``cp_infer.request.window_images``): the resolved
+    values -> the video frame each window starts from, where a request's ``conditions`` place those images (a live
+    video's directions' images go there). ``None``: only the first window takes an image (``image``)."""
 
     def __post_init__(self) -> None:
         names = [o.name for o in self.options] + [a for o in self.options for a in o.aliases]

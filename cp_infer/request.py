@@ -23,8 +23,8 @@ import numpy as np
 from .options import STANDARD, ModelOptions
 from .shapes import LatentShape, VideoGeometry
 
-__all__ = ["EXTEND_TAIL", "LORA_NAME", "LORA_SCALE", "MAX_LORAS", "Condition", "GenerationRequest", "GenerationLimits",
-           "LoraWeight", "check_request", "loras_from", "resolve_frame_index", "resolve_request"]
+__all__ = ["EXTEND_TAIL", "LORA_NAME", "LORA_SCALE", "MAX_CONDITIONS", "MAX_LORAS", "Condition", "GenerationRequest", "GenerationLimits",
+           "LoraWeight", "check_request", "loras_from", "resolve_frame_index", "resolve_request", "window_images"]
 
 @dataclass(frozen=True)
 class Condition:
@@ -43,6 +43,8 @@ class Condition:
         return self.frames.shape[0] == 1
 
 
+MAX_CONDITIONS = 16
+"""Conditions one request may carry."""
 MAX_LORAS = 4
 """Adapters one request may name."""
 LORA_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -224,8 +226,8 @@ def _check_conditions(request: GenerationRequest, options: ModelOptions, geometr
     if request.image is not None and request.conditions:
         raise ValueError("image and conditions were both given; give the image as conditions[0] (frame_index 0) "
                          "instead")
-    if not isinstance(request.conditions, tuple) or len(request.conditions) > 16:
-        raise ValueError("conditions must be a list of at most 16 conditions")
+    if not isinstance(request.conditions, tuple) or len(request.conditions) > MAX_CONDITIONS:
+        raise ValueError(f"conditions must be a list of at most {MAX_CONDITIONS} conditions")
     if request.image is not None:
         _check_condition("image", request.image, request.num_frames, geometry.temporal_compression)
         if not request.image.is_image or request.image.frame_index != 0 or request.image.strength != 1.0:
@@ -234,6 +236,49 @@ def _check_conditions(request: GenerationRequest, options: ModelOptions, geometr
         _check_condition(f"conditions[{i}]", cond, request.num_frames, geometry.temporal_compression)
     if options.check_media is not None:
         options.check_media(request)
+
+
+def _window_starts(request: GenerationRequest, options: ModelOptions) -> tuple[int, ...]:
+    return tuple(options.window_images({"num_frames": request.num_frames, **request.options}))
+
+
+def _check_window_images(request: GenerationRequest, options: ModelOptions) -> None:
+    """A windowed request's ``conditions``: images its windows start from, one a window at most, in order, each at
+    the frame its window starts from (``ModelOptions.window_images``)."""
+    starts = _window_starts(request, options)
+    shown = ", ".join(map(str, starts[:8])) + (", ..." if len(starts) > 8 else "")
+    last = -1
+    for i, cond in enumerate(request.conditions):
+        where = f"conditions[{i}]"
+        if not cond.is_image:
+            raise ValueError(f"{where}.media has {cond.frames.shape[0]} frames: in a video longer than one window, "
+                             "conditions are images the windows start from; give one frame")
+        if cond.strength != 1.0:
+            raise ValueError(f"{where}.strength={cond.strength}: a window starts from its image as it is; give "
+                             "strength 1")
+        frame = resolve_frame_index(cond.frame_index, request.num_frames)
+        if frame not in starts:
+            raise ValueError(f"{where}.frame_index={cond.frame_index}: in a video longer than one window, an image "
+                             f"applies at the frame its window starts from: {shown}; give one of them")
+        if frame <= last:
+            raise ValueError(f"{where}.frame_index={cond.frame_index}: give conditions in order of frame_index, one "
+                             "image a window")
+        last = frame
+    if options.needs_image and resolve_frame_index(request.conditions[0].frame_index, request.num_frames) != 0:
+        raise ValueError(f"conditions[0].frame_index={request.conditions[0].frame_index}: the loaded model "
+                         f"({options.model}) is image-to-video, so its first window starts from an image too; give "
+                         "conditions[0] at frame_index 0")
+
+
+def window_images(request: GenerationRequest, options: ModelOptions) -> dict[int, Condition]:
+    """The image each window of a checked windowed request starts from, by window: its ``image`` (window 0's), or its
+    ``conditions`` at the frames ``ModelOptions.window_images`` names; each as an image (frame 0, strength 1)."""
+    images = {} if request.image is None else {0: request.image}
+    if request.conditions and options.window_images is not None:
+        starts = _window_starts(request, options)
+        for cond in request.conditions:
+            images[starts.index(resolve_frame_index(cond.frame_index, request.num_frames))] = Condition(cond.frames)
+    return images
 
 
 EXTEND_TAIL = 17
@@ -305,9 +350,12 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     frames = request.num_frames if options.window_frames is None else options.window_frames(values)
     if request.extends is not None:
         _check_extends(request, options, geometry)
-    if request.conditions and frames != request.num_frames and "conditions" not in options.window_media:
-        raise ValueError("conditions: a video longer than one window takes an image (image-to-video), not "
-                         "conditions; give the first frame as image, or ask for fewer frames")
+    if request.conditions and frames != request.num_frames:
+        if options.window_images is not None:
+            _check_window_images(request, options)
+        elif "conditions" not in options.window_media:
+            raise ValueError("conditions: a video longer than one window takes an image (image-to-video), not "
+                             "conditions; give the first frame as image, or ask for fewer frames")
     if request.image is not None and frames != request.num_frames and "image" not in options.window_media:
         raise ValueError(f"image: {options.model} models make a video longer than one window from text only; remove "
                          "the image, or ask for fewer frames")

@@ -212,10 +212,10 @@ class WanModel:
             self._ctx.plan = self._ctx.grid = None
 
     def plan(self, request: GenerationRequest) -> Plan:
-        if request.conditions:
+        if request.conditions and (not self.layout.image or wan_windows_of(request) is None):
             raise ValueError("conditions: Wan models take an image as the first frame (image), not conditions at "
                              "frames; give the first frame as image")
-        if self.layout.image and request.image is None:
+        if self.layout.image and request.image is None and not request.conditions:
             raise ValueError("this Wan model is image-to-video (WanImageToVideoPipeline): give the first frame as "
                              "an image (input_reference, --image)")
         return plan_request(request)

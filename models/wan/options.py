@@ -110,6 +110,7 @@ def wan_options(layout: WanLayout = WanLayout()) -> ModelOptions:
     # The image is the first window's first frame (TI2V-5B, and image-to-video folders, whose later windows chain).
     return ModelOptions("Wan", tuple(options), takes_media=layout.takes_image, needs_image=layout.image, check=check,
                         window_media=("image",) if layout.takes_image else (), window_frames=_window_frames,
+                        window_images=_chained_starts if layout.image else None, check_media=_check_media,
                         window_tile_causal=True,
                         live_frames=_live_frames,
                         live_prompts="prompt_segments")
@@ -144,6 +145,20 @@ def _live_frames(values: Mapping[str, Any], count: int) -> int:
         raise ValueError(f"a live Wan video starts with 2 windows or more: num_frames={(tile + stride - 1) * t + 1} "
                          "or more at this temporal_tile_size and temporal_overlap")
     return (tile + (count - 1) * stride - 1) * t + 1
+
+
+def _chained_starts(values: Mapping[str, Any]) -> tuple[int, ...]:
+    """Chained windows (image-to-video folders): the video frame each window starts from (``ModelOptions.
+    window_images``), the last frame of the one before; a window given its own image starts from that instead."""
+    windows = wan_windows_of(values)
+    return (0,) if windows is None else tuple(start * WAN_TEMPORAL_COMPRESSION for start, _ in windows.spans)
+
+
+def _check_media(request: GenerationRequest) -> None:
+    if request.conditions and wan_windows_of(request) is None:
+        raise ValueError("conditions: Wan models take an image as the first frame (image), not conditions at frames "
+                         "(an image-to-video model's video longer than one window takes images its windows start "
+                         "from); give the first frame as image")
 
 
 def _window_frames(values: Mapping[str, Any]) -> int:

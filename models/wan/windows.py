@@ -23,7 +23,9 @@ means of holding frames fixed:
   window ``w - 1`` (decoded and rounded to uint8, as a caller would save it) as its image. Their condition channels
   and CLIP image tokens were trained on exactly that, a first frame encoded alone, not on a window's worth of
   mid-video latents (which the tail replacement above would hold them to); chaining on the last frame is also what
-  their users do by hand. The window's first latent frame is that image again, so the stitched latents keep the
+  their users do by hand. A window given its own image (the request's ``conditions`` at the frame it starts from,
+  ``models.wan.options``' ``window_images``; a live video's direction with an image) starts from that image instead:
+  a cut. The window's first latent frame is that image again (or its own image), so the stitched latents keep the
   window's other frames after the one before's (the window's own first latent frame kept aside, :attr:`Made.firsts`,
   for its decode), and the frames are each window decoded alone, the repeated frame dropped.
 
@@ -50,7 +52,7 @@ import numpy as np
 import torch
 
 from cp_infer import ShardPlan
-from cp_infer.request import Condition, GenerationRequest
+from cp_infer.request import Condition, GenerationRequest, window_images
 from cp_infer.sampler import Prepared
 from models.common.windows import Windows
 
@@ -137,9 +139,13 @@ def prepare_window(model, request: GenerationRequest, previous_state: Any) -> Pr
     # Window 0 is the request's own pass of its frames; later ones take their noise from seed + start, and no image
     # (chained: the last frame of the one before).
     own = replace(request, num_frames=frames)
+    if chained(model):
+        given = window_images(request, model.options).get(w)
+        own = replace(own, image=given or (Condition(before.last_frame[None]) if w else None), conditions=())
     if w > 0:
-        image = Condition(before.last_frame[None]) if chained(model) else None
-        own = replace(own, seed=int(request.seed) + int(start), image=image)
+        own = replace(own, seed=int(request.seed) + int(start))
+        if not chained(model):
+            own = replace(own, image=None)
     shape = model.geometry.latent_shape(frames, request.height, request.width)
     prepared = model.prepare(own, shape)
     x = prepared.state

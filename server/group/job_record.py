@@ -14,6 +14,7 @@ import io
 import json
 import re
 import struct
+import zlib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -75,14 +76,18 @@ class Live:
     ended: bool = False
 
     def to_json(self) -> str:
-        return json.dumps({"directions": [d.to_json() for d in self.directions], "ended": self.ended})
+        """The directions as stored, byte for byte the same for the same directions (``JobStore.direct`` writes over
+        the text it read); an image as its pixels, compressed."""
+        return json.dumps({"directions": [{**d.to_json(), **({} if d.image is None else {"image": _pixels_to_json(
+            d.image.frames)})} for d in self.directions], "ended": self.ended})
 
     @classmethod
     def from_json(cls, text: str | None) -> Live | None:
         if text is None:
             return None
         data = json.loads(text)
-        return cls(tuple(Direction.from_json(d) for d in data["directions"]), bool(data["ended"]))
+        return cls(tuple(Direction.from_json(d, None if d.get("image") is None else Condition(
+            _pixels_from_json(d["image"]))) for d in data["directions"]), bool(data["ended"]))
 
     def public(self, job: Job) -> dict[str, Any]:
         """The directions with their windows and where each stands: ``made``, ``in_progress`` or ``queued``."""
@@ -99,7 +104,7 @@ class Live:
             end = start + d.windows - 1
             state = "made" if end < made else "in_progress" if current is not None and start <= current else "queued"
             items.append({"prompt": d.prompt, "windows": d.windows, "start_window": start, "end_window": end,
-                          "state": state})
+                          "state": state, "image": d.image is not None})
             start = end + 1
         return {"directions": items, "ended": self.ended, "windows_directed": directed, "windows_made": made,
                 "waiting": job.status == "in_progress" and job.window is not None and made == directed}
@@ -175,6 +180,16 @@ def _condition_from_json(data: dict[str, Any]) -> Condition:
     with np.load(io.BytesIO(base64.b64decode(data["frames_npz"])), allow_pickle=False) as archive:
         frames = archive["frames"]
     return Condition(frames, frame_index=data["frame_index"], strength=data["strength"])
+
+
+def _pixels_to_json(frames: np.ndarray) -> dict[str, Any]:
+    """uint8 pixels as their shape and zlib-compressed bytes: the same text for the same pixels (an npz archive holds
+    the time it was written)."""
+    return {"shape": list(frames.shape), "zlib": base64.b64encode(zlib.compress(frames.tobytes(), 6)).decode("ascii")}
+
+
+def _pixels_from_json(data: dict[str, Any]) -> np.ndarray:
+    return np.frombuffer(zlib.decompress(base64.b64decode(data["zlib"])), dtype=np.uint8).reshape(data["shape"]).copy()
 
 
 def request_to_json(request: GenerationRequest) -> str:

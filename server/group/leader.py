@@ -530,14 +530,14 @@ class GroupLeader:
         try:
             request = resolve_request(request, runtime.model.options, limits=self.config.limits,
                                       geometry=runtime.model.geometry)
-            check_request(request, geometry=runtime.model.geometry, limits=self.config.limits,
-                          options=runtime.model.options)
-            self.check_loras(request.loras)
             director = None
             if job.live is not None:
                 director = LiveDirector(self.store, job, options=runtime.model.options, idle_s=self.config.live_idle_s,
                                         contact=lambda: setattr(lane, "last_contact_at", time.monotonic()))
                 request = director.request(request)
+            check_request(request, geometry=runtime.model.geometry, limits=self.config.limits,
+                          options=runtime.model.options)
+            self.check_loras(request.loras)
         except ValueError as exc:
             self._finish(lane, job, "failed", "invalid_request", f"no longer valid under this server's limits: {exc}")
             return

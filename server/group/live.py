@@ -42,11 +42,15 @@ class LiveDirector:
         self._idle_since: float | None = None
 
     def request(self, resolved: GenerationRequest) -> GenerationRequest:
-        """The job's request with the directions it has now (``resolved``: its stored request, resolved)."""
+        """The job's request with the directions it has now (``resolved``: its stored request, resolved), stored with
+        the job where directions came before it started."""
         job = self.store.get(self.job.id) or self.job
         live = job.live or self.job.live
         self.directed = directed_windows(live.directions)
-        return live_request(resolved, live.directions, self.options)
+        grown = live_request(resolved, live.directions, self.options)
+        if grown != resolved:
+            self.store.set_live_request(job.id, grown, attempt=self.job.attempts)
+        return grown
 
     def extend(self, passes_done: int, request: GenerationRequest) -> Any:
         deadline = self._clock() + _ASK_S

@@ -2,8 +2,10 @@
 
 Invariants:
 - Every check runs here, before the job store or any rank sees a direction: a direction is a prompt and a whole
-  number of windows (``windows``, or ``seconds`` rounded up to whole windows), or ``{"end": true}``; the video's
-  length stays within ``--live-max-seconds`` (400 naming the field and the longest it may ask for).
+  number of windows (``windows``, or ``seconds`` rounded up to whole windows), with an ``image`` (a data URL) its
+  first window starts from where the model's windows each start from one, or ``{"end": true}``; the video's
+  length stays within ``--live-max-seconds`` (400 naming the field and the longest it may ask for); the video
+  directed passes ``check_request``.
 - A live video's request is the one-request video of its directions (``cp_infer.live.live_request``); the first
   direction is the create request's own prompt and windows.
 - The store takes a direction in one guarded write (``JobStore.direct``): none is lost between two clients. Another
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
+from anyio import to_thread
 from fastapi import APIRouter, Request
 
 from cp_infer.live import (
@@ -27,18 +31,20 @@ from cp_infer.live import (
     windows_for_frames,
     windows_for_seconds,
 )
-from cp_infer.request import GenerationRequest
+from cp_infer.request import MAX_CONDITIONS, Condition, GenerationRequest, check_request
 from server.group.jobs import Job, Live, LiveRefused, valid_job_id
 from server.http.auth import TenantDep
+from server.http.conditions import media_limits
 from server.http.config import ConfigDep
 from server.http.engine import EngineDep
+from server.http.media import MediaError, MediaLimits, media_from_url
 from server.http.schemas import ApiError, VideoJob, error_responses
 
 __all__ = ["check_live", "live_job", "parse_direction", "router", "take_direction"]
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 
-_FIELDS = ("prompt", "windows", "seconds", "end")
+_FIELDS = ("prompt", "windows", "seconds", "image", "end")
 
 
 def _seconds(request: GenerationRequest, options, windows: int) -> float:
@@ -83,8 +89,30 @@ def live_job(params, request: GenerationRequest, *, options, max_seconds: float)
     return live_request(request, live.directions, options), live
 
 
-def _direction(data: Any, job: Job, live: Live, options, max_seconds: float, max_prompt_chars: int) -> Live:
-    """The job's directions with the body's (see the module docstring)."""
+def _image(data: Any, options, limits: MediaLimits) -> Condition | None:
+    """A direction's ``image`` (a data URL) decoded, before the store is asked (it takes no time under its lock)."""
+    if not isinstance(data, dict) or data.get("image") is None:
+        return None
+    if options.window_images is None:
+        raise ApiError(400, "invalid_value", f"image: {options.model} windows after the first start from no image "
+                       "of their own; direct them with a prompt only", "image")
+    if not isinstance(data["image"], str):
+        raise ApiError(400, "invalid_value", "image must be a data URL (data:image/png;base64,...): the image the "
+                       "next windows start from", "image")
+    try:
+        frames = media_from_url(data["image"], field="image", limits=limits).frames
+    except MediaError as exc:
+        raise ApiError(exc.status, exc.code, str(exc), "image") from None
+    if frames.shape[0] != 1:
+        raise ApiError(400, "invalid_value", f"image is a video of {frames.shape[0]} frames; the next windows start "
+                       "from one image: send a PNG, JPEG or WebP", "image")
+    return Condition(frames)
+
+
+def _direction(data: Any, job: Job, live: Live, options, max_seconds: float, max_prompt_chars: int,
+               image: Condition | None = None, check: Callable[[GenerationRequest], Any] | None = None) -> Live:
+    """The job's directions with the body's (see the module docstring); ``image``: its image decoded, which
+    ``check`` (``check_request``) takes in the request of the video it directs."""
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_json", "the body must be a JSON object: {\"prompt\": \"...\", \"windows\": 1} "
                        "or {\"end\": true}")
@@ -124,7 +152,17 @@ def _direction(data: Any, job: Job, live: Live, options, max_seconds: float, max
     if len(prompt) > max_prompt_chars:
         raise ApiError(400, "invalid_value", f"prompt is over {max_prompt_chars} characters; shorten it", "prompt")
     _check_length(job.request, options, now + windows, max_seconds, field)
-    return Live((*live.directions, Direction(prompt, windows)))
+    directed = Live((*live.directions, Direction(prompt, windows, image)))
+    if image is not None:
+        grown = live_request(job.request, directed.directions, options)
+        if len(grown.conditions) > MAX_CONDITIONS:
+            raise ApiError(400, "invalid_value", f"image: a live video takes at most {MAX_CONDITIONS} images, its "
+                           "first included; direct the next windows with a prompt only", "image")
+        try:
+            check(grown)
+        except ValueError as exc:
+            raise ApiError(400, "invalid_value", f"image: {exc}", "image") from None
+    return directed
 
 
 _DIRECTION_BODY = {"required": True, "description": "The next windows' prompt and how many (or seconds), or the end.",
@@ -135,7 +173,10 @@ _DIRECTION_BODY = {"required": True, "description": "The next windows' prompt an
                            "windows": {"type": "integer", "minimum": 1, "maximum": MAX_WINDOWS, "default": 1,
                                        "description": "How many windows it directs. Excludes seconds."},
                            "seconds": {"type": "number", "exclusiveMinimum": 0, "description": "How much longer "
-                                       "the video gets, rounded up to whole windows. Excludes windows."}},
+                                       "the video gets, rounded up to whole windows. Excludes windows."},
+                           "image": {"type": "string", "description": "A data URL of the image the next windows "
+                                     "start from (data:image/png;base64,...), where the model's windows each start "
+                                     "from one (Wan image-to-video)."}},
                         "not": {"required": ["windows", "seconds"]}},
                        {"type": "object", "required": ["end"], "additionalProperties": False,
                         "properties": {"end": {"const": True, "description": "End the video after what is "
@@ -146,8 +187,9 @@ _DIRECTION_BODY = {"required": True, "description": "The next windows' prompt an
              openapi_extra={"requestBody": _DIRECTION_BODY})
 async def direct_video(video_id: str, request: Request, engine: EngineDep, config: ConfigDep,
                        tenant: TenantDep) -> dict:
-    """A live video's next direction: ``{"prompt": "...", "windows": k}`` (or ``"seconds"``) appends windows with
-    that prompt, from the first window not yet started; ``{"end": true}`` ends the video after what is directed."""
+    """A live video's next direction: ``{"prompt": "...", "windows": k}`` (or ``"seconds"``; and an ``"image"`` they
+    start from, where the model's windows each start from one) appends windows with that prompt, from the first window
+    not yet started; ``{"end": true}`` ends the video after what is directed."""
     job = engine.store.get(video_id) if valid_job_id(video_id) else None
     if job is None or not tenant.sees(job.tenant):  # another tenant's video is one that does not exist
         raise ApiError(404, "video_not_found", f"no video with id {video_id!r}", "video_id")
@@ -156,9 +198,15 @@ async def direct_video(video_id: str, request: Request, engine: EngineDep, confi
         raise ApiError(415, "unsupported_media_type", f"Content-Type {ctype!r} is not accepted; send a direction as "
                        "application/json")
     body = await request.body()
-    if len(body) > config.max_body_bytes:
-        raise ApiError(413, "request_too_large", f"the body is over the limit of {config.max_body_bytes} bytes")
-    return take_direction(engine, config, video_id, parse_direction(body))
+    if len(body) > config.max_body_bytes + 2 * config.max_upload_bytes:  # an image's data URL counts apart
+        raise ApiError(413, "request_too_large", f"the body is over the limit of {config.max_body_bytes} bytes "
+                       f"(and an image of {config.max_upload_bytes})")
+    data = parse_direction(body)
+    image = data.get("image") if isinstance(data, dict) else None
+    if len(body) - (len(image) if isinstance(image, str) else 0) > config.max_body_bytes:
+        raise ApiError(413, "request_too_large", f"the body is over the limit of {config.max_body_bytes} bytes "
+                       "(besides its image)")
+    return await to_thread.run_sync(take_direction, engine, config, video_id, data)
 
 
 def parse_direction(body: bytes | str) -> Any:
@@ -173,11 +221,16 @@ def parse_direction(body: bytes | str) -> Any:
 
 def take_direction(engine, config, video_id: str, data: Any) -> dict:
     """The direction ``data`` taken by the job's store (the job checked as its tenant's already): the job after it,
-    or a 4xx ``ApiError``."""
+    or a 4xx ``ApiError``. Blocking (it decodes the direction's image): run it off the event loop."""
     options = engine.options
+    image = _image(data, options, media_limits(config.max_upload_bytes, engine.limits))
+
+    def check(request: GenerationRequest) -> None:
+        check_request(request, geometry=engine.geometry, limits=engine.limits, options=options)
+
     try:
         job = engine.store.direct(video_id, lambda job, live: _direction(
-            data, job, live, options, config.live_max_seconds, engine.limits.max_prompt_chars))
+            data, job, live, options, config.live_max_seconds, engine.limits.max_prompt_chars, image, check))
     except LiveRefused as exc:
         raise ApiError(409, exc.code, str(exc), "video_id") from None
     if job is None:

@@ -64,10 +64,12 @@ def _requests(variant: str, seed: int) -> list[GenerationRequest]:
         return [GenerationRequest(**{**base, "options": dict(WINDOWS, guidance_scale_2=2.5)}, prompt="a lake",
                                   num_frames=29, height=16, width=80, guidance_scale=4.0, seed=seed)]
     if variant == "i2v":
-        # 41 frames in chained windows (0, 5), (4, 9), (8, 11) of the embedded CLIP image tokens' folder
+        # 41 frames in chained windows (0, 5), (4, 9), (8, 11) of the embedded CLIP image tokens' folder; window 2
+        # starts from an image of its own (conditions at frame 32, where it starts), not window 1's last frame
         return [GenerationRequest(negative_prompt="blurry", num_inference_steps=3, prompt="a red fox | it jumps",
                                   options=dict(temporal_tile_size=17), num_frames=41, height=16, width=80,
-                                  guidance_scale=4.0, seed=seed, image=Condition(_image(seed)))]
+                                  guidance_scale=4.0, seed=seed, conditions=(
+                                      Condition(_image(seed)), Condition(_image(seed + 1), frame_index=32)))]
     if variant == "a14b-i2v":
         # two chained windows, each switching experts (guidance_scale_2)
         return [GenerationRequest(negative_prompt="blurry", num_inference_steps=3, prompt="a lake",
@@ -200,8 +202,9 @@ def _reference(c, r: GenerationRequest) -> tuple[np.ndarray, np.ndarray]:
 @torch.no_grad()
 def _chained_reference(c, r: GenerationRequest) -> tuple[np.ndarray, np.ndarray]:
     """Image-to-video folders: ``WanImageToVideoPipeline`` window by window, each after the first given the last
-    frame the one before returned (uint8, as a caller saves it) as its image and ``seed + start``; the latents are
-    stitched after each window's first (its image's) and the frames after its first (the repeated one)."""
+    frame the one before returned (uint8, as a caller saves it) as its image, or the image the request's conditions
+    give it at the frame it starts from, and ``seed + start``; the latents are stitched after each window's first (its
+    image's) and the frames after its first (the repeated one, or its own image's)."""
     from diffusers import WanImageToVideoPipeline
 
     pipe = WanImageToVideoPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae,
@@ -212,8 +215,11 @@ def _chained_reference(c, r: GenerationRequest) -> tuple[np.ndarray, np.ndarray]
     spans = _spans((r.num_frames - 1) // 4 + 1, (r.options["temporal_tile_size"] - 1) // 4 + 1, 1)
     prompts = [p.strip() for p in r.prompt.split("|")]
     prompts += [prompts[-1]] * (len(spans) - len(prompts))
-    image, latents, frames = Image.fromarray(r.image.frames[0]), [], []
+    given = {c.frame_index: c.frames[0] for c in ([r.image] if r.image is not None else r.conditions)}
+    latents, frames = [], []
     for w, (start, end) in enumerate(spans):
+        if start * 4 in given:
+            image = Image.fromarray(given[start * 4])
         call = dict(image=image, prompt=prompts[w], negative_prompt=r.negative_prompt,
                     num_frames=(end - start - 1) * 4 + 1, height=r.height, width=r.width,
                     num_inference_steps=r.num_inference_steps, guidance_scale=r.guidance_scale)
@@ -383,6 +389,42 @@ def test_bad_window_requests_are_refused(layout, values, match):
         resolve_request(GenerationRequest(prompt="a fox", options=values), options)
 
 
+@pytest.mark.parametrize("layout, conditions, match", [
+    ("i2v", [(0, 1), (16, 1)], None),  # windows (0, 5), (4, 9), (8, 11) start at frames 0, 16, 32
+    ("i2v", [(0, 1), (-9, 1)], None),  # frame 32 counted from the end
+    ("i2v", [(0, 1), (20, 1)], r"conditions\[1\]\.frame_index=20: .* starts from: 0, 16, 32; give one of them"),
+    ("i2v", [(16, 1)], r"conditions\[0\]\.frame_index=16: .* give conditions\[0\] at frame_index 0"),
+    ("i2v", [(0, 1), (32, 1), (16, 1)], r"conditions\[2\]\.frame_index=16: give conditions in order"),
+    ("i2v", [(0, 1), (16, 0.5)], r"conditions\[1\]\.strength=0.5: .* give strength 1"),
+    ("i2v", [(0, 1), (16, 1, 9)], r"conditions\[1\]\.media has 9 frames: .* give one frame"),
+    ("i2v-short", [(0, 1)], "conditions: Wan models take an image as the first frame"),
+    ("ti2v", [(0, 1), (16, 1)], "conditions: a video longer than one window takes an image"),
+])
+def test_window_images_are_checked(layout, conditions, match):
+    """An image-to-video folder's windowed request takes ``conditions``: an image per window at most, each at the
+    frame its window starts from (the first at 0); a video of one window, or another layout, takes none."""
+    from cp_infer.request import GenerationLimits, check_request, resolve_request, window_images
+    from cp_infer.shapes import VideoGeometry
+    from models.wan.options import WanLayout, wan_options
+
+    options = wan_options(WanLayout(expand_timesteps=True) if layout == "ti2v" else WanLayout(image=True))
+    geometry = VideoGeometry(temporal_compression=4, spatial_compression=8, patch_size=2)
+    conds = tuple(Condition(np.repeat(_image(i), c[2] if len(c) > 2 else 1, axis=0), frame_index=c[0],
+                            strength=c[1]) for i, c in enumerate(conditions))
+    request = resolve_request(GenerationRequest(
+        prompt="a fox", num_frames=17 if layout == "i2v-short" else 41, height=16, width=80, conditions=conds,
+        options=dict(temporal_tile_size=17) if layout != "ti2v" else dict(WINDOWS)), options)
+    if match is not None:
+        with pytest.raises(ValueError, match=match):
+            check_request(request, geometry=geometry, limits=GenerationLimits(), options=options)
+        return
+    check_request(request, geometry=geometry, limits=GenerationLimits(), options=options)
+    images = window_images(request, options)
+    second = 1 if conditions[1][0] == 16 else 2
+    assert sorted(images) == [0, second] and all(c.frame_index == 0 and c.strength == 1 for c in images.values())
+    np.testing.assert_array_equal(images[second].frames, _image(1))
+
+
 def test_long_requests_take_what_the_model_windows():
     """An image windows with TI2V-5B and image-to-video folders (the first window's first frame), not with
     text-to-video ones; extensions are LTX's."""
@@ -417,7 +459,8 @@ def test_a_live_video_equals_the_one_request_video(folders, variant, frames_per_
     cache from piece to piece, so when the video grows it is decoded again from the start for the longer video (whose
     pieces differ from the shorter one's with 2 latent frames a piece and are its first ones with 3), the frames
     already delivered not delivered twice. ``i2v``: chained windows from an image, each window the image-to-video of
-    the last frame before it (the last window's kept too, for the video to go on from)."""
+    the last frame before it (the last window's kept too, for the video to go on from), or of the image directed with
+    it."""
     from cp_infer import single_process_state
     from cp_infer.live import WAIT, Direction, live_request
     from cp_infer.request import resolve_request
@@ -433,7 +476,13 @@ def test_a_live_video_equals_the_one_request_video(folders, variant, frames_per_
         prompt="a red fox runs", negative_prompt="blurry", num_frames=33 if chained else 29, height=16, width=80,
         num_inference_steps=3, guidance_scale=4.0, seed=seed, image=Condition(_image(seed)) if chained else None,
         options=dict(temporal_tile_size=17) if chained else dict(WINDOWS)), model.options)
-    directions = [Direction(base.prompt, 2), Direction("the fox jumps", 1), Direction("snow falls", 1)]
+    # Chained: the second direction starts its window from an image of its own (the one request's conditions at
+    # frame 32, where window 2 starts); the third goes on from the last frame before it.
+    cut = Condition(_image(seed + 1)) if chained else None
+    directions = [Direction(base.prompt, 2), Direction("the fox jumps", 1, cut), Direction("snow falls", 1)]
     whole = live_request(base, directions, model.options)
     assert whole.num_frames == (65 if chained else 53), whole
+    if chained:
+        assert whole.image is None and [c.frame_index for c in whole.conditions] == [0, 32], whole
+        np.testing.assert_array_equal(whole.conditions[1].frames, cut.frames)
     assert_live_is_the_whole(model, base, directions, [WAIT, 2, 3, WAIT, None], state=state, seed=seed)

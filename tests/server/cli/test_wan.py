@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from pathlib import Path
 
 import numpy as np
@@ -185,3 +186,48 @@ def test_the_openai_sdk_makes_a_wan_image_to_video(i2v_server, commands, tmp_pat
 
     r = s.client.post("/v1/videos", json={"prompt": "a fox", "size": f"{WIDTH}x{HEIGHT}", **settings})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference", r.text
+
+
+def _data_url(pixels: np.ndarray) -> str:
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+
+@pytest.mark.timeout(300)
+def test_a_live_wan_video_directed_with_an_image_is_the_one_request_video(i2v_server, commands, tmp_path):
+    """A live Wan 2.1 I2V video over HTTP at 2 ranks, its second direction (sent while the group waits for it after
+    its first two windows) with an image of its own (a cut: window 2 starts from it), makes the video of the one request with the same prompt_segments and that image as conditions at
+    frame 32 (where window 2 starts), frame for frame; a direction's image that is not one is refused naming it."""
+    s = i2v_server
+    first = "data:image/png;base64," + base64.b64encode((commands.out / "start.png").read_bytes()).decode()
+    cut = _data_url(255 - _picture()[::-1])
+    settings = {"size": f"{WIDTH}x{HEIGHT}", "num_inference_steps": 2, "seed": 8, "temporal_tile_size": 17}
+    live = s.submit({"prompt": "the fox walks away", "input_reference": first, "num_frames": 33, "live": True,
+                     **settings})
+    waiting = s.wait_job(live["id"], timeout=120, statuses=("in_progress", "completed", "failed"))
+    while waiting["status"] == "in_progress" and not (waiting["live"] or {}).get("waiting"):
+        time.sleep(0.1)
+        waiting = s.client.get(f"/v1/videos/{live['id']}").json()
+    assert waiting["live"]["waiting"] and waiting["live"]["windows_made"] == 2, f"{waiting}\n{s.log_tail()}"
+    for bad, code in (("data:image/png;base64,AAAA", "invalid_media"), (12, "invalid_value")):
+        r = s.client.post(f"/v1/videos/{live['id']}/directions", json={"prompt": "night", "image": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "image", r.text
+        assert r.json()["error"]["code"] == code, r.text
+    r = s.client.post(f"/v1/videos/{live['id']}/directions", json={"prompt": "night falls", "image": cut})
+    assert r.status_code == 200, r.text
+    assert [d["image"] for d in r.json()["live"]["directions"]] == [False, True], r.json()
+    assert s.client.post(f"/v1/videos/{live['id']}/directions", json={"end": True}).status_code == 200
+    made = s.wait_job(live["id"], timeout=240)
+    assert made["status"] == "completed" and made["num_frames"] == 49, f"{made}\n{s.log_tail()}"
+
+    whole = s.submit({"prompt": "the fox walks away", "num_frames": 49, **settings,
+                      "conditions": [{"media": first, "frame_index": 0}, {"media": cut, "frame_index": 32}],
+                      "prompt_segments": [{"start_window": 0, "end_window": 1, "text": "the fox walks away"},
+                                          {"start_window": 2, "end_window": 2, "text": "night falls"}]})
+    assert s.wait_job(whole["id"], timeout=240)["status"] == "completed", s.log_tail()
+    for job in (live, whole):
+        (tmp_path / f"{job['id']}.mp4").write_bytes(s.client.get(f"/v1/videos/{job['id']}/content").content)
+    live_frames, whole_frames = (read_mp4(tmp_path / f"{j['id']}.mp4")[0] for j in (live, whole))
+    assert live_frames.shape == (49, HEIGHT, WIDTH, 3) and live_frames.std() > 1
+    np.testing.assert_array_equal(live_frames, whole_frames)

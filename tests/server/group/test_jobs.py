@@ -17,7 +17,7 @@ import sqlite3
 import numpy as np
 import pytest
 
-from cp_infer.request import GenerationRequest, resolve_request
+from cp_infer.request import Condition, GenerationRequest, resolve_request
 from models.ltx_video.options import ltx_video_options
 from server.group.jobs import JobStore, _mp4_complete
 
@@ -269,23 +269,27 @@ def test_a_live_jobs_directions_are_stored_with_it_and_seen_after_a_restart(tmp_
     job = store.submit(_request("a fox"), model="m", live=Live((Direction("a fox", 2),)))
     plain = store.submit(_request("not live"), model="m")
 
-    def add(prompt: str, windows: int):
-        return lambda job, live: Live((*live.directions, Direction(prompt, windows)))
+    def add(prompt: str, windows: int, image=None):
+        return lambda job, live: Live((*live.directions, Direction(prompt, windows, image)))
 
-    store.direct(job.id, add("it jumps", 1))
+    pixels = np.random.default_rng(0).integers(0, 256, (1, 12, 20, 3), dtype=np.uint8)
+    store.direct(job.id, add("it jumps", 1, Condition(pixels)))  # an image: stored with it, byte for byte
     seen = other.direct(job.id, add("night falls", 3))
     assert [d["prompt"] for d in seen.public()["live"]["directions"]] == ["a fox", "it jumps", "night falls"]
     claimed = store.claim_next(timeout=1)
-    assert claimed.id == job.id and claimed.live.directions[1] == Direction("it jumps", 1)
+    assert claimed.id == job.id and claimed.live.directions[1] == Direction("it jumps", 1, Condition(pixels))
     store.set_window(job.id, 2, 3, attempt=claimed.attempts)  # making window 2: "it jumps"
     shown = store.get(job.id).public()["live"]
     assert [d["state"] for d in shown["directions"]] == ["made", "in_progress", "queued"], shown
+    assert [d["image"] for d in shown["directions"]] == [False, True, False], shown
     assert shown["windows_directed"] == 6 and shown["windows_made"] == 2 and not shown["waiting"], shown
     if not shared:  # the group dies; the embedded store's next server requeues the job with every direction
         store = _reopen(store, tmp_path / "a")
         assert store.recover() == [job.id]
     resumed = store.get(job.id)
-    assert resumed.live.directions == (Direction("a fox", 2), Direction("it jumps", 1), Direction("night falls", 3))
+    assert resumed.live.directions == (Direction("a fox", 2), Direction("it jumps", 1, Condition(pixels)),
+                                       Direction("night falls", 3))
+    np.testing.assert_array_equal(resumed.live.directions[1].image.frames, pixels)
     ended = store.direct(job.id, lambda job, live: Live(live.directions, ended=True))
     assert ended.public()["live"]["ended"] is True
     with pytest.raises(LiveRefused, match="has ended") as refused:
