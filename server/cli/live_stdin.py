@@ -1,8 +1,9 @@
 """``cp-infer generate --live``: a live video's directions from standard input, one a line, read on rank 0.
 
 Invariants:
-- A line ``K | text`` directs ``K`` more windows (chunks) with that prompt, a line ``text`` one; blank lines are
-  ignored; ``end`` or the end of the input ends the video after what is directed. A line that does not parse, or
+- A line ``K | text`` directs ``K`` more windows (chunks) with that prompt, a line ``text`` one; either may end
+  with ``| image: PATH``, the image the first of them starts from (where the model's windows each start from one,
+  ``ModelOptions.window_images``), read and decoded here; blank lines are ignored; ``end`` or the end of the input ends the video after what is directed. A line that does not parse, or
   whose video the request's checks refuse (over ``--max-frames``), is reported on stderr and ignored.
 - The video is ``cp_infer.live.live_request`` of the directions, as the server's live videos: the one-request video
   with the same ``prompt_segments``, whatever the lines' timing.
@@ -17,15 +18,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import IO, Any
 
 from cp_infer.live import WAIT, Direction, directed_windows, live_request
 from cp_infer.options import ModelOptions
 from cp_infer.request import GenerationRequest
+from server.cli.media_args import MediaRef, attach_media
 
 __all__ = ["StdinDirections", "parse_direction"]
 
 _END = object()
+_IMAGE = "image:"
 
 
 def parse_direction(line: str) -> Direction | None:
@@ -33,6 +38,16 @@ def parse_direction(line: str) -> Direction | None:
     text = line.strip()
     if not text:
         return None
+    rest, sep, last = text.rpartition("|")
+    if sep and last.strip().startswith(_IMAGE):
+        path = last.strip()[len(_IMAGE):].strip()
+        if not path:
+            raise ValueError(f"{text!r}: write 'K | prompt | image: PATH' with the image's file")
+        ref = MediaRef(f"the image of {text!r}", Path(path).expanduser(), kind="image")
+        direction = parse_direction(rest)
+        if direction is None:
+            raise ValueError(f"{text!r}: an image directs windows with a prompt: 'K | prompt | image: PATH'")
+        return replace(direction, image=attach_media(GenerationRequest("", num_frames=1), image=ref).image)
     count, sep, prompt = text.partition("|")
     if sep and count.strip().isdigit():
         return Direction(prompt.strip(), int(count))

@@ -108,6 +108,7 @@ async def playground_options(engine: EngineDep) -> dict:
         "temporal_compression": geometry.temporal_compression if geometry else None,
         "window_tile_causal": engine.options.window_tile_causal,
         "live": engine.options.live_frames is not None,
+        "window_images": engine.options.window_images is not None,
         "spatial_step": geometry.spatial_step if geometry else None,
     }
 

@@ -107,6 +107,9 @@ async function loadOptions() {
   }
   $("live-row").hidden = !info.live;
   if (!info.live) $("live").checked = false;
+  // A direction's image: where each window may start from one of its own (Wan image-to-video).
+  $("direction-image-row").hidden = !info.window_images;
+  $("direction-image").value = "";
   if (info.max_prompt_chars) $("prompt").maxLength = info.max_prompt_chars;
   adapterFields(info.loras);
   lengthHint();
@@ -409,7 +412,9 @@ function showDirections(job) {
       const li = document.createElement("li");
       li.dataset.window = String(w);
       li.dataset.state = where;
-      li.textContent = `${d.prompt} (${where.replace("_", " ")})`;
+      const image = d.image && w === d.start_window;
+      if (image) li.dataset.image = "1";
+      li.textContent = `${d.prompt}${image ? " [from an image]" : ""} (${where.replace("_", " ")})`;
       items.push(li);
     }
   }
@@ -437,8 +442,11 @@ $("direct-form").addEventListener("submit", async (event) => {
   const payload = { prompt: $("direction").value };
   const text = $("direction-windows").value.trim();
   if (text !== "") payload.windows = Number.isFinite(Number(text)) ? Number(text) : text;
-  if (await direct(payload)) $("direction").value = "";
+  const file = $("direction-image-row").hidden ? undefined : $("direction-image").files[0];
+  if (file) payload.image = await readFile(file);
+  if (await direct(payload)) $("direction").value = $("direction-image").value = "";
 });
+$("direction-image-clear").addEventListener("click", () => { $("direction-image").value = ""; });
 $("end-live").addEventListener("click", () => direct({ end: true }));
 
 async function follow(id, signal) {

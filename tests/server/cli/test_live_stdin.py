@@ -7,6 +7,7 @@ import io
 import os
 import time
 
+import numpy as np
 import pytest
 
 from cp_infer.live import WAIT, Direction, live_request
@@ -24,10 +25,24 @@ def test_a_line_is_a_direction(line, expected):
     assert parse_direction(line) == expected
 
 
-@pytest.mark.parametrize("line, words", [("x | a fox", "K | prompt"), ("0 | a fox", "windows=0"), ("2 |  ", "prompt")])
+@pytest.mark.parametrize("line, words", [("x | a fox", "K | prompt"), ("0 | a fox", "windows=0"), ("2 |  ", "prompt"),
+                                         ("2 | a fox | image:", "image: PATH"), ("| image: a.png", "with a prompt"),
+                                         ("a fox | image: missing.png", "cannot read 'missing.png'")])
 def test_a_bad_line_names_the_fix(line, words):
     with pytest.raises(ValueError, match=words):
         parse_direction(line)
+
+
+def test_a_line_may_give_the_image_its_windows_start_from(tmp_path):
+    from PIL import Image
+
+    pixels = np.random.default_rng(1).integers(0, 256, (12, 20, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "night.png")
+    for line, prompt, windows in ((f"2 | night | falls | image: {tmp_path / 'night.png'}", "night | falls", 2),
+                                  (f"night falls |image:{tmp_path}/night.png", "night falls", 1)):
+        direction = parse_direction(line)
+        assert (direction.prompt, direction.windows) == (prompt, windows), direction
+        np.testing.assert_array_equal(direction.image.frames, pixels[None])
 
 
 def test_the_lines_direct_the_video_until_their_end(capsys):
