@@ -227,6 +227,9 @@ class ModelOptions:
     live_prompts: str = ""
     """With ``live_frames``: the declared option a live video's directions become, a prompt per range of windows
     (``[{"start_window", "end_window", "text"}]``), so that the live video is the one request with that option."""
+    window_count: Callable[[Mapping[str, Any]], int] | None = field(default=None, compare=False)
+    """For a model that makes long videos window by window: the resolved values -> how many windows (chunks) the
+    video is made in (1: not windowed). ``None``: a request is windowed where ``window_frames`` is under its frames."""
     window_images: Callable[[Mapping[str, Any]], tuple[int, ...]] | None = field(default=None, compare=False)
     """For a model whose windows may each start from an image (``cp_infer.request.window_images``): the resolved
     values -> the video frame each window starts from, where a request's ``conditions`` place those images (a live

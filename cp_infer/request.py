@@ -350,13 +350,15 @@ def check_request(request: GenerationRequest, *, geometry: VideoGeometry, limits
     frames = request.num_frames if options.window_frames is None else options.window_frames(values)
     if request.extends is not None:
         _check_extends(request, options, geometry)
-    if request.conditions and frames != request.num_frames:
+    # The longest pass of a windowed video may be as long as the video (its window and the tail before it).
+    windowed = options.window_count(values) > 1 if options.window_count is not None else frames != request.num_frames
+    if request.conditions and windowed:
         if options.window_images is not None:
             _check_window_images(request, options)
         elif "conditions" not in options.window_media:
             raise ValueError("conditions: a video longer than one window takes an image (image-to-video), not "
                              "conditions; give the first frame as image, or ask for fewer frames")
-    if request.image is not None and frames != request.num_frames and "image" not in options.window_media:
+    if request.image is not None and windowed and "image" not in options.window_media:
         raise ValueError(f"image: {options.model} models make a video longer than one window from text only; remove "
                          "the image, or ask for fewer frames")
     tokens = geometry.latent_shape(frames, request.height, request.width).tokens

@@ -27,7 +27,7 @@ from cp_infer.plan import DenoisePass, Plan
 from cp_infer.request import GenerationRequest
 
 __all__ = ["TEMPORAL_COMPRESSION", "Windows", "check_windows", "live_frames", "prompt_segments_option",
-           "two_stage_window_plan", "window_frames", "window_options", "window_plan", "windows_of"]
+           "two_stage_window_plan", "window_count", "window_frames", "window_options", "window_plan", "window_starts", "windows_of"]
 
 TEMPORAL_COMPRESSION = 8
 """Video frames per latent frame of the LTX VAEs (the first latent frame holds one)."""
@@ -47,8 +47,8 @@ def window_options(*, default_tile: int, default_overlap: int, image: bool = Tru
         Option("temporal_overlap_cond_strength", float, 0.5, "how strongly the previous window's tail conditions "
                "the next window", lo=0, hi=1),
         Option("cond_strength", float, 0.5, "with an image and a video longer than one window: how strongly the "
-               "image holds the first frame (the image also conditions every window as a negative-index frame)",
-               lo=0, hi=1),
+               "image holds the first frame (the image also conditions every window as a negative-index frame, until "
+               "a window given its own image in conditions; 0: no image is used)", lo=0, hi=1),
         prompt_segments_option(),
     )
     return options if image else tuple(o for o in options if o.name != "cond_strength")
@@ -134,6 +134,20 @@ def check_windows(values: Mapping[str, Any]) -> None:
     if values.get("prompt_segments") and windows_of(values) is None:
         raise ValueError("prompt_segments: the video fits one window (num_frames <= temporal_tile_size); give one "
                          "prompt, or ask for more frames")
+
+
+def window_count(values: Mapping[str, Any]) -> int:
+    """The windows a request's video is made in (``ModelOptions.window_count``): 1 when it fits one window."""
+    windows = windows_of(values)
+    return 1 if windows is None else len(windows)
+
+
+def window_starts(values: Mapping[str, Any]) -> tuple[int, ...]:
+    """The video frame each window starts from (``ModelOptions.window_images``: where a request's ``conditions``
+    give a window its image): the first frame of its first latent frame."""
+    windows = windows_of(values)
+    spans = ((0, 0),) if windows is None else windows.spans
+    return tuple(0 if start == 0 else (start - 1) * TEMPORAL_COMPRESSION + 1 for start, _ in spans)
 
 
 def window_frames(values: Mapping[str, Any]) -> int:

@@ -9,7 +9,7 @@ from cp_infer.options import ModelOptions, Option
 from cp_infer.step_cache import cache_options
 from models.common.stages import STAGE_SIZE_STEP, check_two_stage_size, stages_option
 from models.common.standard_options import decode_options, standard_options
-from models.common.windows import check_windows, live_frames, window_frames, window_options
+from models.common.windows import check_windows, live_frames, window_count, window_frames, window_options
 
 __all__ = ["DISTILLED_SIGMAS", "GUIDANCE_OFF", "STAGE_SIZE_STEP", "ltx2_options"]
 
@@ -77,7 +77,8 @@ def ltx2_options(*, layers: int = 48, latent_upsampler: bool = True, stages: int
     if distilled:
         options = tuple(replace(o, default=_DISTILLED[o.name]) if o.name in _DISTILLED else o for o in options)
         options = tuple(replace(o, default_for=_distilled_sigmas) if o.name == "sigmas" else o for o in options)
-    return ModelOptions("LTX-2", options, check=_check, window_frames=window_frames, window_media=(),
+    return ModelOptions("LTX-2", options, check=_check, window_frames=window_frames, window_count=window_count,
+                        window_media=(),
                         live_frames=live_frames, live_prompts="prompt_segments")
 
 

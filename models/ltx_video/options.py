@@ -8,7 +8,15 @@ from cp_infer.options import ModelOptions, Option
 from cp_infer.step_cache import cache_options
 from models.common.stages import check_two_stage_size, stages_option
 from models.common.standard_options import decode_options, standard_options
-from models.common.windows import check_windows, live_frames, window_frames, window_options
+from models.common.windows import (
+    check_windows,
+    live_frames,
+    window_count,
+    window_frames,
+    window_options,
+    window_starts,
+    windows_of,
+)
 
 __all__ = ["ltx_video_options"]
 
@@ -35,9 +43,17 @@ def ltx_video_options(*, latent_upsampler: bool = False, stages: int | None = No
                "(LTXLatentUpsamplePipeline; 0.6 in diffusers' LTX-Video 0.9.8 recipe)", lo=0, hi=1),
         *window_options(default_tile=80, default_overlap=24),
         *cache_options(model="LTX-Video"),
-    ), check=_check, window_frames=window_frames, live_frames=live_frames, live_prompts="prompt_segments")
+    ), check=_check, window_frames=window_frames, live_frames=live_frames, live_prompts="prompt_segments",
+        window_count=window_count, window_images=window_starts, check_media=_check_media)
 
 
 def _check(values) -> None:
     check_two_stage_size(values)
     check_windows(values)
+
+
+def _check_media(request) -> None:
+    if request.conditions and windows_of(request) is not None and not request.options["cond_strength"]:
+        raise ValueError("conditions: at cond_strength=0 a video longer than one window uses no image "
+                         "(LTXI2VLongMultiPromptPipeline's rule), so its windows' images would be ignored; give "
+                         "cond_strength above 0")

@@ -7,7 +7,9 @@ noise drawn from ``seed + start`` (by a generator on the model's device, as the 
 the previous window's tail appended as conditioning tokens (per-token timesteps
 ``t * mask``, blended towards their clean latents before and after every step, RoPE coordinates of the window's
 start), and is fused into the video made so far (first frame dropped, AdaIN to the first window, a linear
-crossfade over the overlap).
+crossfade over the overlap). Beyond the pipeline: a window given its own image (the request's ``conditions`` at
+the frame it starts from, ``models.common.windows.window_starts``; a live video's direction with an image) takes
+it as its negative-index frame in the place of the request's image, and so do the windows after it.
 
 Invariants:
 - Every rank prepares the same window, from the same gathered latents; a scheduler that draws noise at every step
@@ -37,7 +39,7 @@ from diffusers.pipelines.ltx.pipeline_ltx_i2v_long_multi_prompt import (
 
 from cp_infer import ShardPlan, pass_shares
 from cp_infer.collectives import gather_passes
-from cp_infer.request import GenerationRequest
+from cp_infer.request import Condition, GenerationRequest, window_images
 from cp_infer.sampler import Prepared
 from cp_infer.step_cache import StepCache
 from cp_infer.weights import join_call
@@ -168,8 +170,11 @@ def prepare_window(model, request: GenerationRequest, previous_state, *, kind: s
     # The window is built on the device its steps run on (the made video, checkpointed, stays on the CPU).
     window = torch.zeros((1, cfg.in_channels, end - start, height, width), dtype=torch.float32, device=device)
     cond = torch.ones((1, 1, end - start, height, width), dtype=torch.float32, device=device)
-    # The pipeline ignores its image at cond_strength 0.
-    image = None if request.image is None or not request.options["cond_strength"] else _image_latents(model, request)
+    # The pipeline ignores its image at cond_strength 0. A window given its own image (conditions at the frame it
+    # starts from) takes it as its negative-index frame, and so do the windows after it until the next one's.
+    images = window_images(request, model.options) if request.options["cond_strength"] else {}
+    given = max((i for i in images if i <= w), default=None)
+    image = None if given is None else _image_latents(model, request, images[given])
     if image is not None and w == 0:
         window[:, :, :1] = image
     tail = 0
@@ -181,7 +186,7 @@ def prepare_window(model, request: GenerationRequest, previous_state, *, kind: s
     if image is not None:
         # The image as the pipeline's negative-index frame: appended to every window, fully conditioned.
         window, cond, tail = inject_prev_tail_latents(window, image, cond, 1, 1.0, tail)
-        if w == 0:
+        if w == 0:  # window 0's image (the request's) also holds the first frame
             cond[:, :, 0] = 1.0 - float(request.options["cond_strength"])
     generator = device_generator(device, int(request.seed) + int(start))
     noise = torch.randn(window.shape, generator=generator, dtype=torch.float32, device=device)
@@ -242,12 +247,12 @@ def _encode(model, pixels: torch.Tensor) -> torch.Tensor:
     return pipe._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
 
 
-def _image_latents(model, request: GenerationRequest) -> torch.Tensor:
-    """``[1, C, 1, H, W]`` on the model's device: the request's image encoded as the pipeline encodes ``cond_image``
-    (the latent distribution's mode, normalised), the same on every rank."""
+def _image_latents(model, request: GenerationRequest, image: Condition) -> torch.Tensor:
+    """``[1, C, 1, H, W]`` on the model's device: ``image`` encoded at the request's size as the pipeline encodes
+    ``cond_image`` (the latent distribution's mode, normalised), the same on every rank."""
     from PIL import Image
 
-    image = Image.fromarray(request.image.frames[0], mode="RGB")
+    image = Image.fromarray(image.frames[0], mode="RGB")
     pixels = model.pipe.video_processor.preprocess(image, height=request.height, width=request.width)
     return _encode(model, pixels.unsqueeze(2))
 

@@ -111,6 +111,7 @@ def wan_options(layout: WanLayout = WanLayout()) -> ModelOptions:
     return ModelOptions("Wan", tuple(options), takes_media=layout.takes_image, needs_image=layout.image, check=check,
                         window_media=("image",) if layout.takes_image else (), window_frames=_window_frames,
                         window_images=_chained_starts if layout.image else None, check_media=_check_media,
+                        window_count=_window_count,
                         window_tile_causal=True,
                         live_frames=_live_frames,
                         live_prompts="prompt_segments")
@@ -145,6 +146,11 @@ def _live_frames(values: Mapping[str, Any], count: int) -> int:
         raise ValueError(f"a live Wan video starts with 2 windows or more: num_frames={(tile + stride - 1) * t + 1} "
                          "or more at this temporal_tile_size and temporal_overlap")
     return (tile + (count - 1) * stride - 1) * t + 1
+
+
+def _window_count(values: Mapping[str, Any]) -> int:
+    windows = wan_windows_of(values)
+    return 1 if windows is None else len(windows)
 
 
 def _chained_starts(values: Mapping[str, Any]) -> tuple[int, ...]:

@@ -176,7 +176,7 @@ _DIRECTION_BODY = {"required": True, "description": "The next windows' prompt an
                                        "the video gets, rounded up to whole windows. Excludes windows."},
                            "image": {"type": "string", "description": "A data URL of the image the next windows "
                                      "start from (data:image/png;base64,...), where the model's windows each start "
-                                     "from one (Wan image-to-video)."}},
+                                     "from one (LTX-Video, Wan image-to-video)."}},
                         "not": {"required": ["windows", "seconds"]}},
                        {"type": "object", "required": ["end"], "additionalProperties": False,
                         "properties": {"end": {"const": True, "description": "End the video after what is "

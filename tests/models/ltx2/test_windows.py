@@ -324,3 +324,24 @@ def test_a_live_video_equals_the_one_request_video(folder):
     wave, expected_wave = np.concatenate(got["audio"], axis=1), np.concatenate(expected["audio"], axis=1)
     assert wave.shape == expected_wave.shape and np.abs(expected_wave).max() > 1e-3
     np.testing.assert_allclose(wave, expected_wave, rtol=0, atol=1e-6, err_msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("frames", [49, 57, 65])
+def test_a_long_video_takes_no_media(frames):
+    """LTX-2's windows are text only: an image or conditions for a video of more than one window is refused at the
+    front end, 57 frames included (windows of 40 sharing 24, whose longest pass, a window and the tail before it,
+    is as long as the video)."""
+    from cp_infer.request import Condition, GenerationLimits, check_request, resolve_request
+    from cp_infer.shapes import VideoGeometry
+    from models.ltx2.options import ltx2_options
+
+    options = ltx2_options()
+    geometry = VideoGeometry(temporal_compression=8, spatial_compression=32, patch_size=1)
+    pixels = np.zeros((1, 8, 8, 3), dtype=np.uint8)
+    for media, words in ((dict(image=Condition(pixels)), "image: LTX-2 models make a video longer than one window"),
+                         (dict(conditions=(Condition(pixels),)), "conditions: a video longer than one window")):
+        request = resolve_request(GenerationRequest(prompt="a", num_frames=frames, height=64, width=256, **media,
+                                                    options=dict(temporal_tile_size=40, temporal_overlap=24,
+                                                                 stages=1)), options)
+        with pytest.raises(ValueError, match=words):
+            check_request(request, geometry=geometry, limits=GenerationLimits(), options=options)

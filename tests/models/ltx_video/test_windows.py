@@ -62,6 +62,10 @@ def _requests(seed: int) -> list[GenerationRequest]:
         # image-to-video: the image holds frame 0 and conditions every window as its negative-index frame
         GenerationRequest(**base, prompt="a lighthouse at dusk", num_frames=57, guidance_scale=3.0, seed=seed + 2,
                           image=Condition(_image(seed)), options=dict(WINDOWS, cond_strength=0.7)),
+        # the same, window 2 given its own image (conditions at frame 25, where it starts): no pipeline takes one
+        GenerationRequest(**base, prompt="a lighthouse at dusk", num_frames=57, guidance_scale=3.0, seed=seed + 2,
+                          conditions=(Condition(_image(seed)), Condition(_image(seed + 1), frame_index=25)),
+                          options=dict(WINDOWS, cond_strength=0.7)),
     ]
 
 
@@ -116,6 +120,12 @@ def test_one_rank_equals_long_multi_prompt_pipeline(cache_dir, scheduler):
     seed = random.randrange(2**31)
     ours = one_thread(_sample_all, single_process_state(), cache_dir, seed, scheduler)
     for request, (frames, latents) in zip(_requests(seed), ours, strict=True):
+        if request.conditions:
+            # Window 2's own image: the windows before it are the image's video (latent frames 0..3 final before
+            # window 2, as test_windows_change_with_their_prompts), the rest another.
+            np.testing.assert_array_equal(latents[:, :, :4], ours[2][1][:, :, :4], err_msg=f"seed={seed}")
+            assert np.abs(latents[:, :, 4:] - ours[2][1][:, :, 4:]).mean() > 1e-3
+            continue
         ref = one_thread(_reference, cache_dir, request, scheduler)
         assert latents.shape == ref.shape == (1, 16, (request.num_frames - 1) // 8 + 1, 2, 7)
         np.testing.assert_array_equal(latents, ref, err_msg=f"seed={seed} {scheduler}: latents differ")
@@ -383,10 +393,13 @@ def test_a_live_video_equals_the_one_request_video(cache_dir, decode):
                                              height=64, width=224, num_inference_steps=2, guidance_scale=3.0, fps=24,
                                              seed=seed, image=Condition(_image(seed)),
                                              options=dict(WINDOWS, **noise)), model.options)
-    directions = [Direction(base.prompt, 2), Direction("the fox jumps", 2), Direction("snow falls", 2),
-                  Direction("night", 1)]
+    # "snow falls" with an image of its own: windows 4 and 5 take it as their negative-index frame, and so does
+    # window 6 (the one request's conditions at frame 57, where window 4 starts).
+    directions = [Direction(base.prompt, 2), Direction("the fox jumps", 2),
+                  Direction("snow falls", 2, Condition(_image(seed + 1))), Direction("night", 1)]
     whole = live_request(base, directions, model.options)
     assert whole.num_frames == 129 and live_request(base, directions[:1], model.options).num_frames == 49, whole
+    assert [c.frame_index for c in whole.conditions] == [0, 57] and whole.image is None, whole
     asked = assert_live_is_the_whole(model, base, directions, [WAIT, 2, 3, 4, WAIT, None], state=state,
                                      seed=seed)
     # Asked after windows 1, 1, 3, 5, 6, 6: after window 3 (final: 9 of 15 latent frames) the first frames are
@@ -409,3 +422,30 @@ def test_live_options_are_whole_one_stage_windows():
     two = resolve_request(GenerationRequest(prompt="a fox", num_frames=49, options=dict(WINDOWS, stages=2)), options)
     with pytest.raises(ValueError, match="stages=2: a live video is made in one stage"):
         first_windows(two, options)
+
+
+def test_window_images_are_checked():
+    """A windowed LTX-Video request's conditions are images its windows start from, at the frames they start (57
+    frames in windows (0, 5), (2, 7), (4, 8): frames 0, 9, 25), taken only where cond_strength uses images; a video of
+    one window takes conditions anywhere (LTXConditionPipeline's)."""
+    from cp_infer.request import GenerationLimits, check_request, resolve_request
+    from cp_infer.shapes import VideoGeometry
+    from models.ltx_video.options import ltx_video_options
+
+    options = ltx_video_options()
+    geometry = VideoGeometry(temporal_compression=8, spatial_compression=32, patch_size=1)
+
+    def check(frames: int, *at: int, **values):
+        conditions = tuple(Condition(_image(i), frame_index=f) for i, f in enumerate(at))
+        request = GenerationRequest(prompt="a fox", num_frames=frames, height=64, width=224, conditions=conditions,
+                                    options=dict(WINDOWS, **values))
+        check_request(resolve_request(request, options), geometry=geometry, limits=GenerationLimits(),
+                      options=options)
+
+    check(57, 9)  # text-to-video until window 1, which starts from its image
+    check(57, 0, 25)
+    check(33, 4, 20)  # one window: conditions at any frame
+    with pytest.raises(ValueError, match=r"conditions\[1\]\.frame_index=24: .* starts from: 0, 9, 25; give one"):
+        check(57, 0, 24)
+    with pytest.raises(ValueError, match="at cond_strength=0 .* give cond_strength above 0"):
+        check(57, 0, 25, cond_strength=0.0)

@@ -206,6 +206,7 @@ def test_a_direction_is_checked_at_the_front_end(helios_server):
             ({"end": True, "prompt": "x"}, 400, "prompt", "end takes no other field"),
             ({"prompt": "x", "windows": 5}, 400, "windows", "at most 2 s (--live-max-seconds): 5 windows"),
             ({"prompt": "x", "seconds": 5}, 400, "seconds", "--live-max-seconds"),
+            ({"prompt": "x", "image": "data:image/png;base64,AAAA"}, 400, "image", "start from no image"),
         ]:
             r = s.client.post(direct, json=body)
             assert r.status_code == status and r.json()["error"]["param"] == param and words in r.text, (body, r.text)

@@ -49,10 +49,10 @@ def test_the_socket_is_its_tenants_and_answers_a_bad_message_in_kind(tmp_path):
                 first = ws.receive_json()
                 assert first["type"] == "video" and first["video"]["id"] == video and first["event"] == "video.queued"
                 # Each bad message is answered as the POST route answers it; the connection stays.
-                # An image: LTX-Video's windows start from none of their own (checked before the job is asked).
+                # A direction's image is decoded before the job is asked.
                 for message, code in (("not json", "invalid_json"), (b"\x00", "invalid_json"),
                                       ({"prompt": "and then", "image": "data:image/png;base64,AAAA"},
-                                       "invalid_value"), ({"prompt": "and then"}, "not_live")):
+                                       "invalid_media"), ({"prompt": "and then"}, "not_live")):
                     if isinstance(message, dict):
                         ws.send_json(message)
                     elif isinstance(message, bytes):

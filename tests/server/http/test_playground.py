@@ -256,10 +256,16 @@ def test_what_people_set_first_is_shown_and_the_rest_folds_under_advanced(server
     js(browser, "document.getElementById('advanced').open = false;")
 
 
-def test_a_live_video_is_directed_from_the_page(server, browser):
+def test_a_live_video_is_directed_from_the_page(server, browser, tmp_path):
     """The director's panel: a live video's first two windows (33 frames in 32-frame windows sharing 24), then a
-    direction typed in, a bad one (the API's error), and the end; the timeline shows each window's prompt and where
-    it stands; the video plays while it is made; the job is the one request of its directions."""
+    direction typed in with an image chosen for it, a bad one (the API's error), and the end; the timeline shows each
+    window's prompt and where it stands, and the window that starts from the image; the video plays while it is
+    made; it is the one request of its directions (the image as conditions at frame 9, where window 2 starts), frame
+    for frame."""
+    from cp_infer.video_io import read_mp4
+
+    cut = tmp_path / "cut.png"
+    Image.fromarray(np.random.default_rng().integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(cut)
     open_page(browser, server)
     fill(browser, "[slow] a red fox runs", **{**SMALL, "num_frames": "33", "num_inference_steps": "4"},
          temporal_tile_size="32", temporal_overlap="24")
@@ -268,7 +274,6 @@ def test_a_live_video_is_directed_from_the_page(server, browser):
     wait_for(lambda: visible(browser, "director") and len(timeline(browser)) == 2, 30, "the first two windows")
     wait_for(lambda: [s for s, _ in timeline(browser)] == ["made", "made"], 60, "the first two windows made")
     assert "what happens next" in by_id(browser, "live-hint").text
-    assert not visible(browser, "direction-image-row")  # LTX-Video's windows start from no image of their own
 
     by_id(browser, "direction-windows").clear()
     by_id(browser, "direction-windows").send_keys("0")
@@ -279,9 +284,12 @@ def test_a_live_video_is_directed_from_the_page(server, browser):
 
     by_id(browser, "direction-windows").clear()
     by_id(browser, "direction-windows").send_keys("1")
+    assert visible(browser, "direction-image-row")  # LTX-Video's windows each take an image of their own
+    by_id(browser, "direction-image").send_keys(str(cut))
     by_id(browser, "direct").click()
     wait_for(lambda: len(timeline(browser)) == 3 and not visible(browser, "error"), 10, "the third window")
-    assert timeline(browser)[2][1].startswith("the fox jumps") and by_id(browser, "direction").get_attribute(
+    assert timeline(browser)[2][1].startswith("the fox jumps [from an image]"), timeline(browser)
+    assert by_id(browser, "direction").get_attribute("value") == by_id(browser, "direction-image").get_attribute(
         "value") == ""
     by_id(browser, "end-live").click()
     wait_for(lambda: current(browser)["status"] == "completed", 90, "the video to end")
@@ -291,66 +299,20 @@ def test_a_live_video_is_directed_from_the_page(server, browser):
 
     job = server.client.get(f"/v1/videos/{job_id}").json()
     assert job["num_frames"] == 41 and job["live"]["ended"] and job["live"]["windows_made"] == 3, job
-    assert [d["prompt"] for d in job["live"]["directions"]] == ["[slow] a red fox runs", "the fox jumps"]
-
-
-@pytest.fixture(scope="module")
-def i2v_server(tmp_path_factory):
-    """A real 2-rank server of a Wan 2.1 image-to-video folder (whose windows may each start from an image)."""
-    from models.wan.default import save_wan_model
-
-    from ..conftest import ServerProcess
-
-    folder = save_wan_model(tmp_path_factory.mktemp("wan_i2v") / "i2v", variant="i2v")
-    server = ServerProcess(tmp_path_factory.mktemp("i2v_server"), tmp_path_factory.mktemp("i2v_cache"),
-                           extra_args=["--model", str(folder), "--heartbeat-s", "0.5", "--collective-timeout", "60"])
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-
-
-def test_a_direction_starts_from_an_image_chosen_on_the_page(i2v_server, browser, tmp_path):
-    """Wan image-to-video's director's panel takes an image with a direction (LTX-Video's shows none: above): the
-    timeline marks the window that starts from it, and the video is the one request with that image as conditions
-    at the frame the window starts from (32 for 17-frame windows), frame for frame."""
-    from cp_infer.video_io import read_mp4
-
-    rng = np.random.default_rng()
-    first, cut = tmp_path / "first.png", tmp_path / "cut.png"
-    for path in (first, cut):
-        Image.fromarray(rng.integers(0, 256, (36, 60, 3), dtype=np.uint8)).save(path)
-    open_page(browser, i2v_server)
-    fill(browser, "a red fox", num_frames="33", width="80", height="48", num_inference_steps="2",
-         temporal_tile_size="17")
-    by_id(browser, "image").send_keys(str(first))
-    js(browser, "document.getElementById('live').checked = true;")
-    job_id = submit(browser)
-    wait_for(lambda: [s for s, _ in timeline(browser)] == ["made", "made"], 90, "the first two windows made")
-    assert visible(browser, "direction-image-row")
-    by_id(browser, "direction").send_keys("night falls")
-    by_id(browser, "direction-image").send_keys(str(cut))
-    by_id(browser, "direct").click()
-    wait_for(lambda: len(timeline(browser)) == 3 and not visible(browser, "error"), 10, "the third window")
-    assert timeline(browser)[2][1].startswith("night falls [from an image]"), timeline(browser)
-    assert by_id(browser, "direction-image").get_attribute("value") == ""
-    by_id(browser, "end-live").click()
-    wait_for(lambda: current(browser)["status"] == "completed", 90, "the video to end")
-
-    s = i2v_server
-    job = s.client.get(f"/v1/videos/{job_id}").json()
-    assert job["num_frames"] == 49 and [d["image"] for d in job["live"]["directions"]] == [False, True], job
-    url = {p: "data:image/png;base64," + base64.b64encode(p.read_bytes()).decode() for p in (first, cut)}
-    whole = s.submit({"prompt": "a red fox", "num_frames": 49, "size": "80x48", "num_inference_steps": 2,
-                      "seed": job["seed"], "temporal_tile_size": 17,
-                      "conditions": [{"media": url[first], "frame_index": 0}, {"media": url[cut], "frame_index": 32}],
-                      "prompt_segments": [{"start_window": 0, "end_window": 1, "text": "a red fox"},
-                                          {"start_window": 2, "end_window": 2, "text": "night falls"}]})
-    assert s.wait_job(whole["id"], timeout=120)["status"] == "completed", s.log_tail()
+    assert [(d["prompt"], d["image"]) for d in job["live"]["directions"]] == [("[slow] a red fox runs", False),
+                                                                             ("the fox jumps", True)]
+    whole = server.submit({
+        "prompt": "[slow] a red fox runs", "num_frames": 41, "size": "96x64", "num_inference_steps": 4,
+        "seed": job["seed"], "temporal_tile_size": 32, "temporal_overlap": 24,
+        "conditions": [{"media": "data:image/png;base64," + base64.b64encode(cut.read_bytes()).decode(),
+                        "frame_index": 9}],
+        "prompt_segments": [{"start_window": 0, "end_window": 1, "text": "[slow] a red fox runs"},
+                            {"start_window": 2, "end_window": 2, "text": "the fox jumps"}]})
+    assert server.wait_job(whole["id"], timeout=120)["status"] == "completed", server.log_tail()
     for name in (job_id, whole["id"]):
-        (tmp_path / f"{name}.mp4").write_bytes(s.client.get(f"/v1/videos/{name}/content").content)
-    np.testing.assert_array_equal(read_mp4(tmp_path / f"{job_id}.mp4")[0], read_mp4(tmp_path / f"{whole['id']}.mp4")[0])
+        (tmp_path / f"{name}.mp4").write_bytes(server.client.get(f"/v1/videos/{name}/content").content)
+    np.testing.assert_array_equal(read_mp4(tmp_path / f"{job_id}.mp4")[0],
+                                  read_mp4(tmp_path / f"{whole['id']}.mp4")[0])
 
 
 def test_image_to_video_from_an_uploaded_file(server, browser, tmp_path):
