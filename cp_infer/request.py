@@ -23,8 +23,9 @@ import numpy as np
 from .options import STANDARD, ModelOptions
 from .shapes import LatentShape, VideoGeometry
 
-__all__ = ["EXTEND_TAIL", "LORA_NAME", "LORA_SCALE", "MAX_CONDITIONS", "MAX_LORAS", "Condition", "GenerationRequest", "GenerationLimits",
-           "LoraWeight", "check_request", "loras_from", "resolve_frame_index", "resolve_request", "window_images"]
+__all__ = ["EXTEND_TAIL", "LORA_NAME", "LORA_SCALE", "MAX_CONDITIONS", "MAX_LORAS", "Condition", "GenerationRequest",
+           "GenerationLimits", "LoraWeight", "check_request", "loras_from", "resolve_frame_index", "resolve_request",
+           "window_images"]
 
 @dataclass(frozen=True)
 class Condition:

@@ -27,7 +27,8 @@ from cp_infer.plan import DenoisePass, Plan
 from cp_infer.request import GenerationRequest
 
 __all__ = ["TEMPORAL_COMPRESSION", "Windows", "check_windows", "live_frames", "prompt_segments_option",
-           "two_stage_window_plan", "window_count", "window_frames", "window_options", "window_plan", "window_starts", "windows_of"]
+           "two_stage_window_plan", "window_count", "window_frames", "window_options", "window_plan", "window_starts",
+           "windows_of"]
 
 TEMPORAL_COMPRESSION = 8
 """Video frames per latent frame of the LTX VAEs (the first latent frame holds one)."""

@@ -3,8 +3,9 @@
 Invariants:
 - A line ``K | text`` directs ``K`` more windows (chunks) with that prompt, a line ``text`` one; either may end
   with ``| image: PATH``, the image the first of them starts from (where the model's windows each start from one,
-  ``ModelOptions.window_images``), read and decoded here; blank lines are ignored; ``end`` or the end of the input ends the video after what is directed. A line that does not parse, or
-  whose video the request's checks refuse (over ``--max-frames``), is reported on stderr and ignored.
+  ``ModelOptions.window_images``), read and decoded here; blank lines are ignored; ``end`` or the end of the input
+  ends the video after what is directed. A line that does not parse, or whose video the request's checks refuse
+  (over ``--max-frames``), is reported on stderr and ignored.
 - The video is ``cp_infer.live.live_request`` of the directions, as the server's live videos: the one-request video
   with the same ``prompt_segments``, whatever the lines' timing.
 - The sampler asks (``SampleControl.extend``) only once every directed window is made; after ``idle_s`` without a

@@ -197,8 +197,9 @@ def _data_url(pixels: np.ndarray) -> str:
 @pytest.mark.timeout(300)
 def test_a_live_wan_video_directed_with_an_image_is_the_one_request_video(i2v_server, commands, tmp_path):
     """A live Wan 2.1 I2V video over HTTP at 2 ranks, its second direction (sent while the group waits for it after
-    its first two windows) with an image of its own (a cut: window 2 starts from it), makes the video of the one request with the same prompt_segments and that image as conditions at
-    frame 32 (where window 2 starts), frame for frame; a direction's image that is not one is refused naming it."""
+    its first two windows) with an image of its own (a cut: window 2 starts from it), makes the video of the one
+    request with the same prompt_segments and that image as conditions at frame 32 (where window 2 starts), frame
+    for frame; a direction's image that is not one is refused naming it."""
     s = i2v_server
     first = "data:image/png;base64," + base64.b64encode((commands.out / "start.png").read_bytes()).decode()
     cut = _data_url(255 - _picture()[::-1])
