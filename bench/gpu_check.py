@@ -400,12 +400,17 @@ def _helios_frames(chunks: int) -> int:
 
 def _ring_rows(sizes: Sizes, dev: _Device) -> list[dict[str, Any]]:
     """The ring's maths at one rank (no point-to-point step, which needs two): the blocks as a ring of ``blocks``
-    ranks holds them, the last all padding and the one before partly, batch row 1 masking its first keys; each real
-    block's ``attention_lse`` merged by ``BlockMerge``, against one ``scaled_dot_product_attention`` over the real
-    keys with the same mask. Step: the median of 5 calls of each."""
+    ranks holds them, the last all padding and the one before partly; each real block's ``attention_lse`` merged by
+    ``BlockMerge``, against one ``scaled_dot_product_attention`` over the real keys. Two rows: batch row 1 masking
+    its first keys (on CUDA: fp32 matmuls), and no mask (on CUDA: the fused kernel, where ``fused_lse_ok`` takes it).
+    Step: the median of 5 calls of each."""
+    return [_ring_row(sizes, dev, masked=True), _ring_row(sizes, dev, masked=False)]
+
+
+def _ring_row(sizes: Sizes, dev: _Device, *, masked: bool) -> dict[str, Any]:
     import torch.nn.functional as F
 
-    from cp_infer.ring import BlockMerge, attention_lse
+    from cp_infer.ring import BlockMerge, attention_lse, fused_lse_ok
 
     heads, dim, keys, blocks = sizes.ring
     block = keys // blocks
@@ -413,7 +418,8 @@ def _ring_rows(sizes: Sizes, dev: _Device) -> list[dict[str, Any]]:
     g = torch.Generator("cpu").manual_seed(SEED)
     q, k, v = (torch.randn(2, heads, keys, dim, generator=g).to(dev.device, dev.dtype) for _ in range(3))
     mask = torch.ones(2, real, dtype=torch.bool, device=dev.device)
-    mask[1, :5] = False
+    if masked:
+        mask[1, :5] = False
 
     def ring() -> torch.Tensor:
         merge = BlockMerge(q)
@@ -422,11 +428,12 @@ def _ring_rows(sizes: Sizes, dev: _Device) -> list[dict[str, Any]]:
             n = min(block, real - start)
             if n > 0:
                 merge.add(*attention_lse(q, k[:, :, start:start + n], v[:, :, start:start + n],
-                                         key_mask=mask[:, start:start + n]))
+                                         key_mask=mask[:, start:start + n] if masked else None))
         return merge.result()
 
     def whole() -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k[:, :, :real], v[:, :, :real], attn_mask=mask[:, None, None, :])
+        return F.scaled_dot_product_attention(q, k[:, :, :real], v[:, :, :real],
+                                              attn_mask=mask[:, None, None, :] if masked else None)
 
     timed = {}
     for name, call in (("ours", ring), ("theirs", whole)):
@@ -442,9 +449,16 @@ def _ring_rows(sizes: Sizes, dev: _Device) -> list[dict[str, Any]]:
         timed[name] = dict(out=out.float().cpu(), step_s=statistics.median(times[1:]), peak_gib=dev.peak_gib())
     ours, theirs = timed["ours"], timed["theirs"]
     difference = float((ours["out"] - theirs["out"]).abs().max() / theirs["out"].abs().max().clamp_min(1e-12))
-    return [dict(case=f"ring: {blocks} blocks of {heads} x {dim} over {keys} keys, one all padding, a key mask",
-                 reference="SDPA over every key", ours_step_s=ours["step_s"], theirs_step_s=theirs["step_s"],
-                 ours_peak_gib=ours["peak_gib"], theirs_peak_gib=theirs["peak_gib"], difference=difference)]
+    if masked:
+        path = "a key mask" + (": fp32 matmuls" if dev.device.type == "cuda" else "")
+    elif dev.device.type == "cuda":
+        path = "no mask: " + ("the fused kernel" if fused_lse_ok(dev.device, dev.dtype, dim) else
+                              "fp32 matmuls (no fused kernel passed its check)")
+    else:
+        path = "no mask"
+    return dict(case=f"ring: {blocks} blocks of {heads} x {dim} over {keys} keys, one all padding, {path}",
+                reference="SDPA over every key", ours_step_s=ours["step_s"], theirs_step_s=theirs["step_s"],
+                ours_peak_gib=ours["peak_gib"], theirs_peak_gib=theirs["peak_gib"], difference=difference)
 
 
 def _failed(family: str, error: BaseException) -> dict[str, Any]:

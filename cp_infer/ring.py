@@ -15,20 +15,28 @@ Invariants:
   - m) + out_b * exp(lse_b - m)``, ``l = l * exp(m_old - m) + exp(lse_b - m)``, the result ``acc / l``. A row with
   no attended key anywhere (every block padding, or masked by ``key_mask``) keeps ``m = -inf`` and gets 0, never
   NaN (the sigmoid form ``out - sigmoid(lse_b - lse) * (out - out_b)`` gives NaN there: ``-inf - -inf``).
-- The log-sum-exp of a block comes from CPU flash attention (``aten._scaled_dot_product_flash_attention_for_cpu``),
-  which returns 0, not -inf, for a row with every key masked: such rows are set to -inf here. Other devices run
-  the same maths in fp32 matmuls (:func:`attention_lse`, ``fused=False``).
+- The log-sum-exp of a block comes from a fused kernel that returns it: on the CPU flash attention
+  (``aten._scaled_dot_product_flash_attention_for_cpu``), which returns 0, not -inf, for a row with every key
+  masked: such rows are set to -inf here; on CUDA, for a block without a key mask, flash attention (fp16, bf16) or
+  the memory-efficient kernel (fp32, or where flash refuses the shape), whose log-sum-exp is cut to the queries (it
+  pads them to a multiple of 32). A CUDA kernel is used on a device and dtype only once a small problem has given
+  the fp32-matmul result through it (:func:`fused_lse_ok`, checked once per process): a kernel that fails or
+  disagrees there is never used, and the same maths runs in fp32 matmuls instead (``fused=False``, also the path of
+  a block with a key mask on CUDA, and of every other device).
 - Inference only: a ring step's receive is not differentiable, so a call under autograd is refused.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingGroup", "BlockMerge", "attention_lse", "ring_attention"]
+__all__ = ["RingGroup", "BlockMerge", "attention_lse", "fused_lse_ok", "ring_attention"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,9 +58,16 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_mask
 
     ``key_mask``: bool ``[B, S_K]``, True = attend. Returns ``(out [B, H, S_Q, D] in q's dtype, lse [B, H, S_Q]
     fp32)``; a row whose keys are all masked has ``lse = -inf`` (its ``out`` is then meaningless, weighted 0).
-    ``fused``: CPU flash attention (the default on CPU) or fp32 matmuls (the default elsewhere).
+    ``fused``: a kernel that returns the log-sum-exp (see the module docstring; the default where one applies) or
+    fp32 matmuls.
     """
-    fused = q.device.type == "cpu" if fused is None else fused
+    if fused is None:
+        fused = q.device.type == "cpu" or (q.device.type == "cuda" and key_mask is None
+                                           and fused_lse_ok(q.device, q.dtype, q.shape[-1]))
+    if fused and q.device.type == "cuda":
+        if key_mask is not None:
+            raise ValueError("the CUDA kernels' log-sum-exp is used without a key mask; give fused=False")
+        return _cuda_lse(q, k, v, scale)
     if fused:
         bias = None
         if key_mask is not None:
@@ -74,6 +89,50 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_mask
         empty = ~key_mask.any(dim=1)  # B
         lse = lse.masked_fill(empty[:, None, None], float("-inf"))
     return out, lse
+
+
+def _cuda_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CUDA kernel's attention and log-sum-exp: flash attention for fp16/bf16, the memory-efficient kernel for fp32
+    or where flash refuses the shape (its log-sum-exp is padded to a multiple of 32 queries: cut here)."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
+            return out, lse.float()
+        except RuntimeError:
+            pass  # a head size or GPU flash attention does not take: the memory-efficient kernel does
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False,
+                                                                      scale=scale)[:2]
+    return out, lse[..., :q.shape[2]].float()
+
+
+_FUSED_OK: dict[tuple[str, torch.dtype, int], bool] = {}
+
+
+def fused_lse_ok(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether this CUDA device's kernels give the log-sum-exp for ``dtype`` and ``head_dim``: a small problem (19
+    queries over 45 keys, query rows not a multiple of 32) through :func:`_cuda_lse` against fp32 matmuls, once per
+    process; a failure or a disagreement is logged once and answered ``False`` (the matmuls are used)."""
+    key = (str(device), dtype, head_dim)
+    if key not in _FUSED_OK:
+        g = torch.Generator("cpu").manual_seed(0)
+        q, k, v = (torch.randn(2, 3, n, head_dim, generator=g).to(device, dtype) for n in (19, 45, 45))
+        try:
+            with torch.inference_mode():
+                out, lse = _cuda_lse(q, k, v, None)
+                ref_out, ref_lse = attention_lse(q, k, v, fused=False)
+            tol = 1e-3 if dtype == torch.float32 else 3e-2
+            ok = lse.shape == ref_lse.shape and out.shape == ref_out.shape \
+                and bool(torch.allclose(lse, ref_lse, atol=tol, rtol=tol)) \
+                and bool(torch.allclose(out.float(), ref_out.float(), atol=tol, rtol=tol))
+            why = "its result differs from fp32 matmuls"
+        except RuntimeError as exc:
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        if not ok:
+            log.warning("ring attention on %s in %s (head size %d): no fused kernel gives the log-sum-exp (%s); the "
+                        "blocks are attended with fp32 matmuls", device, dtype, head_dim, why)
+        _FUSED_OK[key] = ok
+    return _FUSED_OK[key]
 
 
 class BlockMerge:

@@ -32,8 +32,9 @@ def test_the_smoke_mode_runs_every_case_and_agrees(tmp_path, dtype):
                 "LTX-2: text-to-video, audio": "LTX2Pipeline", "Wan: text-to-video": "WanPipeline",
                 "Helios: text-to-video, 65 frames in 2 chunks": "HeliosPipeline",
                 "LTX-Video: --offload transformer_blocks,text_encoder,vae": "ours without offload"}
-    ring = next(cell for cell in cells if cell[0].startswith("| ring: 4 blocks"))
-    assert ring[1] == "SDPA over every key" and ring[5] == "yes", ring
+    rings = [cell for cell in cells if cell[0].startswith("| ring: 4 blocks")]
+    assert [ring[0].rsplit(", ", 1)[1] for ring in rings] == ["a key mask", "no mask"], rings
+    assert all(ring[1] == "SDPA over every key" and ring[5] == "yes" for ring in rings), rings
     for case, reference in compared.items():
         assert rows[case][1] == reference and rows[case][5] == "yes", rows[case]
         assert float(rows[case][4]) <= (1e-3 if dtype == "fp32" else 0.08) and float(rows[case][2]) > 0, rows[case]

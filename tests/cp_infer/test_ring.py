@@ -68,6 +68,35 @@ def test_no_key_at_all_gives_zero_not_nan():
     assert torch.isneginf(merge.lse).all()
 
 
+def test_a_fused_kernel_is_used_only_once_it_gives_the_matmuls_result(monkeypatch, caplog):
+    """``fused_lse_ok`` (the gate of the CUDA kernels' log-sum-exp, checked once per device, dtype and head size): a
+    kernel that is missing (this CPU build has no CUDA kernels), that fails, or whose log-sum-exp is wrong (left
+    padded to 32 queries, or off by a constant) is refused with one warning; one that agrees is taken."""
+    import cp_infer.ring as ring
+
+    cpu = torch.device("cpu")
+
+    def from_cpu_flash(pad: int = 0, shift: float = 0.0):
+        def kernel(q, k, v, scale):
+            out, lse = attention_lse(q, k, v, scale=scale, fused=True)
+            return out, torch.nn.functional.pad(lse, (0, pad)) + shift
+        return kernel
+
+    def failing(q, k, v, scale):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    for kernel, expected in ((None, False), (failing, False), (from_cpu_flash(pad=13), False),
+                             (from_cpu_flash(shift=0.5), False), (from_cpu_flash(), True)):
+        monkeypatch.setattr(ring, "_FUSED_OK", {})
+        if kernel is not None:
+            monkeypatch.setattr(ring, "_cuda_lse", kernel)
+        caplog.clear()
+        assert ring.fused_lse_ok(cpu, torch.float32, 16) is expected, kernel
+        assert ring.fused_lse_ok(cpu, torch.float32, 16) is expected  # answered from the cache
+        warnings = [r for r in caplog.records if "no fused kernel gives the log-sum-exp" in r.getMessage()]
+        assert len(warnings) == (0 if expected else 1), [r.getMessage() for r in caplog.records]
+
+
 def test_sigmoid_merge_is_nan_on_an_empty_block():
     """Why the max/exp form: the sigmoid form used elsewhere turns a block with no key (lse -inf) merged into a
     running lse of -inf into NaN, where ours gives what the other blocks say."""
