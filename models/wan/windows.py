@@ -137,15 +137,15 @@ def prepare_window(model, request: GenerationRequest, previous_state: Any) -> Pr
     t = WAN_TEMPORAL_COMPRESSION
     frames = (end - start - 1) * t + 1
     # Window 0 is the request's own pass of its frames; later ones take their noise from seed + start, and no image
-    # (chained: the last frame of the one before).
+    # (chained: their own image, or the last frame of the one before).
     own = replace(request, num_frames=frames)
-    if chained(model):
-        given = window_images(request, model.options).get(w)
-        own = replace(own, image=given or (Condition(before.last_frame[None]) if w else None), conditions=())
     if w > 0:
-        own = replace(own, seed=int(request.seed) + int(start))
-        if not chained(model):
-            own = replace(own, image=None)
+        own = replace(own, seed=int(request.seed) + int(start), image=None)
+    if chained(model):
+        image = window_images(request, model.options).get(w)
+        if image is None and w > 0:
+            image = Condition(before.last_frame[None])
+        own = replace(own, image=image, conditions=())
     shape = model.geometry.latent_shape(frames, request.height, request.width)
     prepared = model.prepare(own, shape)
     x = prepared.state

@@ -22,7 +22,8 @@ from server.group.tenants import Tenant
 from server.http.media import MediaError, MediaLimits, decode_media, media_from_url
 from server.http.schemas import ApiError, ConditionParams, ImageReference, MediaRef, VideoCreateParams
 
-__all__ = ["UPLOAD_PREFIX", "Resolved", "completed_job", "job_frames", "load_media", "media_limits", "resolve_media"]
+__all__ = ["UPLOAD_PREFIX", "Resolved", "completed_job", "job_frames", "load_media", "media_api_error", "media_limits",
+           "resolve_media"]
 
 UPLOAD_PREFIX = "upload:"
 """How a multipart file field is referred to from the parsed parameters (``upload:conditions[0][media]``)."""
@@ -38,7 +39,8 @@ def media_limits(max_upload_bytes: int, limits: GenerationLimits) -> MediaLimits
     return MediaLimits(max_bytes=max_upload_bytes, max_frames=limits.max_frames)
 
 
-def _api_error(exc: MediaError) -> ApiError:
+def media_api_error(exc: MediaError) -> ApiError:
+    """Bad media as the API answers it: its status and code, naming its field."""
     return ApiError(exc.status, exc.code, str(exc), exc.field)
 
 
@@ -68,7 +70,7 @@ def job_frames(store: JobStore, job: Job, *, field: str, limits: MediaLimits) ->
             max_bytes=max(limits.max_bytes, len(mp4)), max_pixels=limits.max_pixels,
             max_frames=limits.max_frames)).frames
     except MediaError as exc:
-        raise _api_error(exc) from None
+        raise media_api_error(exc) from None
 
 
 def load_media(ref: str | MediaRef | ImageReference, *, field: str, uploads: Mapping[str, bytes],
@@ -86,7 +88,7 @@ def load_media(ref: str | MediaRef | ImageReference, *, field: str, uploads: Map
             return decode_media(uploads[key], field=field, limits=limits).frames
         return media_from_url(ref, field=field, limits=limits).frames
     except MediaError as exc:
-        raise _api_error(exc) from None
+        raise media_api_error(exc) from None
 
 
 def _condition(item: ConditionParams, i: int, **kw) -> Condition:

@@ -34,7 +34,7 @@ from cp_infer.live import (
 from cp_infer.request import MAX_CONDITIONS, Condition, GenerationRequest, check_request
 from server.group.jobs import Job, Live, LiveRefused, valid_job_id
 from server.http.auth import TenantDep
-from server.http.conditions import media_limits
+from server.http.conditions import media_api_error, media_limits
 from server.http.config import ConfigDep
 from server.http.engine import EngineDep
 from server.http.media import MediaError, MediaLimits, media_from_url
@@ -102,7 +102,7 @@ def _image(data: Any, options, limits: MediaLimits) -> Condition | None:
     try:
         frames = media_from_url(data["image"], field="image", limits=limits).frames
     except MediaError as exc:
-        raise ApiError(exc.status, exc.code, str(exc), "image") from None
+        raise media_api_error(exc) from None
     if frames.shape[0] != 1:
         raise ApiError(400, "invalid_value", f"image is a video of {frames.shape[0]} frames; the next windows start "
                        "from one image: send a PNG, JPEG or WebP", "image")
@@ -110,7 +110,7 @@ def _image(data: Any, options, limits: MediaLimits) -> Condition | None:
 
 
 def _direction(data: Any, job: Job, live: Live, options, max_seconds: float, max_prompt_chars: int,
-               image: Condition | None = None, check: Callable[[GenerationRequest], Any] | None = None) -> Live:
+               image: Condition | None, check: Callable[[GenerationRequest], Any]) -> Live:
     """The job's directions with the body's (see the module docstring); ``image``: its image decoded, which
     ``check`` (``check_request``) takes in the request of the video it directs."""
     if not isinstance(data, dict):
