@@ -150,7 +150,7 @@ def _wan_decoder(state, world, frames_per_rank, args):
     from diffusers import AutoencoderKLWan
 
     from cp_infer.decode import TemporalSplit
-    from models.wan.vae_parallel import WanStreamedDecode, decode_cost
+    from models.common.wan_vae_parallel import WanStreamedDecode, decode_cost
 
     torch.manual_seed(0)
     vae = AutoencoderKLWan(**WAN_VAES[args.vae]).eval()

@@ -41,6 +41,8 @@ __all__ = [
     "FrameRelay",
     "Frames",
     "ProgressiveDecode",
+    "SegmentedSplit",
+    "Split",
     "TemporalSplit",
     "decode_parallel",
     "resolve_frames_per_rank",
@@ -78,8 +80,37 @@ def video_index(latent: int, temporal_compression: int) -> int:
     return 0 if latent == 0 else t * latent - t + 1
 
 
+class _Rounds:
+    """What a split's rounds and pieces share: piece ``k * active + r`` is rank ``r``'s of round ``k``."""
+
+    active: int
+    rounds: int
+    latent_frames: int
+
+    def latent_range(self, rank: int, round: int = 0) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def round_of(self, latent: int) -> int:
+        """The round whose pieces hold latent frame ``latent``."""
+        if not 0 <= latent < self.latent_frames:
+            raise IndexError(f"latent frame {latent} is outside 0..{self.latent_frames - 1}")
+        return next(k for k in range(self.rounds) if latent < self.latent_range(self.active - 1, k)[1])
+
+    @property
+    def pieces(self) -> int:
+        return self.rounds * self.active
+
+    def piece(self, rank: int, round: int) -> int:
+        """The index of ``rank``'s piece of ``round`` in temporal order."""
+        return round * self.active + rank
+
+    def owner(self, piece: int) -> int:
+        """The rank that decodes ``piece``."""
+        return piece % self.active
+
+
 @dataclass(frozen=True)
-class TemporalSplit:
+class TemporalSplit(_Rounds):
     """Pieces of whole latent frames over ``rounds`` x ``active`` ranks; ranks past ``active`` get nothing."""
 
     latent_frames: int
@@ -141,12 +172,6 @@ class TemporalSplit:
         piece = self.piece(rank, round)
         return self._piece_start(piece), self._piece_start(piece + 1)
 
-    def round_of(self, latent: int) -> int:
-        """The round whose pieces hold latent frame ``latent``."""
-        if not 0 <= latent < self.latent_frames:
-            raise IndexError(f"latent frame {latent} is outside 0..{self.latent_frames - 1}")
-        return next(k for k in range(self.rounds) if latent < self.latent_range(self.active - 1, k)[1])
-
     def video_range(self, rank: int, round: int = 0) -> tuple[int, int]:
         a, b = self.latent_range(rank, round)
         return video_index(a, self.temporal_compression), video_index(b, self.temporal_compression)
@@ -155,17 +180,78 @@ class TemporalSplit:
     def video_frames(self) -> int:
         return (self.latent_frames - 1) * self.temporal_compression + 1
 
+    def afresh(self, round: int) -> bool:
+        """Whether round ``round`` reads nothing the rounds before it leave (no frames relayed into it): the first."""
+        return round == 0
+
+
+@dataclass(frozen=True)
+class SegmentedSplit(_Rounds):
+    """A video of ``count`` segments that the VAE decodes each alone, its caches afresh at each (Helios' chunks),
+    cut to ``video_frames``: segment ``s`` is the latent frames ``[s * n, (s + 1) * n)`` (``n =
+    segment.latent_frames``) and the video frames ``[s * m, (s + 1) * m)`` (``m = segment.video_frames``), cut in
+    pieces as ``segment`` cuts one, its rounds after the segments' before it. No piece spans two segments, and no
+    frame is relayed from one segment to the next (:meth:`afresh`)."""
+
+    segment: TemporalSplit
+    count: int
+    video_frames: int
+    """The frames delivered: more than ``count - 1`` segments make, at most ``count`` (the last piece's frames past it
+    are decoded, not delivered)."""
+
+    def __post_init__(self) -> None:
+        m = self.segment.video_frames
+        if self.count < 1 or not (self.count - 1) * m < self.video_frames <= self.count * m:
+            raise ValueError(f"video_frames={self.video_frames} is not within the last of {self.count} segments of "
+                             f"{m} frames")
+        if self.video_range(self.active - 1, self.rounds - 1)[0] >= self.video_frames:
+            raise ValueError(f"video_frames={self.video_frames} leaves the last piece of {self.segment} no frame")
+
     @property
-    def pieces(self) -> int:
-        return self.rounds * self.active
+    def latent_frames(self) -> int:
+        return self.count * self.segment.latent_frames
 
-    def piece(self, rank: int, round: int) -> int:
-        """The index of ``rank``'s piece of ``round`` in temporal order."""
-        return round * self.active + rank
+    @property
+    def world(self) -> int:
+        return self.segment.world
 
-    def owner(self, piece: int) -> int:
-        """The rank that decodes ``piece``."""
-        return piece % self.active
+    @property
+    def temporal_compression(self) -> int:
+        return self.segment.temporal_compression
+
+    @property
+    def active(self) -> int:
+        return self.segment.active
+
+    @property
+    def rounds(self) -> int:
+        return self.count * self.segment.rounds
+
+    def latent_range(self, rank: int, round: int = 0) -> tuple[int, int]:
+        if rank >= self.active:
+            return self.latent_frames, self.latent_frames
+        if not 0 <= round < self.rounds:
+            raise IndexError(f"round={round} is outside 0..{self.rounds - 1}")
+        s, k = divmod(round, self.segment.rounds)
+        a, b = self.segment.latent_range(rank, k)
+        n = self.segment.latent_frames
+        return s * n + a, s * n + b
+
+    def video_range(self, rank: int, round: int = 0) -> tuple[int, int]:
+        if rank >= self.active:
+            return self.video_frames, self.video_frames
+        s, k = divmod(round, self.segment.rounds)
+        a, b = self.segment.video_range(rank, k)
+        m = self.segment.video_frames
+        return min(s * m + a, self.video_frames), min(s * m + b, self.video_frames)
+
+    def afresh(self, round: int) -> bool:
+        """Whether round ``round`` reads nothing the rounds before it leave: a segment's first."""
+        return round % self.segment.rounds == 0
+
+
+Split = TemporalSplit | SegmentedSplit
+"""A decode's pieces: of one video, or of segments each decoded alone."""
 
 
 class Frames:
@@ -262,7 +348,7 @@ class FrameRelay:
 
 
 def decode_parallel(
-    split: TemporalSplit,
+    split: Split,
     decode_range: Callable[[int, int], np.ndarray],
     *,
     frame_shape: tuple[int, ...],
@@ -284,7 +370,7 @@ class ProgressiveDecode:
     later latents are still being made. The rounds run in order across the calls and the pieces hand each other
     frames across them as within one (the decode is the same as :func:`decode_parallel`'s)."""
 
-    def __init__(self, split: TemporalSplit, decode_range: Callable[[int, int], np.ndarray], *,
+    def __init__(self, split: Split, decode_range: Callable[[int, int], np.ndarray], *,
                  frame_shape: tuple[int, ...], state: ParallelState,
                  reads: Callable[[int, int], int] | None = None):
         """``reads(a, b)``: the latent frames ``[0, reads)`` that decoding the piece ``[a, b)`` reads (its decoder's

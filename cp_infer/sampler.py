@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_max_int, gather_sequence
-from .decode import ProgressiveDecode, TemporalSplit
+from .decode import ProgressiveDecode, Split
 from .options import ModelOptions
 from .plan import DenoisePass, Plan
 from .request import GenerationLimits, GenerationRequest, check_request, resolve_request
@@ -165,8 +165,8 @@ class DenoiseModel(Protocol):
 class Decoder:
     """A model's decode of one finished generation (see ``cp_infer.decode``)."""
 
-    split: TemporalSplit
-    """The latent frames each rank decodes."""
+    split: Split
+    """The latent frames each rank decodes (of one video, or of segments each decoded alone)."""
     frame_shape: tuple[int, ...]
     """The shape of one frame, ``(H, W, 3)``."""
     decode_range: Callable[[int, int], np.ndarray]
@@ -525,7 +525,7 @@ class _Delivery:
         self.delivered = self.skipped = self.samples = 0
         self.hold = False
         """The frames wait for the end: the soundtrack goes first, whole."""
-        self.before: tuple[TemporalSplit, int] | None = None
+        self.before: tuple[Split, int] | None = None
         """A live video grown (:meth:`restart`): the decode's split and rounds done before it grew."""
         self.replay = self.replayed = 0
         """Frames delivered before a live video grew that its new decode makes again (not delivered twice)."""
@@ -542,10 +542,14 @@ class _Delivery:
             self.before = None
             new = decoder.split
             # NOTE(live): the new decode goes on where the old one stopped only where its rounds so far are the old
-            # ones, each decoded alone (``Decoder.rounds_alone``, one active rank: no frames relayed across rounds);
-            # otherwise it decodes the video again from its first frame, and the frames already delivered are dropped.
-            if decoder.rounds_alone and split.active == new.active == 1 and rounds <= new.rounds and all(
-                    split.latent_range(0, k) == new.latent_range(0, k) for k in range(rounds)):
+            # ones and the next reads nothing they left (``Split.afresh``: a segment's first round; or each round
+            # decoded alone, ``Decoder.rounds_alone``, on one active rank: no frames relayed across rounds); otherwise
+            # it decodes the video again from its first frame, and the frames already delivered are dropped.
+            alone = decoder.rounds_alone and split.active == new.active == 1
+            if rounds <= new.rounds and (alone or new.afresh(rounds)) and split.active == new.active and all(
+                    (split.latent_range(r, k), split.video_range(r, k)) == (new.latent_range(r, k),
+                                                                            new.video_range(r, k))
+                    for r in range(new.active) for k in range(rounds)):
                 self.stream.rounds_done = rounds
             else:
                 self.replay, self.replayed = self.delivered, 0

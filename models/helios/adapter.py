@@ -19,9 +19,9 @@ Here:
   the engine; at one rank the transformer's own forward runs on the chunk's grid (the pipeline's call, bit for bit);
 - a step's passes (``cond``, then ``uncond`` with CFG, each a batch of one) are shared over the guidance ranks and
   exchanged (``cp_infer.collectives.gather_passes``);
-- the decode is the pipeline's: each chunk decoded alone by ``vae.decode`` (its causal cache starts afresh at every
-  chunk), the frames post-processed and cut to ``4k + 1``, on the decoding group's first rank, streamed chunk by
-  chunk as they are made;
+- the decode is the pipeline's: each chunk decoded alone, as ``vae.decode`` decodes it (its causal cache starts
+  afresh at every chunk), the frames post-processed and cut to ``4k + 1``; each chunk time-parallel over the decoding
+  group (pieces of its latent frames, ``models.common.wan_vae_parallel``), streamed chunk by chunk as they are made;
 - after each chunk (its last stage) the job can be checkpointed (every chunk's latents, the history, the
   generator's state) and resumed from there, bit-equal to the uninterrupted run.
 """
@@ -41,7 +41,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, gather_passes, gather_sequence, pass_shares
-from cp_infer.decode import TemporalSplit, video_index
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, SegmentedSplit, video_index
 from cp_infer.plan import DenoisePass, Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
@@ -50,6 +50,7 @@ from cp_infer.weights import join_call
 from models.common.adapter import video_uint8
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
 from models.common.step_cache import PASS_CONTEXTS, cached_call, pass_cache, pass_cache_stats, pass_contexts
+from models.common.wan_vae_parallel import WanStreamedDecode, decode_split
 
 from .options import HELIOS_TEMPORAL_COMPRESSION, Pyramid, chunk_prompts, chunks_of, helios_options, video_clip
 from .parallel import HeliosShardContext, parallelize_helios_transformer, sharded_forward
@@ -96,12 +97,9 @@ def plan_request(request: GenerationRequest, pyramid: Pyramid | None = None) -> 
 
 
 def final_frames(request: GenerationRequest, chunks_made: int) -> int:
-    """The decode's latent frames (``TemporalSplit``'s, of the whole video's ``4k + 1`` frames) whose video frames
-    are all made once ``chunks_made`` chunks are: the frames ``[0, final)`` of the split map to video frames the
-    chunks made so far decode to."""
-    chunks, t = chunks_of(request), HELIOS_TEMPORAL_COMPRESSION
-    made = min(request.num_frames, chunks_made * chunks.chunk_frames)
-    return (made - 1) // t + 1
+    """The decode's latent frames (:meth:`HeliosModel.decode_split`'s, a segment per chunk) final once
+    ``chunks_made`` chunks are made."""
+    return chunks_made * chunks_of(request).latent_frames
 
 
 def step_passes(request: GenerationRequest) -> int:
@@ -200,8 +198,9 @@ class HeliosModel:
     placement = None
     """Where the components are (``models.common.placement.Placement``, set by ``models.registry.open_model``)."""
 
-    decode_frames_per_rank: int | str | None = None
-    """Unused: the decode is the pipeline's, chunk by chunk on one rank (the registry sets it on every model)."""
+    decode_frames_per_rank: int | str | None = DEFAULT_FRAMES_PER_RANK
+    """Latent frames per rank per round of a chunk's decode (``cp_infer.decode.resolve_frames_per_rank``; ``auto``
+    decodes frames under 48x48 on one rank, as Wan's decode); ``None``: a chunk in one round."""
 
     def lora_parts(self) -> dict[str, torch.nn.Module]:
         return {"transformer": self.transformer}
@@ -554,38 +553,43 @@ class HeliosModel:
         return {"latents": torch.cat([*context, *history.made], dim=2).float().numpy()}
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
-        """The pipeline's decode: each chunk alone, de-normalised, through ``vae.decode`` and the post-processing,
-        the frames cut to ``4k + 1``; on the decoding group's first rank, streamed as the chunks are made
-        (``feed``: the state of the chunk just made)."""
+        """The pipeline's decode, time-parallel: each chunk decoded alone (a segment of :func:`decode_split`), its
+        latents de-normalised and put through ``vae.post_quant_conv`` as ``vae.decode`` puts them, then over the
+        decoding group by :class:`~models.common.wan_vae_parallel.WanStreamedDecode` (``vae.decode``'s frames, bit
+        for bit) and post-processed; streamed as the chunks are made (``feed``: the state of the chunk just made)."""
         x: _RequestState = prepared.state
         request, vae = x.request, self.components.vae
-        chunk_frames, total, t = chunks_of(request).chunk_frames, request.num_frames, HELIOS_TEMPORAL_COMPRESSION
-        # Pieces of one latent frame (4 video frames; a chunk is decoded once, whatever pieces it is cut into), so
-        # that a chunk's frames go out once it is made, all but the last < 4 when its end is not a piece's.
-        split = TemporalSplit(latent_frames=(total - 1) // t + 1, world=1, temporal_compression=t,
-                              frames_per_rank=1)
+        split = self.decode_split(request)
+        n, m = split.segment.latent_frames, split.segment.video_frames
         mean, inverse_std = self._latent_stats()
         made = {"history": x.history}
-        decoded: dict[int, np.ndarray] = {}  # the last chunk decoded (a piece may end inside it)
-
-        def decode_chunk(k: int) -> np.ndarray:
-            if k not in decoded:
-                decoded.clear()
-                current = made["history"].made[k].to(self.device, dtype=vae.dtype) / inverse_std + mean
-                decoded[k] = video_uint8(self.pipe, vae.decode(current, return_dict=False)[0])
-            return decoded[k]
+        current: list[tuple[int, WanStreamedDecode]] = []  # the chunk being decoded, and its decode
 
         def decode_range(a: int, b: int) -> np.ndarray:
-            v0, v1 = video_index(a, t), (video_index(b, t) if b < split.latent_frames else total)
-            first, last = v0 // chunk_frames, (v1 - 1) // chunk_frames
-            frames = np.concatenate([decode_chunk(k) for k in range(first, last + 1)])
-            return frames[v0 - first * chunk_frames:v1 - first * chunk_frames]
+            k = a // n
+            if not current or current[0][0] != k:
+                chunk = made["history"].made[k].to(self.device, dtype=vae.dtype) / inverse_std + mean
+                current[:] = [(k, WanStreamedDecode(vae, vae.post_quant_conv(chunk), split.segment,
+                                                    self.state.decoding))]
+            frames = video_uint8(self.pipe, current[0][1](a - k * n, b - k * n))
+            # The video is cut to 4k + 1 frames within the last chunk's last latent frame.
+            return frames[:max(0, split.video_frames - k * m - video_index(a - k * n, split.temporal_compression))]
 
         def feed(state: _RequestState, final: int) -> None:
             made["history"] = state.history
 
         return Decoder(split=split, frame_shape=(request.height, request.width, 3), decode_range=decode_range,
-                       reads=lambda a, b: b, feed=feed, rounds_alone=True)
+                       reads=lambda a, b: b, feed=feed)
+
+    def decode_split(self, request: GenerationRequest) -> SegmentedSplit:
+        """The decode's pieces: a segment per chunk (each decoded alone, as the pipeline decodes it), each cut over the
+        decoding group (``decode_frames_per_rank``, as Wan's decode); the chunks whose frames the video keeps."""
+        chunks = chunks_of(request)
+        segment = decode_split(self.components.vae, chunks.latent_frames, setting=self.decode_frames_per_rank,
+                               world=self.state.decoding.cp_size, height=request.height, width=request.width,
+                               temporal_compression=HELIOS_TEMPORAL_COMPRESSION)
+        count = -(-request.num_frames // chunks.chunk_frames)
+        return SegmentedSplit(segment, count, request.num_frames)
 
 
 def _check_scheduler(scheduler, pyramid: Pyramid | None) -> None:

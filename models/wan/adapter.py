@@ -12,7 +12,7 @@ the text's keys and values kept per request). Here:
   expert of its timestep (``transformer`` while ``t >= boundary_ratio * 1000``, then ``transformer_2``, with
   ``guidance_scale_2``); TI2V-5B's timestep is per token, cut like the tokens;
 - the decode is ``AutoencoderKLWan``'s own modules on the calls its frame-at-a-time loop makes, time-parallel over
-  the decoding group (``models.wan.vae_parallel``: each rank decodes pieces of whole latent frames, the pieces
+  the decoding group (``models.common.wan_vae_parallel``: each rank decodes pieces of whole latent frames, the pieces
   handing each other their causal convolutions' caches), round by round so the video streams and memory stays one
   round's; bit-identical to ``vae.decode`` at any number of ranks;
 - a video longer than one window (``temporal_tile_size``) is made window by window (``models.wan.windows``), its
@@ -33,7 +33,7 @@ from diffusers.loaders import WanLoraLoaderMixin
 from PIL import Image
 
 from cp_infer import LatentShape, ParallelState, ShardPlan, VideoGeometry, gather_passes, pass_shares
-from cp_infer.decode import AUTO, DEFAULT_FRAMES_PER_RANK, TemporalSplit, resolve_frames_per_rank
+from cp_infer.decode import DEFAULT_FRAMES_PER_RANK, TemporalSplit
 from cp_infer.plan import Plan
 from cp_infer.request import GenerationRequest
 from cp_infer.sampler import Decoder, Prepared
@@ -42,11 +42,11 @@ from cp_infer.weights import join_call
 from models.common.adapter import video_uint8
 from models.common.lora import LoadedLoras, LoraSpec, apply_loras
 from models.common.step_cache import PASS_CONTEXTS, cached_call, pass_cache, pass_cache_stats, pass_contexts
+from models.common.wan_vae_parallel import WanStreamedDecode, decode_split
 from models.common.windows import window_plan
 
 from .options import wan_options, wan_windows_of
 from .parallel import WanShardContext, pack_patches, parallelize_wan_transformer, unpack_patches
-from .vae_parallel import WanStreamedDecode, decode_cost, decode_world
 from .windows import (
     TailReplacement,
     WindowPass,
@@ -187,7 +187,7 @@ class WanModel:
     decode_frames_per_rank: int | str | None = DEFAULT_FRAMES_PER_RANK
     """Latent frames each rank decodes per streamed round (4 video frames each, the first one); ``"auto"``: by frame
     size (``cp_infer.decode.resolve_frames_per_rank``), on one rank below 48x48 frames
-    (``models.wan.vae_parallel.decode_world``); ``None``: one round (the whole video at once)."""
+    (``models.common.wan_vae_parallel.decode_world``); ``None``: one round (the whole video at once)."""
 
     @property
     def layers(self) -> int:
@@ -408,7 +408,7 @@ class WanModel:
 
     def decoder(self, latents: dict[str, torch.Tensor], prepared: Prepared) -> Decoder:
         """Denormalise the latents as the pipelines do; decode them over the decoding group, time-parallel, round by
-        round (``models.wan.vae_parallel``)."""
+        round (``models.common.wan_vae_parallel``)."""
         wp = windowed(prepared.state)
         if wp is not None:
             return self._chained_decoder(wp) if chained(self) else self._window_decoder(wp)
@@ -421,14 +421,9 @@ class WanModel:
                        decode_range=lambda a, b: video_uint8(self.pipe, decode(a, b)))
 
     def _decode_split(self, request: GenerationRequest, latent_frames: int) -> TemporalSplit:
-        t = self.geometry.temporal_compression
-        per_round = resolve_frames_per_rank(self.decode_frames_per_rank, height=request.height, width=request.width,
-                                            temporal_compression=t)
-        world = self.state.decoding.cp_size
-        if self.decode_frames_per_rank == AUTO:  # small frames: one rank (models.wan.vae_parallel.decode_world)
-            world = decode_world(world, height=request.height, width=request.width)
-        return TemporalSplit(latent_frames=latent_frames, world=world, temporal_compression=t,
-                             frames_per_rank=per_round, cost=decode_cost(self.components.vae, latent_frames))
+        return decode_split(self.components.vae, latent_frames, setting=self.decode_frames_per_rank,
+                            world=self.state.decoding.cp_size, height=request.height, width=request.width,
+                            temporal_compression=self.geometry.temporal_compression)
 
     def _window_decoder(self, wp: WindowPass) -> Decoder:
         """The decode of a long video (time-parallel, as above): each window's latent frames, final as it is made, go

@@ -16,6 +16,7 @@ from cp_infer.decode import (
     ROUND_PIXELS,
     FrameRelay,
     Frames,
+    SegmentedSplit,
     TemporalSplit,
     decode_parallel,
     resolve_frames_per_rank,
@@ -51,6 +52,51 @@ def test_split_tiles_the_video_round_by_round(latent_frames, world, frames_per_r
         # As many rounds as the window asks for, unless a round would leave a rank without a frame.
         wanted = -(-latent_frames // (split.active * frames_per_rank))
         assert split.rounds == min(wanted, latent_frames // split.active)
+
+
+@pytest.mark.parametrize("segment_frames", [1, 3, 9])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("frames_per_rank", [None, 1, 2])
+def test_segments_are_cut_each_as_one_video_in_turn(segment_frames, world, frames_per_rank):
+    """Each segment (a chunk the VAE decodes alone) is cut as its own split would cut it, at its own place in the
+    latent frames and in the video; the last piece's frames past the cut are not delivered; only a segment's first
+    round starts afresh (nothing relayed into it)."""
+    segment = TemporalSplit(latent_frames=segment_frames, world=world, temporal_compression=4,
+                            frames_per_rank=frames_per_rank)
+    m = segment.video_frames
+    for count, cut in [(1, 0), (3, 0), (3, 3 if m > 4 else 0)]:
+        split = SegmentedSplit(segment, count, count * m - cut)
+        assert (split.latent_frames, split.active, split.rounds) == (count * segment_frames, segment.active,
+                                                                      count * segment.rounds)
+        latent, video = [], []
+        for k in range(split.rounds):
+            s, j = divmod(k, segment.rounds)
+            assert split.afresh(k) == (j == 0)
+            for r in range(world):
+                a, b = split.latent_range(r, k)
+                v0, v1 = split.video_range(r, k)
+                if r >= split.active:
+                    assert a == b and v0 == v1
+                    continue
+                sa, sb = segment.latent_range(r, j)
+                sv0, sv1 = segment.video_range(r, j)
+                assert (a, b) == (s * segment_frames + sa, s * segment_frames + sb), "a piece spans two segments"
+                assert (v0, v1) == (s * m + sv0, min(s * m + sv1, split.video_frames))
+                assert v0 < v1, "every active rank delivers frames in every round"
+                assert all(split.round_of(i) == k for i in range(a, b))
+                latent.extend(range(a, b))
+                video.extend(range(v0, v1))
+        assert latent == list(range(split.latent_frames))
+        assert video == list(range(split.video_frames))
+
+
+def test_segments_refuse_a_cut_outside_the_last_segment():
+    segment = TemporalSplit(latent_frames=3, world=2, temporal_compression=4)
+    for bad in (9, 19):
+        with pytest.raises(ValueError, match=f"video_frames={bad} is not within the last of 2 segments of 9"):
+            SegmentedSplit(segment, 2, bad)
+    with pytest.raises(ValueError, match="leaves the last piece"):
+        SegmentedSplit(TemporalSplit(latent_frames=2, world=2, temporal_compression=4), 2, 6)
 
 
 def test_split_refuses_bad_values():
@@ -179,8 +225,12 @@ def test_frames_take_views_within_a_piece_and_joins_across():
         frames.take(4, 6)
 
 
-def _deliver(state, latent_frames, frames_per_rank):
+def _deliver(state, latent_frames, frames_per_rank, segments=None):
+    """``segments``: ``(count, frames cut)``, the video in segments of ``latent_frames`` each."""
     split = TemporalSplit(latent_frames=latent_frames, world=state.cp_size, frames_per_rank=frames_per_rank)
+    if segments is not None:
+        count, cut = segments
+        split = SegmentedSplit(split, count, count * split.video_frames - cut)
     events = []
 
     def decode_range(a, b):
@@ -200,8 +250,9 @@ def _deliver(state, latent_frames, frames_per_rank):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_rank0_streams_the_pieces_in_order_as_they_are_decoded(groups, world):
-    for latent_frames, frames_per_rank in [(33, 2), (7, 1), (3, None)]:
-        results = groups(world).run(_deliver, latent_frames, frames_per_rank, timeout=120)
+    for latent_frames, frames_per_rank, segments in [(33, 2, None), (7, 1, None), (3, None, None), (5, 1, (3, 3)),
+                                                     (4, None, (2, 0))]:
+        results = groups(world).run(_deliver, latent_frames, frames_per_rank, segments, timeout=120)
         split, events, chunks = results[0]
         video = np.concatenate(chunks)
         assert video.shape == (split.video_frames, 2, 3, 3)

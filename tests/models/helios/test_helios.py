@@ -152,6 +152,106 @@ def test_guidance_ranks_equal_one_rank(folder, one_rank, groups):
     assert_ranks_close(expected, results, world=2, seed=seed, exact=True)
 
 
+def _decode_three_chunks(state, folder: str, frames_per_rank):
+    """Three chunks of 5 latent frames (51 frames, cut to 49), their latents random, decoded over the group as the
+    sampler decodes a Helios video (fed as a checkpoint of two chunks is, then the third): the frames on rank 0, and
+    the latent frames this rank put through the VAE's decoder."""
+    from cp_infer.decode import ProgressiveDecode
+    from cp_infer.request import resolve_request
+    from cp_infer.sampler import Prepared
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    model = HeliosModel(load_helios(folder), state=state)
+    model.decode_frames_per_rank = frames_per_rank
+    request = resolve_request(GenerationRequest(prompt="a fox", num_frames=49, height=48, width=48,
+                                                options={"num_latent_frames_per_chunk": 5}), model.options)
+    made = torch.randn((1, 16, 15, 6, 6), generator=torch.Generator().manual_seed(7))
+    arrays = {"made": made[:, :, :10].numpy(), "history": np.zeros((1, 16, 19, 6, 6), np.float32),
+              "first": np.zeros((1, 16, 1, 6, 6), np.float32), "chunk": np.array(1),
+              "generator": torch.Generator().get_state().numpy()}
+    x, final = model.restore(request, arrays)
+    decoder = model.decoder({}, Prepared(latents={}, timesteps=(), state=x))
+    stream = ProgressiveDecode(decoder.split, decoder.decode_range, frame_shape=decoder.frame_shape,
+                               state=state.decoding, reads=decoder.reads)
+    seen: list[int] = []
+    model.components.vae.decoder.conv_in.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[2]))
+    decoder.feed(x, final)
+    frames = list(stream.advance(final))
+    x.history.made.append(made[:, :, 10:])
+    decoder.feed(x, 15)
+    frames += list(stream.advance(None))
+    return (np.concatenate(frames) if frames else None), sum(seen), made
+
+
+@pytest.mark.parametrize(("world", "frames_per_rank"), [(2, 1), (3, "auto")])
+def test_each_chunk_is_decoded_over_the_ranks_as_vae_decode_decodes_it(folder, groups, world, frames_per_rank):
+    """The decode is the pipeline's (each chunk alone through ``vae.decode``, post-processed, cut to 4k + 1), bit for
+    bit, with every chunk's latent frames cut over the ranks (rounds of 1 latent frame per rank at 2 ranks: a chunk's
+    pieces hand each other the VAE's caches across rounds; ``auto`` at 3: a round of all) and none decoded twice."""
+    from diffusers import HeliosPipeline
+
+    from models.helios.loading import load_helios
+
+    results = groups(world).run(_decode_three_chunks, folder, frames_per_rank, timeout=300)
+    frames, _, made = results[0]
+    c = load_helios(folder)
+    pipe = HeliosPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, scheduler=c.scheduler,
+                          transformer=c.transformer)
+    vae = c.vae
+    mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
+    with torch.no_grad():
+        video = torch.cat([vae.decode(chunk / inverse_std + mean, return_dict=False)[0]
+                           for chunk in made.split(5, dim=2)], dim=2)[:, :, :49]
+    expected = (np.clip(pipe.video_processor.postprocess_video(video, output_type="np")[0], 0, 1) * 255).round()
+    np.testing.assert_array_equal(frames, expected.astype(np.uint8))
+    decoded = [n for _, n, _ in results]
+    assert sum(decoded) == 15 and all(0 < n < 15 for n in decoded), decoded
+
+
+def _live_three_chunks(state, folder: str, seed: int):
+    """A live video of three chunks of 5 latent frames at 48x48, directed a chunk at a time, and the one request of
+    the same directions: both videos (rank 0), the frames delivered live, and the latent frames this rank put
+    through the VAE's decoder in the live run."""
+    from cp_infer.live import WAIT, Direction, live_request
+    from cp_infer.request import resolve_request
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    model = HeliosModel(load_helios(folder), state=state)
+    model.decode_frames_per_rank = 1
+    base = resolve_request(GenerationRequest(
+        prompt="a red fox runs through fresh snow", num_frames=17, height=48, width=48, num_inference_steps=2,
+        guidance_scale=1.0, seed=seed, options={"num_latent_frames_per_chunk": 5}), model.options)
+    directions = [Direction(base.prompt, 1), Direction("the fox jumps", 1), Direction("night falls", 1)]
+    whole = sample(model, live_request(base, directions, model.options), state=state)
+    told = [WAIT, live_request(base, directions[:2], model.options), live_request(base, directions, model.options),
+            None]
+    delivered: list[tuple[int, int]] = []
+    seen: list[int] = []
+    model.components.vae.decoder.conv_in.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[2]))
+    control = SampleControl(live=True, extend=lambda done, request: told.pop(0),
+                            on_frames=lambda f, first, total: delivered.append((first, len(f))))
+    frames = sample(model, live_request(base, directions[:1], model.options), state=state, control=control)
+    return whole, frames, delivered, sum(seen)
+
+
+def test_a_live_video_over_two_ranks_decodes_each_chunk_once(folder, groups):
+    """At 2 ranks each chunk's decode is cut over both; when the video grows, the decode goes on at the next chunk
+    (its first round starts afresh) instead of decoding the video again: every latent frame goes through the VAE
+    once, every frame is delivered once and in order, and the video is the one request's."""
+    seed = random.randrange(2**31)
+    results = groups(2).run(_live_three_chunks, folder, seed, timeout=300)
+    whole, frames, delivered, _ = results[0]
+    assert whole.shape[0] == 49
+    np.testing.assert_array_equal(frames, whole, err_msg=f"seed={seed}")
+    firsts = [first for first, _ in delivered]
+    assert firsts == sorted(set(firsts)) and sum(n for _, n in delivered) == 49, delivered
+    decoded = [r[3] for r in results]
+    assert sum(decoded) == 15 and all(decoded), decoded
+
+
 def test_embedded_default_builds_bit_for_bit():
     from models.helios.default import build_helios_pipeline
 

@@ -16,8 +16,8 @@ import torch
 
 from cp_infer.decode import TemporalSplit, decode_parallel
 
-from ...harness import one_thread
-from ...worker_groups import groups_by_world
+from ..harness import one_thread
+from ..worker_groups import groups_by_world
 
 VARIANTS = ["wan2.1", "wan2.2"]
 LATENT_FRAMES = [1, 2, 5]  # 5 latent frames = 17 video frames: 2 rounds at 2 and 3 ranks with 1 per rank
@@ -46,7 +46,7 @@ def _latents(vae, seed, frames):
 
 def _decode_all(state, seed):
     """``{(variant, frames, frames_per_rank): (this rank's float pieces in order, latent frames its conv_in saw)}``."""
-    from models.wan.vae_parallel import WanStreamedDecode, decode_cost
+    from models.common.wan_vae_parallel import WanStreamedDecode, decode_cost
 
     out = {}
     for variant in VARIANTS:
@@ -99,7 +99,7 @@ def references():
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_streamed_parallel_decode_is_diffusers_decode(groups, references, world):
     from cp_infer import single_process_state
-    from models.wan.vae_parallel import decode_cost
+    from models.common.wan_vae_parallel import decode_cost
 
     seed, wholes = references
     if world == 1:  # in this process: a worker's start costs more than the decode
@@ -130,7 +130,7 @@ def test_decode_cost_is_the_decoders_convolutions(variant):
     own decode of 1 and of 3 latent frames, latent frame 0 a quarter of any later one's time-upsampled work."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from models.wan.vae_parallel import decode_cost
+    from models.common.wan_vae_parallel import decode_cost
 
     vae = _vae(variant)
     cost = decode_cost(vae, 3)
@@ -150,7 +150,7 @@ def test_decode_cost_is_the_decoders_convolutions(variant):
 
 def test_refuses_what_it_cannot_decode_alike():
     from cp_infer import single_process_state
-    from models.wan.vae_parallel import WanStreamedDecode
+    from models.common.wan_vae_parallel import WanStreamedDecode
 
     vae = _vae("wan2.1")
     x = torch.zeros(1, 16, 3, 3, 5)
@@ -171,7 +171,7 @@ def test_refuses_what_it_cannot_decode_alike():
 def test_auto_decodes_small_frames_on_one_rank():
     """Below 48x48 frames two ranks lost to one on the measuring machine (``MIN_PARALLEL_PIXELS``): ``auto`` keeps
     them on one; from there on every rank decodes."""
-    from models.wan.vae_parallel import decode_world
+    from models.common.wan_vae_parallel import decode_world
 
     assert decode_world(3, height=32, width=32) == decode_world(2, height=16, width=80) == 1
     assert decode_world(3, height=48, width=48) == 3 and decode_world(2, height=480, width=832) == 2

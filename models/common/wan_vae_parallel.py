@@ -1,5 +1,5 @@
-"""Time-parallel, streamed decode for diffusers' ``AutoencoderKLWan`` (Wan 2.1's and Wan 2.2's VAEs), applied from
-outside.
+"""Time-parallel, streamed decode for diffusers' ``AutoencoderKLWan`` (Wan 2.1's and Wan 2.2's VAEs; Helios decodes
+each chunk with Wan 2.1's), applied from outside.
 
 ``AutoencoderKLWan._decode`` runs its decoder on one latent frame (a *chunk*) at a time; each causal convolution
 reads the last ``CACHE_T = 2`` input frames of the chunks before from its slot of ``feat_cache``, and each time
@@ -47,9 +47,9 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
 )
 
 from cp_infer import ParallelState
-from cp_infer.decode import FrameRelay, TemporalSplit
+from cp_infer.decode import AUTO, FrameRelay, TemporalSplit, resolve_frames_per_rank
 
-__all__ = ["MIN_PARALLEL_PIXELS", "WanStreamedDecode", "check_decoder", "decode_cost", "decode_world"]
+__all__ = ["MIN_PARALLEL_PIXELS", "WanStreamedDecode", "check_decoder", "decode_cost", "decode_split", "decode_world"]
 
 _REP = "Rep"  # diffusers' marker: the time upsampler's slot after latent frame 0, which skipped its convolution
 
@@ -67,6 +67,19 @@ def decode_world(world: int, *, height: int, width: int) -> int:
     """The ranks ``auto`` decodes a ``height`` x ``width`` video on: all ``world``, or one below
     :data:`MIN_PARALLEL_PIXELS`."""
     return world if height * width >= MIN_PARALLEL_PIXELS else 1
+
+
+def decode_split(vae: torch.nn.Module, latent_frames: int, *, setting: int | str | None, world: int, height: int,
+                 width: int, temporal_compression: int) -> TemporalSplit:
+    """The pieces ``world`` ranks decode ``latent_frames`` of a ``height`` x ``width`` video in: rounds of ``setting``
+    latent frames per rank (``--decode-frames-per-rank``: ``auto`` sizes them by the frame and decodes small frames on
+    one rank, :func:`decode_world`), cut to equal work (:func:`decode_cost`)."""
+    per_round = resolve_frames_per_rank(setting, height=height, width=width,
+                                        temporal_compression=temporal_compression)
+    if setting == AUTO:
+        world = decode_world(world, height=height, width=width)
+    return TemporalSplit(latent_frames=latent_frames, world=world, temporal_compression=temporal_compression,
+                         frames_per_rank=per_round, cost=decode_cost(vae, latent_frames))
 
 
 def check_decoder(vae: torch.nn.Module) -> None:
