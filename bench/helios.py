@@ -1,14 +1,17 @@
 """Helios chunk by chunk (issue #40) at N=1 and N=2 against ``HeliosPipeline`` in one process, in one run: seconds per
 chunk (the first and the last) and peak memory per rank for videos of 1, 4 and 16 chunks.
 
-    python bench/helios.py [--rounds 2] [--height 32] [--width 32] [--chunk 3] [--steps 3]
+    python bench/helios.py [--model medium|tiny] [--rounds 2] [--height 64] [--width 64] [--chunk 3] [--steps 3]
 
-The model is the embedded default (``tiny-helios``; no medium Helios is at hand on a CPU), fp32, gloo on CPU, 1
-intra-op thread per rank, guidance 5.0 (the pipeline's), chunks of ``--chunk`` latent frames, the history sizes'
-defaults (16, 2, 1). Three groups of processes load once: ours at N=1 and N=2 (``sample(..., collect=False)``, the
-engine's streaming path, frames discarded as they come) and the reference (``HeliosPipeline`` over the same loaded
-components, ``output_type="np"``, one process). Rows alternate round by round; medians over the rounds. Measured per
-job:
+The model (``--model``): ``medium`` (the default) is a Helios transformer of Helios-Base's head size (128, its rotary
+split 44/42/42) with 8 heads and 4 layers (1024 wide, 4096 in the feed-forward: 81M parameters, random weights from
+a fixed seed) over tiny-helios's text encoder, VAE and scheduler, built once into the model cache; ``tiny`` is the
+embedded default (``tiny-helios``), where the exchanges' fixed cost dominates. fp32, gloo on CPU, 1 intra-op thread
+per rank (a core each, as each rank has a GPU of its own), guidance 5.0 (the pipeline's), chunks of ``--chunk``
+latent frames, the history sizes' defaults (16, 2, 1). Three groups of processes load once: ours at N=1 and N=2
+(``sample(..., collect=False)``, the engine's streaming path, frames discarded as they come) and the reference
+(``HeliosPipeline`` over the same weights, loaded apart from the engine's, ``output_type="np"``, one process). Rows
+alternate round by round; medians over the rounds. Measured per job:
 
 - seconds per chunk: ours from one ``on_pass`` to the next (the chunk's steps, its history update and its streamed
   decode), the last chunk to the end of ``sample()``; the reference's total over its chunks;
@@ -16,8 +19,7 @@ job:
   (``bench/harness.py``, as ``bench/long.py`` measures it): what the job added above the loaded process.
 
 Targets (issue #40): seconds per chunk within 10% from the 1st to the 16th chunk; peak memory at 16 chunks at most
-1.1x that at 1 chunk; N=2 end to end at most 0.8x ``HeliosPipeline`` (a target for a medium model on GPUs: on the
-tiny model the exchanges' fixed cost dominates).
+1.1x that at 1 chunk; N=2 end to end at most 0.8x ``HeliosPipeline`` (a medium model's target).
 """
 
 from __future__ import annotations
@@ -53,14 +55,38 @@ from bench.harness import (  # noqa: E402 -- path set-up
 
 __all__ = ["main"]
 
-_MODEL = "tiny-helios"
+_TINY = "tiny-helios"
+_MEDIUM = dict(num_attention_heads=8, attention_head_dim=128, rope_dim=(44, 42, 42), ffn_dim=4096, num_layers=4)
+"""The medium transformer's config over tiny-helios's (Helios-Base: 40 heads of 128, 13824, 40 layers)."""
+_MEDIUM_VERSION = 1
 _PROMPT = "a fox runs through a snowy forest, then across a frozen lake"
 _SEED = 11
+_MEDIUM_SEED = 20_261_205
 _CHUNKS = (1, 4, 16)
 _FLAT_TIME, _FLAT_MEMORY, _SPEEDUP = 1.10, 1.1, 0.8
 
 
-def _worker(rank: int, world: int, port: int, reference: bool, inbox, outbox) -> None:
+def _medium_folder() -> str:
+    """The medium model's diffusers folder (``_MEDIUM``), built once into the model cache."""
+    from diffusers import HeliosPipeline, HeliosTransformer3DModel
+
+    from models.common.embedded import cache_root, ensure_folder, init_deterministic, write_pipeline
+    from models.helios.default import build_helios_pipeline
+
+    def write(folder):
+        tiny = build_helios_pipeline()
+        transformer = HeliosTransformer3DModel.from_config({**tiny.transformer.config, **_MEDIUM})
+        init_deterministic(transformer, _MEDIUM_SEED)
+        pipe = HeliosPipeline(tokenizer=tiny.tokenizer, text_encoder=tiny.text_encoder, vae=tiny.vae,
+                              scheduler=tiny.scheduler, transformer=transformer.eval())
+        write_pipeline(pipe, folder)
+
+    target = cache_root() / f"bench-helios-medium-v{_MEDIUM_VERSION}"
+    marker = {"name": "bench-helios-medium", "format_version": _MEDIUM_VERSION}
+    return str(ensure_folder(target, marker=marker, write=write))
+
+
+def _worker(rank: int, world: int, port: int, reference: bool, model_name: str, inbox, outbox) -> None:
     """One rank (or the reference's process): load, report ready, then run one job per command until ``None``."""
     import traceback
 
@@ -77,15 +103,20 @@ def _worker(rank: int, world: int, port: int, reference: bool, inbox, outbox) ->
 
         state = init_parallel(ParallelConfig(backend="gloo", device="cpu", timeout_s=TIMEOUT_S), rank=rank,
                               world_size=world, local_rank=rank)
-        model = open_model(_MODEL, dtype="fp32", state=state)
         pipe = None
         if reference:
+            # diffusers' own pipeline on components loaded apart: none of the engine's processors or kept values.
             from diffusers import HeliosPipeline
 
-            c = model.components
+            from models.helios.default import ensure_default_helios_model
+            from models.helios.loading import load_helios
+
+            c = load_helios(ensure_default_helios_model() if model_name == _TINY else model_name)
             pipe = HeliosPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae,
                                   scheduler=c.scheduler, transformer=c.transformer)
             pipe.set_progress_bar_config(disable=True)
+        else:
+            model = open_model(model_name, dtype="fp32", state=state)
         outbox.put((rank, "ok", dict(malloc_ok=malloc_ok)))
     except BaseException:  # noqa: BLE001 -- every failure goes back to the main process with its traceback
         outbox.put((rank, "error", traceback.format_exc()))
@@ -124,12 +155,17 @@ def _frames(chunks: int, latent: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("medium", "tiny"), default="medium")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--height", type=int, default=32)
-    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--height", type=int, default=64)
+    parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=3, help="latent frames per chunk")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
+    model_name, title = _TINY, _TINY
+    if args.model == "medium":
+        model_name = _medium_folder()
+        title = "a medium Helios (" + ", ".join(f"{k}={v}" for k, v in _MEDIUM.items()) + ")"
     size = dict(height=args.height, width=args.width, num_inference_steps=args.steps, guidance_scale=5.0,
                 num_latent_frames_per_chunk=args.chunk)
     sides = ("N=1", "N=2", "HeliosPipeline")
@@ -141,7 +177,7 @@ def main() -> None:
     try:
         for side, n, reference in (("N=1", 1, False), ("N=2", 2, False), ("HeliosPipeline", 1, True)):
             port = free_port()
-            groups[side] = RankGroup(side, _worker, [(r, n, port, reference) for r in range(n)])
+            groups[side] = RankGroup(side, _worker, [(r, n, port, reference, model_name) for r in range(n)])
         ready = {side: g.replies() for side, g in groups.items()}
         for side in sides:  # warm-up: 2 chunks, 2 steps
             groups[side].call(dict(size, num_frames=_frames(2, args.chunk), num_inference_steps=WARMUP_STEPS))
@@ -164,7 +200,7 @@ def main() -> None:
     malloc_ok = all(r["malloc_ok"] for rs in ready.values() for r in rs)
     reset_ok = all(r["peak_reset"] for jobs in results.values() for job in jobs for r in job)
     lines = [
-        f"`{command_line(__file__)}`: {_MODEL}, {args.width}x{args.height}, chunks of {args.chunk} latent frames "
+        f"`{command_line(__file__)}`: {title}, {args.width}x{args.height}, chunks of {args.chunk} latent frames "
         f"({(args.chunk - 1) * 4 + 1} video frames), {args.steps} steps, guidance 5.0, fp32, 1 thread per rank (gloo, "
         f"{os.cpu_count()} CPU cores); {args.rounds} rounds alternating, medians; "
         f"{(time.perf_counter() - started) / 60:.1f} min in all; load average {load_average(load_start)} at the start, "

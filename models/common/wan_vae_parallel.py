@@ -290,6 +290,11 @@ class WanStreamedDecode:
         self._relay = FrameRelay(self.state)
         self._cache = [None] * self.vae._cached_conv_counts["decoder"]
 
+    @property
+    def done(self) -> bool:
+        """Whether this rank decoded its last piece."""
+        return self._round == self.split.rounds
+
     @torch.no_grad()
     def __call__(self, a: int, b: int) -> torch.Tensor:
         split, rank, k = self.split, self.state.cp_rank, self._round
@@ -306,7 +311,7 @@ class WanStreamedDecode:
             piece = _Piece(split, split.piece(rank, k), a, self._relay)
             out = torch.cat(piece.decode(self.vae.decoder, chunks), 2)
         self._round += 1
-        if self._round == split.rounds:
+        if self.done:
             self._relay.flush()  # this rank's last piece: what it handed on must have left before the decode ends
         if self.vae.config.patch_size is not None:
             out = unpatchify(out, patch_size=self.vae.config.patch_size)

@@ -563,15 +563,16 @@ class HeliosModel:
         n, m = split.segment.latent_frames, split.segment.video_frames
         mean, inverse_std = self._latent_stats()
         made = {"history": x.history}
-        current: list[tuple[int, WanStreamedDecode]] = []  # the chunk being decoded, and its decode
+        current: list[WanStreamedDecode] = []  # the chunk being decoded (none between chunks)
 
         def decode_range(a: int, b: int) -> np.ndarray:
             k = a // n
-            if not current or current[0][0] != k:
+            if not current:
                 chunk = made["history"].made[k].to(self.device, dtype=vae.dtype) / inverse_std + mean
-                current[:] = [(k, WanStreamedDecode(vae, vae.post_quant_conv(chunk), split.segment,
-                                                    self.state.decoding))]
-            frames = video_uint8(self.pipe, current[0][1](a - k * n, b - k * n))
+                current.append(WanStreamedDecode(vae, vae.post_quant_conv(chunk), split.segment, self.state.decoding))
+            frames = video_uint8(self.pipe, current[0](a - k * n, b - k * n))
+            if current[0].done:
+                current.clear()  # its caches (2 frames of every cached convolution) go before the next chunk is made
             # The video is cut to 4k + 1 frames within the last chunk's last latent frame.
             return frames[:max(0, split.video_frames - k * m - video_index(a - k * n, split.temporal_compression))]
 

@@ -16,9 +16,14 @@ one sequence of ``S = S_HIST + S_CHUNK`` tokens over one ``ShardPlan`` (:class:`
   :func:`cp_infer.ulysses_attention` (padding never attended; heads that do not divide the ranks padded there);
 - the output norm and projection run on the rank's chunk tokens; one all-gather of their outputs (``C * patch``
   values per token, small against the attention's exchanges) gives every rank the chunk's prediction, which the
-  adapter cuts to the engine's shard.
+  adapter cuts to the engine's shard;
+- what depends on the prompt alone is kept through a request (``models.common.text_kv``), at any number of ranks:
+  the text embedder's output and every cross-attention's (``attn2``) text keys and values, which the forward
+  recomputes at every step of every chunk over the whole text (512 tokens, on every rank: at a chunk of a few hundred
+  tokens, as much work as the blocks' own projections); the values are those diffusers' call makes.
 
-At one rank the processor is diffusers' own and the adapter calls the transformer's forward: the pipeline's call.
+At one rank the self-attention processor is diffusers' own and the adapter calls the transformer's forward: the
+pipeline's call.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_helios import (
     HeliosAttnProcessor,
     apply_rotary_emb_transposed,
@@ -35,6 +41,7 @@ from diffusers.models.transformers.transformer_helios import (
 
 from cp_infer import ParallelState, ShardPlan, gather_sequence, ulysses_attention
 from cp_infer.step_cache import cache_blocks
+from models.common.text_kv import KeptPerText, keep_per_text
 
 __all__ = ["HeliosShardContext", "parallelize_helios_transformer", "sharded_forward"]
 
@@ -95,11 +102,47 @@ class _UlyssesSelfAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+class _CrossAttnProcessor:
+    """Helios cross-attention (diffusers' ``HeliosAttnProcessor`` on encoder states: the same ops in the same order)
+    with the text's keys and values (``norm_k(to_k(text))``, ``to_v(text)``; ``to_kv``'s once fused) kept through a
+    request."""
+
+    def __init__(self):
+        self._kv = KeptPerText()
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None, original_context_length=None) -> torch.Tensor:
+        if encoder_hidden_states is None or rotary_emb is not None or attention_mask is not None:
+            raise ValueError("the cross-attention processor serves cross-attention only (encoder states, no RoPE, "
+                             "no mask)")
+        text = encoder_hidden_states
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(2, (attn.heads, -1))  # B, L, H*D -> B, L, H, D
+
+        def text_kv() -> tuple[torch.Tensor, torch.Tensor]:
+            if attn.fused_projections:
+                key, value = attn.to_kv(text).chunk(2, dim=-1)
+            else:
+                key, value = attn.to_k(text), attn.to_v(text)
+            return heads(attn.norm_k(key)), heads(value)
+
+        query = heads(attn.norm_q(attn.to_q(hidden_states)))
+        key, value = self._kv.get(text, text_kv)
+        out = dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
 def parallelize_helios_transformer(transformer: torch.nn.Module, ctx: HeliosShardContext) -> None:
-    """Give every self-attention of a diffusers ``HeliosTransformer3DModel`` the Ulysses processor, in place, and its
-    blocks a step cache's list (``cp_infer.step_cache.cache_blocks``: the blocks take the token stream first)."""
+    """Give every self-attention of a diffusers ``HeliosTransformer3DModel`` the Ulysses processor and every
+    cross-attention the processor that keeps the text's keys and values, in place; keep the text embedder's output
+    through a request; give the blocks a step cache's list (``cp_infer.step_cache.cache_blocks``: the blocks take the
+    token stream first)."""
     for block in transformer.blocks:
         block.attn1.set_processor(_UlyssesSelfAttnProcessor(ctx))
+        block.attn2.set_processor(_CrossAttnProcessor())
+    keep_per_text(transformer.condition_embedder.text_embedder)
     cache_blocks(transformer, streams=("hidden_states",), name="blocks")
 
 

@@ -252,6 +252,37 @@ def test_a_live_video_over_two_ranks_decodes_each_chunk_once(folder, groups):
     assert sum(decoded) == 15 and all(decoded), decoded
 
 
+def _text_projections(state, folder: str) -> dict[str, int]:
+    """The calls of block 0's cross-attention key projection and of the text embedder over a request of two chunks
+    of two steps each, with CFG."""
+    from models.helios.adapter import HeliosModel
+    from models.helios.loading import load_helios
+
+    model = HeliosModel(load_helios(folder), state=state)
+    calls = {"to_k": 0, "text_embedder": 0}
+
+    def count(name):
+        return lambda *_: calls.__setitem__(name, calls[name] + 1)
+
+    model.transformer.blocks[0].attn2.to_k.register_forward_hook(count("to_k"))
+    model.transformer.condition_embedder.text_embedder.linear_1.register_forward_hook(count("text_embedder"))
+    request = GenerationRequest(prompt="a fox", num_frames=17, height=32, width=32, num_inference_steps=2,
+                                guidance_scale=3.0, seed=1, options={"num_latent_frames_per_chunk": 3})
+    sample(model, request, state=state)
+    return calls
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_text_keys_and_values_are_projected_once_per_request(folder, groups, world):
+    """Each block's cross-attention projects the text's keys and values once per prompt of a request (CFG: the
+    conditional and the unconditional), not at every step of every chunk; the text embedder runs once per prompt."""
+    from cp_infer import single_process_state
+
+    results = [_text_projections(single_process_state(), folder)] if world == 1 else \
+        groups(world).run(_text_projections, folder, timeout=300)
+    assert results == [{"to_k": 2, "text_embedder": 2}] * world
+
+
 def test_embedded_default_builds_bit_for_bit():
     from models.helios.default import build_helios_pipeline
 
