@@ -35,7 +35,8 @@ _IMAGE = "image:"
 
 
 def parse_direction(line: str) -> Direction | None:
-    """One line as a direction; ``None`` for a blank line. Raises ``ValueError`` naming the fix."""
+    """One line as a direction; ``None`` for a blank line. Raises ``ValueError`` naming the fix (not the line: the
+    caller reports which)."""
     text = line.strip()
     if not text:
         return None
@@ -43,17 +44,17 @@ def parse_direction(line: str) -> Direction | None:
     if sep and last.strip().startswith(_IMAGE):
         path = last.strip()[len(_IMAGE):].strip()
         if not path:
-            raise ValueError(f"{text!r}: write 'K | prompt | image: PATH' with the image's file")
-        ref = MediaRef(f"the image of {text!r}", Path(path).expanduser(), kind="image")
+            raise ValueError("write 'K | prompt | image: PATH' with the image's file")
+        ref = MediaRef("image", Path(path).expanduser(), kind="image")
         direction = parse_direction(rest)
         if direction is None:
-            raise ValueError(f"{text!r}: an image directs windows with a prompt: 'K | prompt | image: PATH'")
+            raise ValueError("an image directs windows with a prompt: 'K | prompt | image: PATH'")
         return replace(direction, image=attach_media(GenerationRequest("", num_frames=1), image=ref).image)
     count, sep, prompt = text.partition("|")
     if sep and count.strip().isdigit():
         return Direction(prompt.strip(), int(count))
     if sep and not count.strip().isdigit():
-        raise ValueError(f"{text!r}: write 'K | prompt' with K a whole number of windows, or the prompt alone")
+        raise ValueError("write 'K | prompt' with K a whole number of windows, or the prompt alone")
     return Direction(text, 1)
 
 

@@ -58,7 +58,8 @@ def test_the_lines_direct_the_video_until_their_end(capsys):
             raise ValueError(f"num_frames={request.num_frames} is over the limit of 33")
         return request
 
-    lines = io.StringIO("2 | it jumps\nbad | x\n9 | far too long\n\nnight falls\nend\nnever read\n")
+    lines = io.StringIO("2 | it jumps\nbad | x\n9 | far too long\n2 | dawn | image: gone.png\n\nnight falls\nend\n"
+                        "never read\n")
     directions = StdinDirections(base, list(first), options=options, check=check, idle_s=60, lines=lines)
     time.sleep(0.2)  # the reader thread has read every line
     grown = directions.extend(1, live_request(base, first, options))
@@ -67,6 +68,10 @@ def test_the_lines_direct_the_video_until_their_end(capsys):
     assert directions.extend(4, grown) is None  # the end: nothing more directed
     err = capsys.readouterr().err
     assert "ignored 'bad | x'" in err and "ignored '9 | far too long'" in err and "over the limit" in err, err
+    # Each refused line is quoted once, before what to fix.
+    assert "ignored '2 | dawn | image: gone.png': image: cannot read 'gone.png'" in err, err
+    assert all(line.count("'bad | x'") <= 1 and line.count("'2 | dawn | image: gone.png'") <= 1
+               for line in err.splitlines()), err
     assert "windows 1..2: 'it jumps'" in err and "windows 3..3: 'night falls'" in err, err
 
 
