@@ -93,7 +93,8 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "Wan examples")
     group.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when available")
     group.add_argument("--decode-frames-per-rank", type=_frames_per_rank, default=DEFAULT_FRAMES_PER_RANK, metavar="K",
-                       help="latent frames (8 video frames each) per decoded piece: decode memory and the time to "
+                       help="latent frames (8 video frames each for LTX, 4 for Wan and Helios, whose decode cuts "
+                            "each chunk) per decoded piece: decode memory and the time to "
                             "the first streamed frame grow with K, and so do the convolutions "
                             f"(default {DEFAULT_FRAMES_PER_RANK}: 4 at 128x96, 2 from 192x128 up; 'all': the whole "
                             "video at once)")
