@@ -545,7 +545,7 @@ class _Delivery:
             # ones and the next reads nothing they left (``Split.afresh``: a segment's first round; or each round
             # decoded alone, ``Decoder.rounds_alone``, on one active rank: no frames relayed across rounds); otherwise
             # it decodes the video again from its first frame, and the frames already delivered are dropped.
-            alone = decoder.rounds_alone and split.active == new.active == 1
+            alone = decoder.rounds_alone and new.active == 1
             if rounds <= new.rounds and (alone or new.afresh(rounds)) and split.active == new.active and all(
                     (split.latent_range(r, k), split.video_range(r, k)) == (new.latent_range(r, k),
                                                                             new.video_range(r, k))

@@ -67,9 +67,9 @@ def keep_per_text(projection: torch.nn.Module) -> None:
 def kept_text_attention(attn: torch.nn.Module, hidden_states: torch.Tensor, text: torch.Tensor,
                         attention_mask: torch.Tensor | None, kept: KeptPerText) -> torch.Tensor:
     """The text cross-attention of diffusers' LTX processors (``LTXVideoAttnProcessor``,
-    ``LTX2AudioVideoAttnProcessor``: the same ops in the same order) up to its heads' output ``[B, S, H*D]``, before
-    any gate and ``to_out``, with the text's keys and values (``norm_k(to_k(text))``, ``to_v(text)``: the projected
-    prompt alone) from ``kept``."""
+    ``LTX2AudioVideoAttnProcessor``) and of ``HeliosAttnProcessor`` on encoder states (the same ops in the same
+    order; Helios passes no mask) up to its heads' output ``[B, S, H*D]``, before any gate and ``to_out``, with the
+    text's keys and values (``norm_k(to_k(text))``, ``to_v(text)``: the projected prompt alone) from ``kept``."""
     batch_size, sequence_length, _ = text.shape
     if attention_mask is not None:
         attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)

@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_helios import (
     HeliosAttnProcessor,
     apply_rotary_emb_transposed,
@@ -41,7 +40,7 @@ from diffusers.models.transformers.transformer_helios import (
 
 from cp_infer import ParallelState, ShardPlan, gather_sequence, ulysses_attention
 from cp_infer.step_cache import cache_blocks
-from models.common.text_kv import KeptPerText, keep_per_text
+from models.common.text_kv import KeptPerText, keep_per_text, kept_text_attention
 
 __all__ = ["HeliosShardContext", "parallelize_helios_transformer", "sharded_forward"]
 
@@ -103,9 +102,8 @@ class _UlyssesSelfAttnProcessor:
 
 
 class _CrossAttnProcessor:
-    """Helios cross-attention (diffusers' ``HeliosAttnProcessor`` on encoder states: the same ops in the same order)
-    with the text's keys and values (``norm_k(to_k(text))``, ``to_v(text)``; ``to_kv``'s once fused) kept through a
-    request."""
+    """Helios cross-attention (diffusers' ``HeliosAttnProcessor`` on encoder states: the same ops as the LTX
+    processors', with no mask) with the text's keys and values kept through a request."""
 
     def __init__(self):
         self._kv = KeptPerText()
@@ -115,22 +113,7 @@ class _CrossAttnProcessor:
         if encoder_hidden_states is None or rotary_emb is not None or attention_mask is not None:
             raise ValueError("the cross-attention processor serves cross-attention only (encoder states, no RoPE, "
                              "no mask)")
-        text = encoder_hidden_states
-
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.unflatten(2, (attn.heads, -1))  # B, L, H*D -> B, L, H, D
-
-        def text_kv() -> tuple[torch.Tensor, torch.Tensor]:
-            if attn.fused_projections:
-                key, value = attn.to_kv(text).chunk(2, dim=-1)
-            else:
-                key, value = attn.to_k(text), attn.to_v(text)
-            return heads(attn.norm_k(key)), heads(value)
-
-        query = heads(attn.norm_q(attn.to_q(hidden_states)))
-        key, value = self._kv.get(text, text_kv)
-        out = dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False)
-        out = out.flatten(2, 3).type_as(query)
+        out = kept_text_attention(attn, hidden_states, encoder_hidden_states, None, self._kv)
         return attn.to_out[1](attn.to_out[0](out))
 
 

@@ -91,3 +91,16 @@ def assert_live_is_the_whole(model, base, directions, answers, *, state, seed) -
     np.testing.assert_array_equal(latents["latents"], expected["latents"], err_msg=f"seed={seed}")
     np.testing.assert_array_equal(frames, whole, err_msg=f"seed={seed}")
     return asked
+
+
+def text_projection_calls(transformer) -> dict[str, int]:
+    """Counters of block 0's cross-attention key projection and of the text embedder's first layer (Wan's and
+    Helios' layout), each raised when that module runs."""
+    calls = {"to_k": 0, "text_embedder": 0}
+
+    def count(name):
+        return lambda *_: calls.__setitem__(name, calls[name] + 1)
+
+    transformer.blocks[0].attn2.to_k.register_forward_hook(count("to_k"))
+    transformer.condition_embedder.text_embedder.linear_1.register_forward_hook(count("text_embedder"))
+    return calls

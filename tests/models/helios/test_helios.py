@@ -30,7 +30,7 @@ from cp_infer.sampler import SampleControl, sample
 
 from ...harness import one_thread
 from ...worker_groups import SharedGroup, groups_by_layout
-from .._parity import assert_ranks_close
+from .._parity import assert_ranks_close, text_projection_calls
 
 groups = groups_by_layout()
 
@@ -259,13 +259,7 @@ def _text_projections(state, folder: str) -> dict[str, int]:
     from models.helios.loading import load_helios
 
     model = HeliosModel(load_helios(folder), state=state)
-    calls = {"to_k": 0, "text_embedder": 0}
-
-    def count(name):
-        return lambda *_: calls.__setitem__(name, calls[name] + 1)
-
-    model.transformer.blocks[0].attn2.to_k.register_forward_hook(count("to_k"))
-    model.transformer.condition_embedder.text_embedder.linear_1.register_forward_hook(count("text_embedder"))
+    calls = text_projection_calls(model.transformer)
     request = GenerationRequest(prompt="a fox", num_frames=17, height=32, width=32, num_inference_steps=2,
                                 guidance_scale=3.0, seed=1, options={"num_latent_frames_per_chunk": 3})
     sample(model, request, state=state)

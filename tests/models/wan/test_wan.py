@@ -27,7 +27,7 @@ from cp_infer.sampler import SampleControl, sample
 
 from ...harness import one_thread
 from ...worker_groups import groups_by_world
-from .._parity import assert_ranks_close
+from .._parity import assert_ranks_close, text_projection_calls
 
 groups = groups_by_world()
 
@@ -216,13 +216,7 @@ def test_text_keys_and_values_are_projected_once_per_request(folder):
     from models.wan.loading import load_wan
 
     model = WanModel(load_wan(folder), state=single_process_state())
-    calls = {"to_k": 0, "text_embedder": 0}
-
-    def count(name):
-        return lambda *_: calls.__setitem__(name, calls[name] + 1)
-
-    model.transformer.blocks[0].attn2.to_k.register_forward_hook(count("to_k"))
-    model.transformer.condition_embedder.text_embedder.linear_1.register_forward_hook(count("text_embedder"))
+    calls = text_projection_calls(model.transformer)
     request = GenerationRequest(prompt="a fox", num_frames=5, height=32, width=48, num_inference_steps=4,
                                 guidance_scale=3.0, seed=1)
     sample(model, request, state=single_process_state())
